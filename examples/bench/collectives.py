@@ -1,0 +1,152 @@
+"""Backend "ep" side by side with gloo: median latency and bus bandwidth per op and size.
+
+    python examples/bench/collectives.py [--nproc 4] [--iters 20] [--out collectives.png]
+
+Spawns `nproc` processes on this machine; each joins an "ep" group and a gloo group over
+the same store and times every op on both, alternating, after warm-up. Prints a table
+(median of `iters` runs, max over ranks per run) with the ep/gloo ratio, and writes a PNG.
+Bus bandwidth follows nccl-tests: allreduce 2(n-1)/n, allgather / reduce_scatter /
+alltoall (n-1)/n, broadcast 1, times the message bytes over the time.
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "integration"))
+
+OPS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
+BUS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+def run_op(op, nbytes, group, world, bufs):
+    x, out = bufs
+    if op == "all_reduce":
+        dist.all_reduce(x, group=group)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(out, x[: x.numel() // world], group=group)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(out[: x.numel() // world], x, group=group)
+    elif op == "all_to_all":
+        dist.all_to_all_single(out, x, group=group)
+    elif op == "broadcast":
+        dist.broadcast(x, src=0, group=group)
+
+
+def time_op(op, nbytes, group, world, iters, warmup):
+    n = max(world, nbytes // 4 // world * world)
+    bufs = (torch.ones(n), torch.empty(n))
+    for _ in range(warmup):
+        run_op(op, nbytes, group, world, bufs)
+    times = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        run_op(op, nbytes, group, world, bufs)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+        times.append(dt.item())
+    return statistics.median(times)
+
+
+def worker(rank, world, port, sizes, iters, transport, q):
+    os.environ["MOELINK_TRANSPORT"] = transport
+    import moelink  # noqa: F401
+
+    dist.init_process_group("ep", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gloo = dist.new_group(backend="gloo")
+    ep = dist.group.WORLD
+    rows = []
+    for op in OPS:
+        for nbytes in sizes:
+            iters_here = iters if nbytes < (8 << 20) else max(5, iters // 4)
+            warm = 3 if nbytes < (8 << 20) else 1
+            t_ep = time_op(op, nbytes, ep, world, iters_here, warm)
+            t_gloo = time_op(op, nbytes, gloo, world, iters_here, warm)
+            rows.append((op, nbytes, t_ep, t_gloo))
+    if rank == 0:
+        q.put(rows)
+    dist.destroy_process_group()
+
+
+def fmt_bytes(b):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024:
+            return f"{b:g} {unit}"
+        b /= 1024
+    return f"{b:g} TiB"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--min-bytes", type=int, default=4 << 10)
+    ap.add_argument("--max-bytes", type=int, default=64 << 20)
+    ap.add_argument("--transport", default=os.environ.get("MOELINK_TRANSPORT", "auto"))
+    ap.add_argument("--out", default="collectives.png")
+    args = ap.parse_args()
+    sizes = []
+    s = args.min_bytes
+    while s <= args.max_bytes:
+        sizes.append(s)
+        s *= 4
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.nproc, port, sizes, args.iters, args.transport, q))
+             for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=3600)
+    for p in procs:
+        p.join()
+    n = args.nproc
+    print(f"# {n} ranks, ep transport={args.transport}, median of {args.iters} (max over ranks), "
+          f"torch {torch.__version__}")
+    print(f"{'op':<15}{'size':>10}{'ep us':>12}{'gloo us':>12}{'ep GB/s':>10}{'gloo GB/s':>11}{'ep/gloo':>9}")
+    for op, nb, te, tg in rows:
+        bw = lambda t: BUS[op](n) * nb / t / 1e9
+        print(f"{op:<15}{fmt_bytes(nb):>10}{te * 1e6:12.1f}{tg * 1e6:12.1f}{bw(te):10.2f}{bw(tg):11.2f}{te / tg:9.2f}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(OPS), figsize=(4 * len(OPS), 3.6), sharey=True)
+        for ax, op in zip(axes, OPS):
+            r = [x for x in rows if x[0] == op]
+            ax.loglog([x[1] for x in r], [x[2] * 1e6 for x in r], "o-", label="ep")
+            ax.loglog([x[1] for x in r], [x[3] * 1e6 for x in r], "s--", label="gloo")
+            ax.set_title(op)
+            ax.set_xlabel("bytes")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_ylabel("median latency (us)")
+        axes[0].legend()
+        fig.suptitle(f"moelink 'ep' vs gloo, {n} ranks, transport={args.transport}")
+        fig.tight_layout()
+        fig.savefig(args.out, dpi=110)
+        print(f"plot written to {args.out}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()

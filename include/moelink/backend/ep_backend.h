@@ -1,0 +1,111 @@
+// EpBackend: the c10d backend "ep".
+//
+// Every collective follows the same steps (as ProcessGroupGloo does): validate on the
+// caller's thread (raising a Python exception for bad input), stage non-contiguous
+// tensors into contiguous buffers, build the op for the collective worker, and return an
+// EpWork that owns every tensor involved. The worker completes the work on its thread:
+// it copies staged outputs back, then marks the Future (value: the output tensors) or
+// stores the exception, which wait() rethrows.
+//
+// One backend = one group: its own TransferEngine (over the group's prefixed c10d store)
+// and its own CollectiveWorker thread. shutdown() (also run by destroy_process_group and
+// the destructor) stops both and releases sockets and shared memory.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace moelink::transfer {
+class TransferEngine;
+class MetadataStore;
+}  // namespace moelink::transfer
+namespace moelink::collective {
+class CollectiveWorker;
+struct OpSpec;
+}  // namespace moelink::collective
+
+namespace moelink::backend {
+
+class EpWork;
+
+class EpBackend : public c10d::Backend {
+ public:
+  EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+            std::chrono::milliseconds timeout);
+  ~EpBackend() override;
+
+  const std::string getBackendName() const override { return "ep"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+
+  void shutdown() override;
+
+  // How this rank reaches `peer` for collectives ("shm", "tcp", "local").
+  std::string transportOf(int peer) const;
+  std::vector<int64_t> activeRanks() const;
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+ private:
+  collective::CollectiveWorker& worker() const;
+  std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
+  // Hands `spec` to the worker; `work` is completed with the worker's outcome.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10::intrusive_ptr<EpWork> work,
+                                         collective::OpSpec spec,
+                                         std::chrono::milliseconds timeout);
+
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<transfer::MetadataStore> store_;
+  std::unique_ptr<transfer::TransferEngine> engine_;
+  std::unique_ptr<collective::CollectiveWorker> worker_;
+};
+
+}  // namespace moelink::backend

@@ -1,0 +1,45 @@
+// Builders of OpSpecs for each collective, over raw memory. `ranks` lists the
+// participating (active) ranks in ascending order and includes `me`. Every participant
+// pair that the op connects exchanges at least one message, so that the message pattern
+// depends on the op kind and the root only, never on sizes: a size mismatch is then
+// detected from the headers instead of leaving a peer waiting.
+//
+// Chunking: payloads are cut at `chunk` bytes (a multiple of the element size).
+// Reductions are done in rank order by every rank that reduces, so results agree bit for
+// bit across ranks.
+#pragma once
+
+#include <vector>
+
+#include "moelink/collective/operation.h"
+
+namespace moelink::collective {
+
+struct AlgoContext {
+  int me;
+  std::vector<int> ranks;  // participants, ascending
+  uint64_t chunk;          // mailbox payload bytes
+  uint64_t allreduce_small_bytes;  // at or below: every rank reduces everything
+};
+
+OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root);
+// in: count elements; inout may alias. Allreduce in place on `buf`.
+OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, ReduceOp op);
+// Root's `out` receives the reduction of every rank's `in` (count elements).
+OpSpec reduceOp(const AlgoContext& c, const void* in, void* out, uint64_t count, DType t,
+                ReduceOp op, int root);
+// out holds ranks.size() blocks of `bytes`, in participant order.
+OpSpec allgatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes);
+OpSpec gatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes, int root);
+// root's `in` holds one block of `bytes` per participant.
+OpSpec scatterOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes, int root);
+// in holds one block of `count` elements per participant; out gets this rank's reduced block.
+OpSpec reduceScatterOp(const AlgoContext& c, const void* in, void* out, uint64_t count, DType t,
+                       ReduceOp op);
+// send_bytes[i] / recv_bytes[i]: bytes to / from participant i, at the given offsets.
+OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64_t>& send_off,
+                  const std::vector<uint64_t>& send_bytes, void* out,
+                  const std::vector<uint64_t>& recv_off, const std::vector<uint64_t>& recv_bytes);
+OpSpec barrierOp(const AlgoContext& c);
+
+}  // namespace moelink::collective

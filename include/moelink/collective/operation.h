@@ -1,0 +1,59 @@
+// The shape every collective takes inside the worker: an ordered list of steps, each
+// sending pieces of memory to some peers and receiving pieces from others, then
+// consuming what arrived (copy or reduce). Algorithms (algorithms.h) build these; the
+// worker (worker.h) runs them over the mailboxes, pipelined by the mailbox depth.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moelink/collective/dtype.h"
+
+namespace moelink::collective {
+
+enum class OpKind : uint8_t {
+  kBroadcast = 1, kAllreduce, kReduce, kAllgather, kGather, kScatter, kReduceScatter,
+  kAlltoall, kBarrier, kSend,
+};
+const char* opKindName(OpKind k);
+
+struct StepSend {
+  int peer;
+  const char* data;
+  uint64_t bytes;
+};
+
+struct StepRecv {
+  int peer;
+  uint64_t bytes;
+};
+
+struct Step {
+  std::vector<StepSend> sends;
+  std::vector<StepRecv> recvs;
+  // Called once every recv of this step has arrived, with their payloads in recvs order.
+  std::function<void(const std::vector<const char*>&)> consume;
+  // Sends wait until every earlier step has been consumed (data produced by them).
+  bool sends_after_previous = false;
+  // Consume waits until this step's own sends have completed (it overwrites their source).
+  bool consume_after_sends = false;
+};
+
+struct OpSpec {
+  OpKind kind = OpKind::kBarrier;
+  DType dtype = DType::kBytes;
+  ReduceOp redop = ReduceOp::kNone;
+  int root = -1;
+  uint64_t op_bytes = 0;  // compared across ranks when non-zero on both sides
+  std::vector<Step> steps;
+  // Runs after the last step (for example the local copy of this rank's own block).
+  std::function<void()> finish;
+};
+
+// Completion: "" on success, else the reason. Called on the worker thread.
+using OpCallback = std::function<void(const std::string& error)>;
+
+}  // namespace moelink::collective

@@ -1,0 +1,118 @@
+// CollectiveWorker: one thread per group that runs collectives and point-to-point
+// transfers over two mailboxes (one for collectives, one for send/recv, so that a pending
+// recv never blocks a collective).
+//
+// Collectives run one at a time in submission order; each is numbered (op_seq) and every
+// message carries {kind, op_seq, dtype, reduce op, root, sizes}. A receiver compares the
+// header with its own view and fails the op with a message naming both sides. A failed op
+// drains: it tells the peers it was sending to (an ABORT|LAST message) and discards what
+// they still send for it, so the next op starts on clean mailboxes. Every op has a
+// deadline; nothing waits forever.
+//
+// Point-to-point: sends to a peer go out in order; a send is matched with the earliest
+// posted recv that names its source (tag and size must then match, else that recv fails)
+// or that takes any source with the same tag.
+//
+// Waiting: peers ring this rank's doorbell (transfer/doorbell.h) with every message and
+// credit they send, and submitters ring it with every new op. The thread spins a little
+// while work is in flight (MOELINK_WORKER_SPIN pause iterations; default 256 when the host
+// has a core per local rank, else 0), then sleeps
+// on the doorbell (futex), so that several ranks share few cores without stealing each
+// other's time slices, and wakes within microseconds when something arrives.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "moelink/collective/algorithms.h"
+#include "moelink/collective/mailbox.h"
+#include "moelink/collective/operation.h"
+#include "moelink/transfer/metadata_store.h"
+#include "moelink/transfer/transfer_engine.h"
+
+namespace moelink::collective {
+
+struct WorkerOptions {
+  uint64_t chunk_bytes = 512 << 10;          // MOELINK_CHUNK_BYTES
+  int depth = 2;                             // MOELINK_MAILBOX_DEPTH
+  uint64_t allreduce_small_bytes = 64 << 10; // MOELINK_ALLREDUCE_SMALL_BYTES
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // Reads the MOELINK_* variables above over the given defaults.
+  static WorkerOptions fromEnv(std::chrono::milliseconds timeout);
+};
+
+using RecvCallback = std::function<void(const std::string& error, int source)>;
+
+class CollectiveWorker {
+ public:
+  // Allocates the mailboxes, waits until every rank has, opens the peers' ones and
+  // starts the thread. Collective over the group (every rank constructs one).
+  CollectiveWorker(transfer::TransferEngine& engine, transfer::MetadataStore& store,
+                   WorkerOptions options);
+  ~CollectiveWorker();  // stops the thread; fails what has not finished
+
+  int rank() const { return rank_; }
+  int worldSize() const { return world_; }
+  const WorkerOptions& options() const { return opts_; }
+
+  // Active-rank mask: ops built after a change leave inactive ranks out.
+  bool isActive(int rank) const;
+  void setActive(int rank, bool active);
+  // The participants and tunables that algorithms build ops for, as of now.
+  AlgoContext context() const;
+  std::string transportTo(int peer) const { return coll_->transportTo(peer); }
+
+  void submit(OpSpec op, OpCallback done, std::chrono::milliseconds timeout);
+  void send(int peer, const void* data, uint64_t bytes, int tag, OpCallback done,
+            std::chrono::milliseconds timeout);
+  // peer < 0: any source.
+  void recv(int peer, void* data, uint64_t bytes, int tag, RecvCallback done,
+            std::chrono::milliseconds timeout);
+
+  struct Collective;
+  struct SendOp;
+  struct RecvOp;
+
+ private:
+  void loop();
+  bool progressCollective(Collective& op);
+  bool progressDrain(Collective& op);
+  bool progressSends();
+  bool progressRecvs();
+  void failCollective(Collective& op, const std::string& why);
+  const MsgHeader* nextFresh(int peer, uint64_t seq);
+  std::string checkHeader(const Collective& op, int peer, const MsgHeader& h, uint64_t expect) const;
+
+  transfer::TransferEngine& engine_;
+  WorkerOptions opts_;
+  int rank_, world_;
+  std::unique_ptr<Mailbox> coll_, p2p_;
+  std::vector<char> active_;
+
+  mutable std::mutex mu_;
+  bool stop_ = false;
+  std::deque<std::unique_ptr<Collective>> queue_;   // submitted collectives
+  std::deque<std::unique_ptr<SendOp>> new_sends_;
+  std::deque<std::unique_ptr<RecvOp>> new_recvs_;
+  uint64_t next_seq_ = 0;
+
+  // Worker thread only.
+  std::unique_ptr<Collective> current_;
+  std::vector<std::deque<std::unique_ptr<SendOp>>> sends_;  // per peer
+  std::list<std::unique_ptr<RecvOp>> posted_;               // unmatched, in post order
+  std::vector<std::unique_ptr<RecvOp>> bound_;              // per source: receiving
+  std::vector<char> discarding_;                            // per source: skip to LAST
+  std::vector<char> abort_pending_;                         // per peer: owe an ABORT
+  std::vector<uint64_t> p2p_sent_;                          // per peer: sends started
+  int spin_;
+  std::thread thread_;
+};
+
+}  // namespace moelink::collective

@@ -1,0 +1,66 @@
+// MetadataStore: the small key-value rendezvous that the transfer engine uses to
+// exchange opaque endpoint and segment descriptors. Transports never run their own
+// rendezvous; they publish bytes here and read their peers' bytes back.
+//
+// Contract: set() publishes a value (overwriting); get() blocks until the key exists
+// or the timeout expires (then throws TimeoutError); add() atomically adds to an
+// integer counter stored under the key and returns the new value. The backend adapts
+// c10d::Store; tests use InProcessStore (ranks as threads of one process).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace moelink::transfer {
+
+class MetadataStore {
+ public:
+  virtual ~MetadataStore() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  virtual std::string get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+};
+
+// Shared by threads of one process.
+class InProcessStore : public MetadataStore {
+ public:
+  void set(const std::string& key, const std::string& value) override;
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::string, std::string> kv_;
+};
+
+// Prepends a prefix to every key, so that several engines (groups) share one store.
+class PrefixStore : public MetadataStore {
+ public:
+  PrefixStore(std::string prefix, std::shared_ptr<MetadataStore> base)
+      : prefix_(std::move(prefix)), base_(std::move(base)) {}
+  void set(const std::string& key, const std::string& value) override {
+    base_->set(prefix_ + key, value);
+  }
+  std::string get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return base_->get(prefix_ + key, timeout);
+  }
+  int64_t add(const std::string& key, int64_t delta) override {
+    return base_->add(prefix_ + key, delta);
+  }
+
+ private:
+  std::string prefix_;
+  std::shared_ptr<MetadataStore> base_;
+};
+
+// Waits until `count` participants have arrived at barrier `name` (one add each).
+void storeBarrier(MetadataStore& store, const std::string& name, int count,
+                  std::chrono::milliseconds timeout);
+
+}  // namespace moelink::transfer

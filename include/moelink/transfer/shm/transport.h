@@ -1,0 +1,38 @@
+// shm transport: peers on the same host map each other's segments from POSIX shared
+// memory, so a WRITE or READ is a memcpy done on the submitting thread.
+#pragma once
+
+#include <string>
+
+#include "moelink/transfer/transport.h"
+
+namespace moelink::transfer::shm {
+
+// Memory in POSIX shared memory, created by this process.
+struct SharedRegion {
+  void* addr = nullptr;
+  uint64_t length = 0;
+  std::string name;
+};
+
+// Creates a zeroed region named uniquely for (rank, segment id).
+SharedRegion createRegion(int rank, SegmentId id, uint64_t length);
+void destroyRegion(SharedRegion& region, bool unlink);
+
+class ShmTransport : public Transport {
+ public:
+  explicit ShmTransport(std::string local_host_id) : host_id_(std::move(local_host_id)) {}
+  const char* name() const override { return "shm"; }
+  bool open(const PeerInfo& peer, RemoteSegment& seg) override;
+  void close(RemoteSegment& seg) override;
+  void post(const TransferRequest& req, const RemoteSegment& seg, const BatchPtr& batch,
+            size_t index) override;
+
+ private:
+  std::string host_id_;
+};
+
+// Copies `len` bytes; an aligned 8-byte copy is one atomic store (release).
+void orderedCopy(void* dst, const void* src, uint64_t len);
+
+}  // namespace moelink::transfer::shm

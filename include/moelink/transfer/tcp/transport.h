@@ -1,0 +1,76 @@
+// tcp transport: works between any two hosts.
+//
+// Each engine listens on one port. For its own requests a rank opens one outbound
+// connection per peer (lazily, at the first opened segment of that peer) and presents
+// {magic, group secret, rank}; the peer closes connections with a wrong secret. Frames
+// name the target segment, offset and length; the receiving side bounds-checks every
+// frame against its registered segments and answers a NACK for one outside them, without
+// touching memory. All sockets are non-blocking and driven by one progress thread
+// (epoll); submitters enqueue and wake it through an eventfd.
+//
+// Order: frames on a connection are applied in order, which gives the engine's per-peer
+// ordering contract. A write completes when the peer acknowledges it; a read when its
+// data has arrived. A broken connection fails all of its pending requests.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "moelink/transfer/transport.h"
+
+namespace moelink::transfer {
+class LocalSegments;
+}
+
+namespace moelink::transfer::tcp {
+
+class TcpTransport : public Transport {
+ public:
+  // `ring_local` rings this process's doorbell: called after applying a peer's write
+  // flagged notify, and after this side's requests complete or fail.
+  TcpTransport(int rank, uint64_t secret, const LocalSegments& segments,
+               std::chrono::milliseconds connect_timeout, std::function<void()> ring_local);
+  ~TcpTransport() override;
+  const char* name() const override { return "tcp"; }
+  bool open(const PeerInfo& peer, RemoteSegment& seg) override;
+  void close(RemoteSegment& seg) override;
+  void post(const TransferRequest& req, const RemoteSegment& seg, const BatchPtr& batch,
+            size_t index) override;
+
+  // "ip:port" that peers connect to.
+  std::string address() const;
+  // Stops the progress thread and fails every pending request.
+  void shutdown();
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Wire format, shared with tests that speak the protocol by hand.
+namespace wire {
+constexpr uint64_t kHelloMagic = 0x6d6f656c696e6b31ULL;  // "moelink1"
+struct Hello {
+  uint64_t magic;
+  uint64_t secret;
+  int32_t rank;
+  int32_t reserved;
+};
+enum FrameType : uint32_t { kWrite = 1, kRead = 2, kWriteAck = 3, kReadData = 4 };
+enum FrameStatus : uint32_t { kOk = 0, kOutOfBounds = 1 };
+enum FrameFlags : uint32_t { kNotify = 1 };
+struct FrameHeader {
+  uint32_t type;
+  uint32_t status;
+  uint64_t request_id;
+  uint32_t segment;
+  uint32_t flags;  // kNotify on writes
+  uint64_t offset;
+  uint64_t length;  // payload bytes that follow (write, read data) or asked for (read)
+};
+static_assert(sizeof(FrameHeader) == 40, "frame header is 40 bytes on the wire");
+}  // namespace wire
+
+}  // namespace moelink::transfer::tcp

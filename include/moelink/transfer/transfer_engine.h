@@ -1,0 +1,142 @@
+// TransferEngine: registers local memory segments, opens peers' segments and moves
+// bytes between them with batches of one-sided WRITE and READ requests.
+//
+// One engine serves one group of `world_size` ranks that share a MetadataStore (in the
+// backend, the group's prefixed c10d::Store). On construction it publishes an endpoint
+// record (host id, tcp listen address) and takes the group's secret from the store
+// (rank 0 creates it); tcp connections must present that secret.
+//
+// Transport choice per (peer, segment): shm when the peer is on this host and the
+// segment lives in shared memory, else tcp. MOELINK_TRANSPORT=tcp|shm|auto (default auto)
+// forces one; forcing shm to a peer on another host is an error at open time.
+//
+// Lifetime: segments must outlive every request that targets them; destroying the engine
+// stops its progress thread, fails pending requests and unmaps/unlinks shared memory.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "moelink/transfer/doorbell.h"
+#include "moelink/transfer/metadata_store.h"
+#include "moelink/transfer/transport.h"
+#include "moelink/transfer/types.h"
+
+namespace moelink::transfer {
+
+namespace tcp { class TcpTransport; }
+namespace shm { class ShmTransport; }
+
+// Local segments, looked up by transports that serve incoming requests.
+class LocalSegments {
+ public:
+  struct Entry {
+    void* addr = nullptr;
+    uint64_t length = 0;
+  };
+  void add(SegmentId id, void* addr, uint64_t length);
+  void remove(SegmentId id);
+  // The address of [offset, offset+length) in segment id, or nullptr when the range is
+  // not inside a registered segment.
+  void* resolve(SegmentId id, uint64_t offset, uint64_t length) const;
+
+ private:
+  mutable std::shared_mutex mu_;
+  std::map<SegmentId, Entry> entries_;
+};
+
+struct EngineOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::string transport;  // "" reads MOELINK_TRANSPORT (auto|tcp|shm)
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+};
+
+class TransferEngine {
+ public:
+  TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptions options);
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  int rank() const { return opts_.rank; }
+  int worldSize() const { return opts_.world_size; }
+  const std::string& transportMode() const { return mode_; }
+
+  // Allocates `length` zeroed bytes that same-host peers can map (POSIX shm unless the
+  // mode is tcp) and registers them as segment `id`. The engine owns the memory.
+  void* allocateSegment(SegmentId id, uint64_t length);
+  // Registers caller-owned memory as segment `id` (reachable over tcp only).
+  void registerSegment(SegmentId id, void* addr, uint64_t length);
+  void unregisterSegment(SegmentId id);
+
+  // Opens segment `id` of `peer` (waits for its publication up to the timeout).
+  // Idempotent. Returns the transport's name.
+  std::string openSegment(int peer, SegmentId id);
+  // The transport chosen for an opened segment ("local", "shm", "tcp").
+  std::string transportOf(int peer, SegmentId id) const;
+
+  // Removes the names of this rank's shared-memory segments; mappings stay valid. Call
+  // once every peer has opened them, so that nothing is left in /dev/shm.
+  void unlinkSharedNames();
+
+  // Validates every request (peer, segment opened, bounds) and posts the batch. A request
+  // that fails validation is failed in the batch with its reason; the rest proceed.
+  BatchPtr submit(const std::vector<TransferRequest>& requests);
+
+  // This rank's doorbell (see doorbell.h): rung by peers' requests flagged `notify`, by
+  // the completion of this rank's tcp requests, and by ringLocal().
+  uint32_t doorbellValue() const { return transfer::doorbellValue(doorbell_); }
+  void waitDoorbell(uint32_t seen, std::chrono::microseconds timeout) {
+    transfer::waitDoorbell(doorbell_, seen, timeout);
+  }
+  void ringLocal() { ringDoorbell(doorbell_); }
+  // Rings `peer`'s doorbell (its segments must have been opened).
+  void notify(int peer);
+
+  // The tcp listen address published for this rank ("ip:port").
+  std::string tcpAddress() const;
+  const std::string& hostId() const { return host_id_; }
+  uint64_t secret() const { return secret_; }
+
+ private:
+  struct OwnedSegment {
+    void* addr = nullptr;
+    uint64_t length = 0;
+    std::string shm_name;  // cleared once unlinked
+    bool owned = false;
+    bool shared = false;  // mapped from POSIX shm (else calloc'd or caller-owned)
+  };
+  static void releaseOwned(OwnedSegment& seg);
+  const PeerInfo& peerInfo(int peer);
+  RemoteSegment* findOpened(int peer, SegmentId id);
+
+  std::shared_ptr<MetadataStore> store_;
+  EngineOptions opts_;
+  std::string mode_;
+  std::string host_id_;
+  uint64_t secret_ = 0;
+  LocalSegments local_;
+  std::unique_ptr<tcp::TcpTransport> tcp_;
+  std::unique_ptr<shm::ShmTransport> shm_;
+
+  mutable std::mutex mu_;  // guards the maps below (not the data path's fast lookups)
+  std::map<SegmentId, OwnedSegment> segments_;
+  std::map<int, PeerInfo> peers_;
+  std::map<std::pair<int, SegmentId>, std::unique_ptr<RemoteSegment>> opened_;
+  DoorbellWord* doorbell_ = nullptr;
+  std::vector<RemoteSegment*> peer_doorbells_;  // by rank, once opened
+};
+
+// Reserved segment id of every engine's doorbell.
+constexpr SegmentId kDoorbellSegment = 0xFFFFFFF0u;
+
+// A stable id of this host: MOELINK_HOST_ID if set, else hostname + kernel boot id.
+std::string localHostId();
+
+}  // namespace moelink::transfer

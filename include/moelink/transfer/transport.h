@@ -1,0 +1,48 @@
+// Transport: one way of moving bytes to a peer's registered segment.
+//
+// The engine owns segments and peers; a transport only moves bytes. The engine asks a
+// transport whether it can reach a (peer, segment) and then hands it requests whose
+// bounds it has already checked against the peer's published descriptor. A transport
+// completes or fails every request it accepts (TransferBatch::complete / fail), never
+// drops one; a peer whose connection breaks fails its pending requests with a reason.
+//
+// Implementations live in one folder each with the same file names:
+// tcp/transport.{h,cpp}, shm/transport.{h,cpp}; rdma/ (ibverbs RC) and CUDA IPC are
+// planned to sit beside them behind the same interface.
+#pragma once
+
+#include <string>
+
+#include "moelink/transfer/types.h"
+
+namespace moelink::transfer {
+
+// What the engine knows about a peer, from the peer's published endpoint record.
+struct PeerInfo {
+  int rank = -1;
+  std::string host_id;
+  std::string tcp_address;  // "ip:port"
+};
+
+// A peer's segment as opened by this rank.
+struct RemoteSegment {
+  SegmentDesc desc;
+  class Transport* via = nullptr;
+  void* mapped = nullptr;  // set by transports that map the memory (shm)
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+  // Whether this transport can reach `seg` on `peer`; may prepare per-peer state (connect,
+  // map). Called once per opened segment, on the caller's thread.
+  virtual bool open(const PeerInfo& peer, RemoteSegment& seg) = 0;
+  // Releases what open() prepared for `seg`.
+  virtual void close(RemoteSegment& seg) = 0;
+  // Starts request `index` of `batch`. Requests are pre-validated by the engine.
+  virtual void post(const TransferRequest& req, const RemoteSegment& seg, const BatchPtr& batch,
+                    size_t index) = 0;
+};
+
+}  // namespace moelink::transfer

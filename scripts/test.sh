@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Runs every test: the C++ tests (GoogleTest through ctest) and the Python tests (pytest,
+# multi-process groups over backend "ep"). Installs and builds first. GPU tests skip
+# cleanly without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+PY=${PYTHON:-python3}
+BUILD_DIR=${MOELINK_BUILD_DIR:-build}
+echo "[moelink test] C++ tests"
+ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
+echo "[moelink test] Python tests"
+export PYTHONPATH="$(pwd)/integration${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -m pytest tests/python -q "$@"

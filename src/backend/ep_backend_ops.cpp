@@ -1,0 +1,408 @@
+// The collectives of EpBackend: validate, stage, build the op, enqueue.
+#include <numeric>
+
+#include <ATen/ATen.h>
+
+#include "ep_work.h"
+#include "moelink/backend/ep_backend.h"
+#include "moelink/collective/algorithms.h"
+#include "moelink/collective/worker.h"
+
+namespace moelink::backend {
+
+using c10d::OpType;
+using collective::DType;
+namespace algo = collective;
+
+namespace {
+
+c10::intrusive_ptr<EpWork> makeWork(int rank, OpType type, const char* title,
+                                    std::vector<at::Tensor> outputs) {
+  return c10::make_intrusive<EpWork>(rank, type, title, std::move(outputs));
+}
+
+void checkList(const std::vector<at::Tensor>& list, const at::Tensor& like, int size, const char* op,
+               const char* what) {
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size, "moelink ", op, ": ", what,
+                    " must hold one tensor per rank (", size, "), got ", list.size());
+  for (const auto& t : list) {
+    checkTensor(t, op);
+    checkSameDtype(t, like, op);
+    TORCH_CHECK_VALUE(t.numel() == like.numel(), "moelink ", op, ": every tensor in ", what, " must have ",
+                      like.numel(), " elements (like the input), got ", t.numel());
+  }
+}
+
+// Flat contiguous buffer of the given tensors' values, in order.
+at::Tensor concat(EpWork& w, const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> flat;
+  flat.reserve(ts.size());
+  for (const auto& t : ts) flat.push_back(t.reshape({-1}));
+  at::Tensor buf = ts.empty() ? at::empty({0}) : at::cat(flat);
+  w.keep(buf);
+  return buf;
+}
+
+// Copies consecutive slices of `flat` into `outs` on success.
+void scatterBack(EpWork& w, const at::Tensor& flat, const std::vector<at::Tensor>& outs) {
+  w.keep(flat);
+  w.onSuccess([flat, outs]() mutable {
+    int64_t off = 0;
+    for (auto& o : outs) {
+      o.copy_(flat.narrow(0, off, o.numel()).view(o.sizes()));
+      off += o.numel();
+    }
+  });
+}
+
+char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                    const c10d::BroadcastOptions& opts) {
+  checkSingle(tensors, "broadcast");
+  checkRoot(opts.rootRank, size_, "broadcast");
+  TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink broadcast: rootTensor must be 0");
+  auto w = makeWork(rank_, OpType::BROADCAST, "ep:broadcast", tensors);
+  at::Tensor buf = inplaceBuffer(*w, tensors[0]);
+  auto spec = algo::broadcastOp(worker().context(), ptr(buf), nbytes(buf), static_cast<int>(opts.rootRank));
+  spec.dtype = toDType(buf.scalar_type());
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                    const c10d::AllreduceOptions& opts) {
+  checkSingle(tensors, "allreduce");
+  auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce");
+  auto w = makeWork(rank_, OpType::ALLREDUCE, "ep:all_reduce", tensors);
+  at::Tensor buf = inplaceBuffer(*w, tensors[0]);
+  auto spec = algo::allreduceOp(worker().context(), ptr(buf), buf.numel(), toDType(buf.scalar_type()), op);
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "moelink allreduce_coalesced: no tensors");
+  for (const auto& t : tensors) {
+    checkTensor(t, "allreduce_coalesced");
+    checkSameDtype(t, tensors[0], "allreduce_coalesced");
+  }
+  auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce_coalesced");
+  auto w = makeWork(rank_, OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced", tensors);
+  at::Tensor flat = concat(*w, tensors);
+  scatterBack(*w, flat, tensors);
+  auto spec = algo::allreduceOp(worker().context(), ptr(flat), flat.numel(), toDType(flat.scalar_type()), op);
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                 const c10d::ReduceOptions& opts) {
+  checkSingle(tensors, "reduce");
+  checkRoot(opts.rootRank, size_, "reduce");
+  TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink reduce: rootTensor must be 0");
+  auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "reduce");
+  auto w = makeWork(rank_, OpType::REDUCE, "ep:reduce", tensors);
+  at::Tensor buf = inplaceBuffer(*w, tensors[0]);
+  auto spec = algo::reduceOp(worker().context(), ptr(buf), ptr(buf), buf.numel(), toDType(buf.scalar_type()),
+                             op, static_cast<int>(opts.rootRank));
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                    std::vector<at::Tensor>& inputs,
+                                                    const c10d::AllgatherOptions& opts) {
+  checkSingle(inputs, "allgather");
+  TORCH_CHECK_VALUE(outputs.size() == 1, "moelink allgather: expects one output list per process");
+  checkList(outputs[0], inputs[0], size_, "allgather", "the output list");
+  auto w = makeWork(rank_, OpType::ALLGATHER, "ep:all_gather", outputs[0]);
+  at::Tensor in = inputBuffer(*w, inputs[0]);
+  at::Tensor flat = at::empty({in.numel() * size_}, in.options());
+  scatterBack(*w, flat, outputs[0]);
+  auto spec = algo::allgatherOp(worker().context(), ptr(in), ptr(flat), nbytes(in));
+  spec.dtype = toDType(in.scalar_type());
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                          const c10d::AllgatherOptions& opts) {
+  checkTensor(output, "all_gather_into_tensor");
+  checkTensor(input, "all_gather_into_tensor");
+  checkSameDtype(output, input, "all_gather_into_tensor");
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "moelink all_gather_into_tensor: output has ",
+                    output.numel(), " elements, expected ", input.numel() * size_, " (input ",
+                    input.numel(), " x group size ", size_, ")");
+  auto w = makeWork(rank_, OpType::_ALLGATHER_BASE, "ep:_all_gather_base", {output});
+  at::Tensor in = inputBuffer(*w, input);
+  at::Tensor out = outputBuffer(*w, output);
+  auto spec = algo::allgatherOp(worker().context(), ptr(in), ptr(out), nbytes(in));
+  spec.dtype = toDType(in.scalar_type());
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  const char* name = "allgather_into_tensor_coalesced";
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
+                    ": needs as many outputs as inputs (", outputs.size(), " vs ", inputs.size(), ")");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkTensor(inputs[i], name);
+    checkTensor(outputs[i], name);
+    checkSameDtype(inputs[i], inputs[0], name);
+    checkSameDtype(outputs[i], inputs[0], name);
+    TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, "moelink ", name, ": output ", i,
+                      " has ", outputs[i].numel(), " elements, expected ", inputs[i].numel() * size_);
+  }
+  auto w = makeWork(rank_, OpType::COALESCED, "ep:allgather_into_tensor_coalesced", outputs);
+  at::Tensor in = concat(*w, inputs);
+  at::Tensor flat = at::empty({in.numel() * size_}, in.options());
+  w->keep(flat);
+  // flat is [rank][input 0 | input 1 | ...]; output i gathers every rank's input i.
+  w->onSuccess([flat, outputs, inputs, size = size_]() mutable {
+    int64_t per_rank = flat.numel() / size, off = 0;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      int64_t n = inputs[i].numel();
+      at::Tensor src = flat.view({size, per_rank}).narrow(1, off, n);
+      outputs[i].copy_(src.reshape(outputs[i].sizes()));
+      off += n;
+    }
+  });
+  auto spec = algo::allgatherOp(worker().context(), ptr(in), ptr(flat), nbytes(in));
+  spec.dtype = toDType(in.scalar_type());
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                 std::vector<at::Tensor>& inputs,
+                                                 const c10d::GatherOptions& opts) {
+  checkSingle(inputs, "gather");
+  checkRoot(opts.rootRank, size_, "gather");
+  int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(outputs.size() == 1, "moelink gather: the root needs one output list");
+    checkList(outputs[0], inputs[0], size_, "gather", "the root's output list");
+    outs = outputs[0];
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
+                      "moelink gather: only the root (rank ", root, ") takes an output list");
+  }
+  auto w = makeWork(rank_, OpType::GATHER, "ep:gather", outs);
+  at::Tensor in = inputBuffer(*w, inputs[0]);
+  at::Tensor flat;
+  if (rank_ == root) {
+    flat = at::empty({in.numel() * size_}, in.options());
+    scatterBack(*w, flat, outs);
+  }
+  auto spec = algo::gatherOp(worker().context(), ptr(in), flat.defined() ? ptr(flat) : nullptr, nbytes(in), root);
+  spec.dtype = toDType(in.scalar_type());
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                  std::vector<std::vector<at::Tensor>>& inputs,
+                                                  const c10d::ScatterOptions& opts) {
+  checkSingle(outputs, "scatter");
+  checkRoot(opts.rootRank, size_, "scatter");
+  int root = static_cast<int>(opts.rootRank);
+  auto w = makeWork(rank_, OpType::SCATTER, "ep:scatter", outputs);
+  at::Tensor in;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(inputs.size() == 1, "moelink scatter: the root needs one input list");
+    checkList(inputs[0], outputs[0], size_, "scatter", "the root's input list");
+    in = concat(*w, inputs[0]);
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
+                      "moelink scatter: only the root (rank ", root, ") takes an input list");
+  }
+  at::Tensor out = outputBuffer(*w, outputs[0]);
+  auto spec = algo::scatterOp(worker().context(), in.defined() ? ptr(in) : nullptr, ptr(out), nbytes(out), root);
+  spec.dtype = toDType(out.scalar_type());
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                                         const c10d::ReduceScatterOptions& opts) {
+  checkSingle(outputs, "reduce_scatter");
+  TORCH_CHECK_VALUE(inputs.size() == 1, "moelink reduce_scatter: expects one input list per process");
+  checkList(inputs[0], outputs[0], size_, "reduce_scatter", "the input list");
+  auto op = toReduceOp(opts.reduceOp, outputs[0].scalar_type(), "reduce_scatter");
+  auto w = makeWork(rank_, OpType::REDUCE_SCATTER, "ep:reduce_scatter", outputs);
+  at::Tensor in = concat(*w, inputs[0]);
+  at::Tensor out = outputBuffer(*w, outputs[0]);
+  auto spec = algo::reduceScatterOp(worker().context(), ptr(in), ptr(out), out.numel(),
+                                    toDType(out.scalar_type()), op);
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                               const c10d::ReduceScatterOptions& opts) {
+  const char* name = "reduce_scatter_tensor";
+  checkTensor(output, name);
+  checkTensor(input, name);
+  checkSameDtype(output, input, name);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "moelink ", name, ": input has ", input.numel(),
+                    " elements, expected ", output.numel() * size_, " (output ", output.numel(),
+                    " x group size ", size_, ")");
+  auto op = toReduceOp(opts.reduceOp, output.scalar_type(), name);
+  auto w = makeWork(rank_, OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", {output});
+  at::Tensor in = inputBuffer(*w, input);
+  at::Tensor out = outputBuffer(*w, output);
+  auto spec = algo::reduceScatterOp(worker().context(), ptr(in), ptr(out), out.numel(),
+                                    toDType(out.scalar_type()), op);
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  const char* name = "reduce_scatter_tensor_coalesced";
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
+                    ": needs as many outputs as inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkTensor(inputs[i], name);
+    checkTensor(outputs[i], name);
+    checkSameDtype(inputs[i], inputs[0], name);
+    checkSameDtype(outputs[i], inputs[0], name);
+    TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, "moelink ", name, ": input ", i,
+                      " has ", inputs[i].numel(), " elements, expected ", outputs[i].numel() * size_);
+  }
+  auto op = toReduceOp(opts.reduceOp, inputs[0].scalar_type(), name);
+  auto w = makeWork(rank_, OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced", outputs);
+  // Block layout [rank][output 0 | output 1 | ...] built from each input's rank slices.
+  std::vector<at::Tensor> pieces;
+  for (int r = 0; r < size_; ++r)
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      int64_t n = outputs[i].numel();
+      pieces.push_back(inputs[i].reshape({-1}).narrow(0, r * n, n));
+    }
+  at::Tensor in = at::cat(pieces);
+  w->keep(in);
+  int64_t total = in.numel() / size_;
+  at::Tensor out = at::empty({total}, in.options());
+  scatterBack(*w, out, outputs);
+  auto spec = algo::reduceScatterOp(worker().context(), ptr(in), ptr(out), total, toDType(in.scalar_type()), op);
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                        std::vector<int64_t>& out_splits,
+                                                        std::vector<int64_t>& in_splits,
+                                                        const c10d::AllToAllOptions& opts) {
+  const char* name = "all_to_all_single";
+  checkTensor(output, name);
+  checkTensor(input, name);
+  checkSameDtype(output, input, name);
+  auto splits = [&](const at::Tensor& t, std::vector<int64_t> s, const char* which) {
+    int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    if (s.empty()) {
+      TORCH_CHECK_VALUE(rows % size_ == 0, "moelink ", name, ": ", which, " dim 0 (", rows,
+                        ") is not divisible by the group size ", size_, "; pass split sizes");
+      s.assign(size_, rows / size_);
+    }
+    TORCH_CHECK_VALUE(static_cast<int>(s.size()) == size_, "moelink ", name, ": ", which,
+                      " split sizes need one entry per rank (", size_, "), got ", s.size());
+    int64_t sum = 0;
+    for (int64_t v : s) {
+      TORCH_CHECK_VALUE(v >= 0, "moelink ", name, ": negative split size ", v);
+      sum += v;
+    }
+    TORCH_CHECK_VALUE(sum == rows, "moelink ", name, ": ", which, " split sizes sum to ", sum,
+                      " but dim 0 is ", rows);
+    return s;
+  };
+  auto is = splits(input, in_splits, "input");
+  auto os = splits(output, out_splits, "output");
+  int64_t in_rows = input.dim() == 0 ? 1 : input.size(0), out_rows = output.dim() == 0 ? 1 : output.size(0);
+  uint64_t in_row = in_rows ? nbytes(input) / in_rows : 0, out_row = out_rows ? nbytes(output) / out_rows : 0;
+  TORCH_CHECK_VALUE(in_rows == 0 || out_rows == 0 || in_row == out_row, "moelink ", name,
+                    ": input and output rows differ in size (", in_row, " vs ", out_row, " bytes)");
+  TORCH_CHECK_VALUE(is[rank_] == os[rank_], "moelink ", name, ": this rank sends itself ", is[rank_],
+                    " rows but expects ", os[rank_]);
+  std::vector<uint64_t> soff(size_), sb(size_), roff(size_), rb(size_);
+  uint64_t so = 0, ro = 0;
+  for (int r = 0; r < size_; ++r) {
+    sb[r] = static_cast<uint64_t>(is[r]) * in_row;
+    rb[r] = static_cast<uint64_t>(os[r]) * out_row;
+    soff[r] = so;
+    roff[r] = ro;
+    so += sb[r];
+    ro += rb[r];
+  }
+  auto w = makeWork(rank_, OpType::ALLTOALL_BASE, "ep:all_to_all", {output});
+  at::Tensor in = inputBuffer(*w, input);
+  at::Tensor out = outputBuffer(*w, output);
+  auto spec = algo::alltoallOp(worker().context(), ptr(in), soff, sb, ptr(out), roff, rb);
+  spec.dtype = toDType(in.scalar_type());
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                   std::vector<at::Tensor>& inputs,
+                                                   const c10d::AllToAllOptions& opts) {
+  const char* name = "all_to_all";
+  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
+                    "moelink ", name, ": needs one input and one output tensor per rank (", size_, ")");
+  for (int r = 0; r < size_; ++r) {
+    checkTensor(inputs[r], name);
+    checkTensor(outputs[r], name);
+    checkSameDtype(inputs[r], inputs[0], name);
+    checkSameDtype(outputs[r], inputs[0], name);
+  }
+  TORCH_CHECK_VALUE(inputs[rank_].numel() == outputs[rank_].numel(), "moelink ", name,
+                    ": this rank's own input and output differ in size");
+  std::vector<uint64_t> soff(size_), sb(size_), roff(size_), rb(size_);
+  uint64_t so = 0, ro = 0;
+  for (int r = 0; r < size_; ++r) {
+    sb[r] = nbytes(inputs[r]);
+    rb[r] = nbytes(outputs[r]);
+    soff[r] = so;
+    roff[r] = ro;
+    so += sb[r];
+    ro += rb[r];
+  }
+  auto w = makeWork(rank_, OpType::ALLTOALL, "ep:all_to_all", outputs);
+  at::Tensor in = concat(*w, inputs);
+  at::Tensor flat = at::empty({static_cast<int64_t>(ro / inputs[0].element_size())}, inputs[0].options());
+  scatterBack(*w, flat, outputs);
+  auto spec = algo::alltoallOp(worker().context(), ptr(in), soff, sb, ptr(flat), roff, rb);
+  spec.dtype = toDType(in.scalar_type());
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::barrier(const c10d::BarrierOptions& opts) {
+  auto w = makeWork(rank_, OpType::BARRIER, "ep:barrier", {});
+  return enqueue(w, algo::barrierOp(worker().context()), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  checkSingle(tensors, "send");
+  TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "moelink send: invalid destination rank ", dst,
+                    " (group of ", size_, ", this rank ", rank_, ")");
+  auto w = makeWork(rank_, OpType::SEND, "ep:send", tensors);
+  at::Tensor in = inputBuffer(*w, tensors[0]);
+  worker().send(dst, ptr(in), nbytes(in), tag, [w](const std::string& err) { w->complete(err); }, timeout_);
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  checkSingle(tensors, "recv");
+  TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "moelink recv: invalid source rank ", src,
+                    " (group of ", size_, ", this rank ", rank_, ")");
+  auto w = makeWork(rank_, OpType::RECV, "ep:recv", tensors);
+  at::Tensor out = outputBuffer(*w, tensors[0]);
+  worker().recv(src, ptr(out), nbytes(out), tag,
+                [w](const std::string& err, int from) { w->complete(err, from); }, timeout_);
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  checkSingle(tensors, "recv");
+  auto w = makeWork(rank_, OpType::RECVANYSOURCE, "ep:recvAnySource", tensors);
+  at::Tensor out = outputBuffer(*w, tensors[0]);
+  worker().recv(-1, ptr(out), nbytes(out), tag,
+                [w](const std::string& err, int from) { w->complete(err, from); }, timeout_);
+  return w;
+}
+
+}  // namespace moelink::backend

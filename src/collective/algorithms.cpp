@@ -1,0 +1,338 @@
+#include "moelink/collective/algorithms.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+#include "moelink/collective/reduce.h"
+#include "moelink/common/error.h"
+
+namespace moelink::collective {
+
+const char* opKindName(OpKind k) {
+  switch (k) {
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kAllreduce: return "allreduce";
+    case OpKind::kReduce: return "reduce";
+    case OpKind::kAllgather: return "allgather";
+    case OpKind::kGather: return "gather";
+    case OpKind::kScatter: return "scatter";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kAlltoall: return "alltoall";
+    case OpKind::kBarrier: return "barrier";
+    case OpKind::kSend: return "send";
+  }
+  return "?";
+}
+
+namespace {
+
+// Pieces of a range of n units cut every `per` units; an empty range is one empty piece.
+struct Pieces {
+  uint64_t n, per;
+  size_t count() const { return n == 0 ? 1 : static_cast<size_t>((n + per - 1) / per); }
+  uint64_t off(size_t i) const { return std::min<uint64_t>(n, i * per); }
+  uint64_t len(size_t i) const { return i < count() ? std::min<uint64_t>(per, n - off(i)) : 0; }
+};
+
+uint64_t perChunk(const AlgoContext& c, size_t es) { return std::max<uint64_t>(1, c.chunk / es); }
+
+size_t indexOf(const AlgoContext& c, int rank) {
+  auto it = std::find(c.ranks.begin(), c.ranks.end(), rank);
+  MOELINK_CHECK(it != c.ranks.end(), "rank ", rank, " is not an active participant");
+  return static_cast<size_t>(it - c.ranks.begin());
+}
+
+char* at(void* p, uint64_t off) { return static_cast<char*>(p) + off; }
+const char* at(const void* p, uint64_t off) { return static_cast<const char*>(p) + off; }
+
+// Reduces, in participant order, `own` (this rank's piece) with the received pieces.
+std::function<void(const std::vector<const char*>&)> reduceConsumer(
+    const AlgoContext& c, const char* own, char* out, uint64_t count, DType t, ReduceOp op,
+    std::shared_ptr<std::vector<char>> scratch) {
+  size_t me = indexOf(c, c.me);
+  size_t n = c.ranks.size();
+  return [=](const std::vector<const char*>& got) {
+    std::vector<const void*> inputs;
+    inputs.reserve(n);
+    for (size_t j = 0, k = 0; j < n; ++j) inputs.push_back(j == me ? own : got[k++]);
+    reduceOrdered(out, inputs, count, t, op, *scratch);
+    if (op == ReduceOp::kAvg) divideInPlace(out, count, t, static_cast<double>(n));
+  };
+}
+
+std::vector<StepRecv> fromAllPeers(const AlgoContext& c, uint64_t bytes) {
+  std::vector<StepRecv> r;
+  for (int p : c.ranks)
+    if (p != c.me) r.push_back({p, bytes});
+  return r;
+}
+
+std::vector<StepSend> toAllPeers(const AlgoContext& c, const char* data, uint64_t bytes) {
+  std::vector<StepSend> s;
+  for (int p : c.ranks)
+    if (p != c.me) s.push_back({p, data, bytes});
+  return s;
+}
+
+OpSpec base(OpKind k, DType t, ReduceOp op, int root, uint64_t op_bytes) {
+  OpSpec s;
+  s.kind = k;
+  s.dtype = t;
+  s.redop = op;
+  s.root = root;
+  s.op_bytes = op_bytes;
+  return s;
+}
+
+}  // namespace
+
+OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root) {
+  indexOf(c, root);
+  OpSpec s = base(OpKind::kBroadcast, DType::kBytes, ReduceOp::kNone, root, bytes);
+  Pieces pc{bytes, c.chunk};
+  for (size_t i = 0; i < pc.count(); ++i) {
+    Step st;
+    char* p = at(buf, pc.off(i));
+    uint64_t len = pc.len(i);
+    if (c.me == root) {
+      st.sends = toAllPeers(c, p, len);
+    } else {
+      st.recvs = {{root, len}};
+      st.consume = [p, len](const std::vector<const char*>& got) { std::memcpy(p, got[0], len); };
+    }
+    s.steps.push_back(std::move(st));
+  }
+  return s;
+}
+
+OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, ReduceOp op) {
+  size_t es = elementSize(t);
+  size_t n = c.ranks.size();
+  OpSpec s = base(OpKind::kAllreduce, t, op, -1, count * es);
+  auto scratch = std::make_shared<std::vector<char>>();
+  uint64_t per = perChunk(c, es);
+  if (n == 1) {
+    if (op == ReduceOp::kAvg) s.finish = [] {};
+    return s;
+  }
+  if (count * es <= c.allreduce_small_bytes || count < n) {
+    // Latency path: everyone sends everything to everyone and reduces locally.
+    Pieces pc{count, per};
+    for (size_t i = 0; i < pc.count(); ++i) {
+      Step st;
+      char* p = at(buf, pc.off(i) * es);
+      st.sends = toAllPeers(c, p, pc.len(i) * es);
+      st.recvs = fromAllPeers(c, pc.len(i) * es);
+      st.consume = reduceConsumer(c, p, p, pc.len(i), t, op, scratch);
+      st.consume_after_sends = true;  // reduces in place over what it sent
+      s.steps.push_back(std::move(st));
+    }
+    return s;
+  }
+  // Bandwidth path: reduce-scatter (participant j reduces block j), then allgather.
+  std::vector<uint64_t> start(n + 1);
+  for (size_t j = 0; j <= n; ++j) start[j] = count * j / n;
+  size_t me = indexOf(c, c.me);
+  auto block = [&](size_t j) { return Pieces{start[j + 1] - start[j], per}; };
+  size_t steps = 0;
+  for (size_t j = 0; j < n; ++j) steps = std::max(steps, block(j).count());
+  for (int phase = 0; phase < 2; ++phase) {
+    for (size_t i = 0; i < steps; ++i) {
+      Step st;
+      Pieces mine = block(me);
+      char* my_piece = at(buf, (start[me] + mine.off(i)) * es);
+      for (size_t j = 0; j < n; ++j) {
+        if (j == me) continue;
+        Pieces b = block(j);
+        int peer = c.ranks[j];
+        if (phase == 0) {
+          if (i < b.count()) st.sends.push_back({peer, at(buf, (start[j] + b.off(i)) * es), b.len(i) * es});
+          if (i < mine.count()) st.recvs.push_back({peer, mine.len(i) * es});
+        } else {
+          if (i < mine.count()) st.sends.push_back({peer, my_piece, mine.len(i) * es});
+          if (i < b.count()) st.recvs.push_back({peer, b.len(i) * es});
+        }
+      }
+      if (phase == 0) {
+        if (i < mine.count()) st.consume = reduceConsumer(c, my_piece, my_piece, mine.len(i), t, op, scratch);
+      } else {
+        st.sends_after_previous = true;
+        std::vector<std::pair<char*, uint64_t>> dst;
+        for (size_t j = 0; j < n; ++j) {
+          Pieces b = block(j);
+          if (j != me && i < b.count()) dst.push_back({at(buf, (start[j] + b.off(i)) * es), b.len(i) * es});
+        }
+        st.consume = [dst](const std::vector<const char*>& got) {
+          for (size_t k = 0; k < dst.size(); ++k) std::memcpy(dst[k].first, got[k], dst[k].second);
+        };
+      }
+      if (!st.sends.empty() || !st.recvs.empty()) s.steps.push_back(std::move(st));
+    }
+  }
+  return s;
+}
+
+OpSpec reduceOp(const AlgoContext& c, const void* in, void* out, uint64_t count, DType t,
+                ReduceOp op, int root) {
+  indexOf(c, root);
+  size_t es = elementSize(t);
+  OpSpec s = base(OpKind::kReduce, t, op, root, count * es);
+  auto scratch = std::make_shared<std::vector<char>>();
+  Pieces pc{count, perChunk(c, es)};
+  for (size_t i = 0; i < pc.count(); ++i) {
+    Step st;
+    uint64_t off = pc.off(i) * es, len = pc.len(i) * es;
+    if (c.me == root) {
+      st.recvs = fromAllPeers(c, len);
+      st.consume = reduceConsumer(c, at(in, off), at(out, off), pc.len(i), t, op, scratch);
+    } else {
+      st.sends = {{root, at(in, off), len}};
+    }
+    s.steps.push_back(std::move(st));
+  }
+  if (c.ranks.size() == 1 && c.me == root) {
+    s.finish = [in, out, count, es, t, op] {
+      if (in != out) std::memmove(out, in, count * es);
+      (void)t;
+      (void)op;
+    };
+  }
+  return s;
+}
+
+OpSpec allgatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes) {
+  size_t me = indexOf(c, c.me);
+  OpSpec s = base(OpKind::kAllgather, DType::kBytes, ReduceOp::kNone, -1, bytes);
+  Pieces pc{bytes, c.chunk};
+  for (size_t i = 0; i < pc.count(); ++i) {
+    Step st;
+    uint64_t off = pc.off(i), len = pc.len(i);
+    st.sends = toAllPeers(c, at(in, off), len);
+    st.recvs = fromAllPeers(c, len);
+    std::vector<char*> dst;
+    for (size_t j = 0; j < c.ranks.size(); ++j)
+      if (j != me) dst.push_back(at(out, j * bytes + off));
+    st.consume = [dst, len](const std::vector<const char*>& got) {
+      for (size_t k = 0; k < dst.size(); ++k) std::memcpy(dst[k], got[k], len);
+    };
+    s.steps.push_back(std::move(st));
+  }
+  s.finish = [in, out, me, bytes] { std::memmove(at(out, me * bytes), in, bytes); };
+  return s;
+}
+
+OpSpec gatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes, int root) {
+  indexOf(c, root);
+  size_t me = indexOf(c, c.me);
+  OpSpec s = base(OpKind::kGather, DType::kBytes, ReduceOp::kNone, root, bytes);
+  Pieces pc{bytes, c.chunk};
+  for (size_t i = 0; i < pc.count(); ++i) {
+    Step st;
+    uint64_t off = pc.off(i), len = pc.len(i);
+    if (c.me == root) {
+      st.recvs = fromAllPeers(c, len);
+      std::vector<char*> dst;
+      for (size_t j = 0; j < c.ranks.size(); ++j)
+        if (j != me) dst.push_back(at(out, j * bytes + off));
+      st.consume = [dst, len](const std::vector<const char*>& got) {
+        for (size_t k = 0; k < dst.size(); ++k) std::memcpy(dst[k], got[k], len);
+      };
+    } else {
+      st.sends = {{root, at(in, off), len}};
+    }
+    s.steps.push_back(std::move(st));
+  }
+  if (c.me == root) s.finish = [in, out, me, bytes] { std::memmove(at(out, me * bytes), in, bytes); };
+  return s;
+}
+
+OpSpec scatterOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes, int root) {
+  indexOf(c, root);
+  size_t me = indexOf(c, c.me);
+  OpSpec s = base(OpKind::kScatter, DType::kBytes, ReduceOp::kNone, root, bytes);
+  Pieces pc{bytes, c.chunk};
+  for (size_t i = 0; i < pc.count(); ++i) {
+    Step st;
+    uint64_t off = pc.off(i), len = pc.len(i);
+    if (c.me == root) {
+      for (size_t j = 0; j < c.ranks.size(); ++j)
+        if (j != me) st.sends.push_back({c.ranks[j], at(in, j * bytes + off), len});
+    } else {
+      char* dst = at(out, off);
+      st.recvs = {{root, len}};
+      st.consume = [dst, len](const std::vector<const char*>& got) { std::memcpy(dst, got[0], len); };
+    }
+    s.steps.push_back(std::move(st));
+  }
+  if (c.me == root) s.finish = [in, out, me, bytes] { std::memmove(out, at(in, me * bytes), bytes); };
+  return s;
+}
+
+OpSpec reduceScatterOp(const AlgoContext& c, const void* in, void* out, uint64_t count, DType t,
+                       ReduceOp op) {
+  size_t es = elementSize(t);
+  size_t me = indexOf(c, c.me);
+  OpSpec s = base(OpKind::kReduceScatter, t, op, -1, count * es);
+  auto scratch = std::make_shared<std::vector<char>>();
+  uint64_t block = count * es;
+  Pieces pc{count, perChunk(c, es)};
+  for (size_t i = 0; i < pc.count(); ++i) {
+    Step st;
+    uint64_t off = pc.off(i) * es, len = pc.len(i) * es;
+    for (size_t j = 0; j < c.ranks.size(); ++j)
+      if (j != me) st.sends.push_back({c.ranks[j], at(in, j * block + off), len});
+    st.recvs = fromAllPeers(c, len);
+    st.consume = reduceConsumer(c, at(in, me * block + off), at(out, off), pc.len(i), t, op, scratch);
+    s.steps.push_back(std::move(st));
+  }
+  if (c.ranks.size() == 1) s.finish = [in, out, block] { std::memmove(out, in, block); };
+  return s;
+}
+
+OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64_t>& send_off,
+                  const std::vector<uint64_t>& send_bytes, void* out,
+                  const std::vector<uint64_t>& recv_off, const std::vector<uint64_t>& recv_bytes) {
+  size_t me = indexOf(c, c.me);
+  size_t n = c.ranks.size();
+  MOELINK_CHECK(send_bytes.size() == n && recv_bytes.size() == n, "alltoall needs one split per rank");
+  OpSpec s = base(OpKind::kAlltoall, DType::kBytes, ReduceOp::kNone, -1, 0);
+  size_t steps = 1;
+  for (size_t j = 0; j < n; ++j) {
+    if (j == me) continue;
+    steps = std::max({steps, Pieces{send_bytes[j], c.chunk}.count(), Pieces{recv_bytes[j], c.chunk}.count()});
+  }
+  for (size_t i = 0; i < steps; ++i) {
+    Step st;
+    std::vector<std::pair<char*, uint64_t>> dst;
+    for (size_t j = 0; j < n; ++j) {
+      if (j == me) continue;
+      Pieces sp{send_bytes[j], c.chunk}, rp{recv_bytes[j], c.chunk};
+      if (i < sp.count()) st.sends.push_back({c.ranks[j], at(in, send_off[j] + sp.off(i)), sp.len(i)});
+      if (i < rp.count()) {
+        st.recvs.push_back({c.ranks[j], rp.len(i)});
+        dst.push_back({at(out, recv_off[j] + rp.off(i)), rp.len(i)});
+      }
+    }
+    st.consume = [dst](const std::vector<const char*>& got) {
+      for (size_t k = 0; k < dst.size(); ++k) std::memcpy(dst[k].first, got[k], dst[k].second);
+    };
+    if (!st.sends.empty() || !st.recvs.empty()) s.steps.push_back(std::move(st));
+  }
+  uint64_t own = std::min(send_bytes[me], recv_bytes[me]);
+  const char* src = at(in, send_off[me]);
+  char* dst = at(out, recv_off[me]);
+  s.finish = [src, dst, own] { std::memmove(dst, src, own); };
+  return s;
+}
+
+OpSpec barrierOp(const AlgoContext& c) {
+  OpSpec s = base(OpKind::kBarrier, DType::kBytes, ReduceOp::kNone, -1, 0);
+  Step st;
+  st.sends = toAllPeers(c, nullptr, 0);
+  st.recvs = fromAllPeers(c, 0);
+  s.steps.push_back(std::move(st));
+  return s;
+}
+
+}  // namespace moelink::collective

@@ -1,0 +1,100 @@
+#include "moelink/collective/mailbox.h"
+
+#include "moelink/common/error.h"
+
+namespace moelink::collective {
+
+using transfer::Opcode;
+using transfer::TransferRequest;
+
+Mailbox::Mailbox(transfer::TransferEngine& engine, transfer::SegmentId id, uint64_t chunk_bytes,
+                 int depth)
+    : engine_(engine),
+      id_(id),
+      rank_(engine.rank()),
+      world_(engine.worldSize()),
+      chunk_((chunk_bytes + 63) / 64 * 64),
+      depth_(static_cast<uint64_t>(depth)) {
+  MOELINK_CHECK(depth >= 1, "mailbox depth must be >= 1");
+  uint64_t n = static_cast<uint64_t>(world_);
+  acks_off_ = (n * depth_ * 8 + 63) / 64 * 64;
+  slots_off_ = acks_off_ + (n * 8 + 63) / 64 * 64;
+  slot_bytes_ = sizeof(MsgHeader) + chunk_;
+  uint64_t total = slots_off_ + n * depth_ * slot_bytes_;
+  base_ = static_cast<char*>(engine_.allocateSegment(id_, total));
+  sent_.assign(n, 0);
+  consumed_.assign(n, 0);
+  out_headers_.resize(n * depth_);
+  out_signals_.assign(n * depth_, 0);
+  out_acks_.assign(n, 0);
+  transports_.assign(n, "");
+}
+
+void Mailbox::open() {
+  for (int p = 0; p < world_; ++p) transports_[p] = engine_.openSegment(p, id_);
+}
+
+bool Mailbox::canSend(int peer) const {
+  // NOTES: pairs with the fence in release(): our last signal store is ordered before this
+  // load, so either we see the receiver's new credit or the receiver sees our message
+  // and wakes us.
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  uint64_t acked = __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + ackOffset(peer)),
+                                   __ATOMIC_ACQUIRE);
+  return sent_[peer] - acked < depth_;
+}
+
+transfer::BatchPtr Mailbox::send(int peer, const MsgHeader& header, const void* payload) {
+  MOELINK_CHECK(header.bytes <= chunk_, "message of ", header.bytes, " bytes exceeds the ",
+                chunk_, "-byte mailbox slot");
+  uint64_t seq = ++sent_[peer];
+  uint64_t slot = seq % depth_;
+  size_t idx = static_cast<size_t>(peer) * depth_ + slot;
+  out_headers_[idx] = header;
+  out_signals_[idx] = seq;
+  std::vector<TransferRequest> reqs;
+  reqs.reserve(3);
+  uint64_t at = slotOffset(rank_, slot);
+  if (header.bytes)
+    reqs.push_back({Opcode::kWrite, const_cast<void*>(payload), peer, id_, at + sizeof(MsgHeader),
+                    header.bytes});
+  reqs.push_back({Opcode::kWrite, &out_headers_[idx], peer, id_, at, sizeof(MsgHeader)});
+  // NOTES: the signal goes last; the engine orders it after the two writes above.
+  reqs.push_back({Opcode::kWrite, &out_signals_[idx], peer, id_, signalOffset(rank_, slot), 8, true});
+  return engine_.submit(reqs);
+}
+
+const MsgHeader* Mailbox::peek(int peer) const {
+  uint64_t want = consumed_[peer] + 1;
+  uint64_t slot = want % depth_;
+  uint64_t sig = __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + signalOffset(peer, slot)),
+                                 __ATOMIC_ACQUIRE);
+  if (sig != want) return nullptr;
+  return reinterpret_cast<const MsgHeader*>(base_ + slotOffset(peer, slot));
+}
+
+const char* Mailbox::payload(int peer) const {
+  uint64_t slot = (consumed_[peer] + 1) % depth_;
+  return base_ + slotOffset(peer, slot) + sizeof(MsgHeader);
+}
+
+void Mailbox::release(int peer) {
+  uint64_t n = ++consumed_[peer];
+  // A newer value may overwrite this staging word while an older ack is still being sent;
+  // the count only grows, so the sender reads the same or a newer count.
+  __atomic_store_n(&out_acks_[peer], n, __ATOMIC_RELAXED);
+  bool shm = transports_[peer] == "shm";
+  // Over tcp the ack always wakes the sender (its arrival order is not observable here).
+  engine_.submit({TransferRequest{Opcode::kWrite, &out_acks_[peer], peer, id_, ackOffset(rank_), 8, !shm}});
+  if (!shm) return;
+  // The sender can only be blocked on this credit if it has filled every slot, i.e. if
+  // message n - 1 + depth is already here; only then is a wake-up worth its syscall.
+  // NOTES: the ack store above (shm: synchronous) is ordered before this load.
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  uint64_t last = n - 1 + depth_;
+  uint64_t sig = __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + signalOffset(peer, last % depth_)),
+                                 __ATOMIC_ACQUIRE);
+  if (sig == last) engine_.notify(peer);
+}
+
+}  // namespace moelink::collective

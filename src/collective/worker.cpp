@@ -1,0 +1,433 @@
+#include "moelink/collective/worker.h"
+
+#include <immintrin.h>
+#include <sched.h>
+
+#include <cstdlib>
+
+#include <glog/logging.h>
+
+#include "moelink/common/error.h"
+#include "worker_internal.h"
+
+namespace moelink::collective {
+
+using namespace std::chrono;
+
+namespace {
+
+constexpr transfer::SegmentId kCollectiveSegment = 1;
+constexpr transfer::SegmentId kP2PSegment = 2;
+
+uint64_t envBytes(const char* name, uint64_t dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return dflt;
+  char* end = nullptr;
+  unsigned long long x = std::strtoull(v, &end, 10);
+  MOELINK_CHECK(end && *end == '\0', name, " must be a number, got '", v, "'");
+  return x;
+}
+
+}  // namespace
+
+std::string describeTimeout(const char* what, uint64_t seq, milliseconds timeout,
+                            const std::vector<int>& waiting_for) {
+  std::string ranks;
+  for (int r : waiting_for) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  return str(what, " #", seq, ": timed out after ", timeout.count(), " ms",
+             ranks.empty() ? std::string() : str(" waiting for rank(s) ", ranks));
+}
+
+WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
+  WorkerOptions o;
+  o.chunk_bytes = envBytes("MOELINK_CHUNK_BYTES", o.chunk_bytes);
+  o.depth = static_cast<int>(envBytes("MOELINK_MAILBOX_DEPTH", static_cast<uint64_t>(o.depth)));
+  o.allreduce_small_bytes = envBytes("MOELINK_ALLREDUCE_SMALL_BYTES", o.allreduce_small_bytes);
+  MOELINK_CHECK(o.chunk_bytes >= 64, "MOELINK_CHUNK_BYTES must be at least 64");
+  MOELINK_CHECK(o.depth >= 1 && o.depth <= 64, "MOELINK_MAILBOX_DEPTH must be 1..64");
+  o.timeout = timeout;
+  return o;
+}
+
+CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
+                                   transfer::MetadataStore& store, WorkerOptions options)
+    : engine_(engine), opts_(options), rank_(engine.rank()), world_(engine.worldSize()) {
+  coll_ = std::make_unique<Mailbox>(engine_, kCollectiveSegment, opts_.chunk_bytes, opts_.depth);
+  p2p_ = std::make_unique<Mailbox>(engine_, kP2PSegment, opts_.chunk_bytes, opts_.depth);
+  transfer::storeBarrier(store, "worker/allocated", world_, opts_.timeout);
+  coll_->open();
+  p2p_->open();
+  transfer::storeBarrier(store, "worker/opened", world_, opts_.timeout);
+  engine_.unlinkSharedNames();
+  active_.assign(world_, 1);
+  sends_.resize(world_);
+  bound_.resize(world_);
+  discarding_.assign(world_, 0);
+  abort_pending_.assign(world_, 0);
+  p2p_sent_.assign(world_, 0);
+  // MOELINK_WORKER_SPIN: pause-loop iterations before the worker sleeps on its doorbell.
+  // Default: 256 when this host has a core for each of its ranks' workers, else 0:
+  // spinning on an oversubscribed host steals the peers' time slices.
+  int local_ranks = 0;
+  for (int p = 0; p < world_; ++p) local_ranks += coll_->transportTo(p) != "tcp";
+  cpu_set_t cpus;
+  int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  spin_ = static_cast<int>(envBytes("MOELINK_WORKER_SPIN", ncpu >= local_ranks ? 256 : 0));
+  thread_ = std::thread([this] { loop(); });
+}
+
+CollectiveWorker::~CollectiveWorker() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  engine_.ringLocal();
+  if (thread_.joinable()) thread_.join();
+  const std::string why = "the process group was shut down before this op finished";
+  if (current_) current_->done(why);
+  for (auto& c : queue_) c->done(why);
+  for (auto& s : new_sends_) s->done(why);
+  for (auto& r : new_recvs_) r->done(why, -1);
+  for (auto& q : sends_)
+    for (auto& s : q) s->done(why);
+  for (auto& r : posted_) r->done(why, -1);
+  for (auto& r : bound_)
+    if (r) r->done(why, -1);
+}
+
+bool CollectiveWorker::isActive(int rank) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return rank >= 0 && rank < world_ && active_[rank];
+}
+
+void CollectiveWorker::setActive(int rank, bool active) {
+  MOELINK_CHECK(rank >= 0 && rank < world_, "rank ", rank, " out of range");
+  std::lock_guard<std::mutex> g(mu_);
+  active_[rank] = active;
+}
+
+AlgoContext CollectiveWorker::context() const {
+  AlgoContext c;
+  c.me = rank_;
+  c.chunk = coll_->chunkBytes();
+  c.allreduce_small_bytes = opts_.allreduce_small_bytes;
+  std::lock_guard<std::mutex> g(mu_);
+  for (int r = 0; r < world_; ++r)
+    if (active_[r] || r == rank_) c.ranks.push_back(r);
+  return c;
+}
+
+void CollectiveWorker::submit(OpSpec spec, OpCallback done, milliseconds timeout) {
+  auto op = std::make_unique<Collective>();
+  op->spec = std::move(spec);
+  op->done = std::move(done);
+  op->timeout = timeout;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    MOELINK_CHECK(!stop_, "the process group is shut down");
+    op->seq = ++next_seq_;
+    queue_.push_back(std::move(op));
+  }
+  engine_.ringLocal();
+}
+
+void CollectiveWorker::loop() {
+  int idle = 0;
+  while (true) {
+    // Read the bell before looking for work: a ring after this point ends the sleep below.
+    uint32_t seen = engine_.doorbellValue();
+    bool busy = false, progressed = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stop_) return;
+      if (!current_ && !queue_.empty()) {
+        current_ = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      while (!new_sends_.empty()) {
+        auto s = std::move(new_sends_.front());
+        new_sends_.pop_front();
+        sends_[s->peer].push_back(std::move(s));
+      }
+      while (!new_recvs_.empty()) {
+        posted_.push_back(std::move(new_recvs_.front()));
+        new_recvs_.pop_front();
+      }
+    }
+    if (current_) {
+      busy = true;
+      Collective& op = *current_;
+      try {
+        progressed |= op.draining ? progressDrain(op) : progressCollective(op);
+      } catch (const std::exception& e) {
+        failCollective(op, e.what());
+        progressed = true;
+      }
+      if (!op.started) {  // the progress functions clear `started` when the op is over
+        auto done = std::move(op.done);
+        std::string err = op.error;
+        current_.reset();
+        done(err);
+        progressed = true;
+      }
+    }
+    for (int p = 0; p < world_; ++p)
+      if (!sends_[p].empty() || bound_[p] || discarding_[p]) busy = true;
+    if (!posted_.empty()) busy = true;
+    if (busy) {
+      progressed |= progressSends();
+      progressed |= progressRecvs();
+    }
+    if (progressed) {
+      idle = 0;
+      continue;
+    }
+    if (busy && ++idle < spin_) {
+      _mm_pause();
+      continue;
+    }
+    // Deadlines are checked at least every few milliseconds while work is pending.
+    engine_.waitDoorbell(seen, busy ? microseconds(2000) : microseconds(100000));
+  }
+}
+
+// ---- collectives ----
+
+namespace {
+
+void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) {
+  op.started = true;
+  op.deadline = Clock::now() + timeout;
+  op.sendq.assign(world, {});
+  op.sendpos.assign(world, 0);
+  op.pair_send.assign(world, 0);
+  op.pair_recv.assign(world, 0);
+  op.recv_msgs.assign(world, 0);
+  op.last_sent.assign(world, 0);
+  op.last_seen.assign(world, 0);
+  op.sends_issued.assign(op.spec.steps.size(), 0);
+  op.step_batches.assign(op.spec.steps.size(), {});
+  for (uint32_t s = 0; s < op.spec.steps.size(); ++s) {
+    const Step& st = op.spec.steps[s];
+    for (uint32_t k = 0; k < st.sends.size(); ++k) {
+      op.sendq[st.sends[k].peer].push_back({s, k});
+      op.pair_send[st.sends[k].peer] += st.sends[k].bytes;
+    }
+    for (const auto& r : st.recvs) {
+      op.pair_recv[r.peer] += r.bytes;
+      op.recv_msgs[r.peer]++;
+    }
+  }
+}
+
+MsgHeader headerFor(const CollectiveWorker::Collective& op, int sender) {
+  MsgHeader h;
+  h.kind = static_cast<uint8_t>(op.spec.kind);
+  h.dtype = static_cast<uint8_t>(op.spec.dtype);
+  h.redop = static_cast<uint8_t>(op.spec.redop);
+  h.root = op.spec.root;
+  h.op_seq = op.seq;
+  h.op_bytes = op.spec.op_bytes;
+  h.sender = sender;
+  return h;
+}
+
+}  // namespace
+
+std::string CollectiveWorker::checkHeader(const Collective& op, int p, const MsgHeader& h,
+                                          uint64_t expect) const {
+  const char* kind = opKindName(op.spec.kind);
+  std::string who = str(kind, " #", op.seq, ": rank ", p);
+  if (h.op_seq > op.seq)
+    return str(who, " is already at op #", h.op_seq, " (",
+               opKindName(static_cast<OpKind>(h.kind)),
+               "); the ranks called different sequences of collectives");
+  if (h.flags & kAbort) return str(who, " aborted this op (it failed there)");
+  if (h.kind != static_cast<uint8_t>(op.spec.kind))
+    return str(who, " called ", opKindName(static_cast<OpKind>(h.kind)), ", this rank called ", kind);
+  if (h.root != op.spec.root)
+    return str(who, " used root ", h.root, ", this rank root ", op.spec.root);
+  if (h.dtype != static_cast<uint8_t>(op.spec.dtype))
+    return str(who, " sent dtype ", dtypeName(static_cast<DType>(h.dtype)), ", this rank expects ",
+               dtypeName(op.spec.dtype));
+  if (h.redop != static_cast<uint8_t>(op.spec.redop))
+    return str(who, " reduces with ", reduceOpName(static_cast<ReduceOp>(h.redop)),
+               ", this rank with ", reduceOpName(op.spec.redop));
+  if (h.op_bytes && op.spec.op_bytes && h.op_bytes != op.spec.op_bytes)
+    return str(who, " sent ", h.op_bytes, " bytes, this rank expects ", op.spec.op_bytes);
+  if (h.pair_bytes != op.pair_recv[p])
+    return str(who, " sent ", h.pair_bytes, " bytes to this rank, this rank expects ",
+               op.pair_recv[p]);
+  if (h.bytes != expect)
+    return str(who, " sent a ", h.bytes, "-byte piece, this rank expects ", expect);
+  return "";
+}
+
+// The next message of op `seq` or later from `peer`, discarding leftovers of earlier ops.
+const MsgHeader* CollectiveWorker::nextFresh(int peer, uint64_t seq) {
+  while (const MsgHeader* h = coll_->peek(peer)) {
+    if (h->op_seq >= seq) return h;
+    VLOG(1) << "moelink: rank " << rank_ << " discards a leftover message of op #" << h->op_seq
+            << " from rank " << peer;
+    coll_->release(peer);
+  }
+  return nullptr;
+}
+
+bool CollectiveWorker::progressCollective(Collective& op) {
+  if (!op.started) {
+    prepare(op, world_, op.timeout);
+    VLOG(1) << "moelink: rank " << rank_ << " starts " << opKindName(op.spec.kind) << " #" << op.seq
+            << " (" << op.spec.steps.size() << " steps)";
+  }
+  bool progressed = false;
+  const auto& steps = op.spec.steps;
+  // Sends, per peer in order, as far as mailbox credit and data readiness allow.
+  for (int p = 0; p < world_; ++p) {
+    auto& q = op.sendq[p];
+    while (op.sendpos[p] < q.size()) {
+      auto [s, k] = q[op.sendpos[p]];
+      if (steps[s].sends_after_previous && op.next_step < s) break;
+      if (!coll_->canSend(p)) break;
+      const StepSend& snd = steps[s].sends[k];
+      MsgHeader h = headerFor(op, rank_);
+      h.pair_bytes = op.pair_send[p];
+      h.bytes = snd.bytes;
+      bool last = op.sendpos[p] + 1 == q.size();
+      h.flags = (op.sendpos[p] == 0 ? kFirst : 0) | (last ? kLast : 0);
+      auto batch = coll_->send(p, h, snd.data);
+      op.step_batches[s].push_back(batch);
+      op.inflight.push_back(std::move(batch));
+      op.sends_issued[s]++;
+      op.sendpos[p]++;
+      if (last) op.last_sent[p] = 1;
+      progressed = true;
+    }
+  }
+  // Consume steps in order once all of a step's messages are there.
+  std::vector<const char*> got;
+  while (op.next_step < steps.size()) {
+    const Step& st = steps[op.next_step];
+    if (st.consume_after_sends) {
+      if (op.sends_issued[op.next_step] < st.sends.size()) break;
+      bool sent = true;
+      for (auto& b : op.step_batches[op.next_step]) sent &= b->done();
+      if (!sent) break;
+    }
+    got.clear();
+    bool ready = true;
+    for (const auto& r : st.recvs) {
+      const MsgHeader* h = nextFresh(r.peer, op.seq);
+      if (!h) {
+        ready = false;
+        break;
+      }
+      std::string bad = checkHeader(op, r.peer, *h, r.bytes);
+      if (!bad.empty()) {
+        failCollective(op, bad);
+        return true;
+      }
+      got.push_back(coll_->payload(r.peer));
+    }
+    if (!ready) break;
+    if (st.consume) st.consume(got);
+    for (const auto& r : st.recvs) {
+      if (coll_->peek(r.peer)->flags & kLast) op.last_seen[r.peer] = 1;
+      coll_->release(r.peer);
+    }
+    op.step_batches[op.next_step].clear();
+    op.next_step++;
+    progressed = true;
+  }
+  // Transfers: a failure fails the op; finished ones are dropped.
+  for (size_t i = 0; i < op.inflight.size();) {
+    if (op.inflight[i]->failed()) {
+      failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": ", op.inflight[i]->error()));
+      return true;
+    }
+    if (op.inflight[i]->done()) {
+      op.inflight[i] = std::move(op.inflight.back());
+      op.inflight.pop_back();
+    } else {
+      ++i;
+    }
+  }
+  bool all_sent = true;
+  for (int p = 0; p < world_; ++p) all_sent &= op.sendpos[p] == op.sendq[p].size();
+  if (op.next_step == steps.size() && all_sent && op.inflight.empty()) {
+    if (op.spec.finish) op.spec.finish();
+    op.started = false;  // tells the loop it is finished
+    return true;
+  }
+  if (Clock::now() > op.deadline) {
+    std::vector<int> waiting;
+    if (op.next_step < steps.size())
+      for (const auto& r : steps[op.next_step].recvs)
+        if (!coll_->peek(r.peer)) waiting.push_back(r.peer);
+    for (int p = 0; p < world_; ++p)
+      if (op.sendpos[p] < op.sendq[p].size() && !coll_->canSend(p)) waiting.push_back(p);
+    failCollective(op, describeTimeout(opKindName(op.spec.kind), op.seq, op.timeout, waiting));
+    return true;
+  }
+  return progressed;
+}
+
+void CollectiveWorker::failCollective(Collective& op, const std::string& why) {
+  if (op.draining) return;
+  LOG(WARNING) << "moelink: rank " << rank_ << ": " << why;
+  op.error = why;
+  op.draining = true;
+  if (!op.started) prepare(op, world_, op.timeout);
+  op.drain_deadline = std::max(op.deadline, Clock::now() + milliseconds(200));
+  if (Clock::now() > op.deadline) op.drain_deadline = Clock::now() + milliseconds(200);
+}
+
+// After a failure: owe every send-peer an ABORT|LAST, discard what recv-peers still send
+// for this op, wait for our own writes to finish (they read the caller's memory).
+bool CollectiveWorker::progressDrain(Collective& op) {
+  bool progressed = false, pending = false;
+  for (int p = 0; p < world_; ++p) {
+    if (!op.sendq[p].empty() && !op.last_sent[p]) {
+      if (coll_->canSend(p)) {
+        MsgHeader h = headerFor(op, rank_);
+        h.flags = kAbort | kLast;
+        h.pair_bytes = op.pair_send[p];
+        op.inflight.push_back(coll_->send(p, h, nullptr));
+        op.last_sent[p] = 1;
+        progressed = true;
+      } else {
+        pending = true;
+      }
+    }
+    while (op.recv_msgs[p] && !op.last_seen[p]) {
+      const MsgHeader* h = nextFresh(p, op.seq);
+      if (!h) {
+        pending = true;
+        break;
+      }
+      if (h->op_seq > op.seq) {  // the peer has moved on; nothing more for this op
+        op.last_seen[p] = 1;
+        break;
+      }
+      if (h->flags & kLast) op.last_seen[p] = 1;
+      coll_->release(p);
+      progressed = true;
+    }
+  }
+  for (size_t i = 0; i < op.inflight.size();) {
+    if (op.inflight[i]->done()) {
+      op.inflight[i] = std::move(op.inflight.back());
+      op.inflight.pop_back();
+    } else {
+      ++i;
+    }
+  }
+  pending |= !op.inflight.empty();
+  if (!pending || Clock::now() > op.drain_deadline) {
+    op.started = false;
+    return true;
+  }
+  return progressed;
+}
+
+}  // namespace moelink::collective

@@ -1,0 +1,63 @@
+// State of in-flight operations, shared by worker.cpp (collectives, the loop) and
+// point_to_point.cpp (send/recv). Worker-thread only.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "moelink/collective/worker.h"
+
+namespace moelink::collective {
+
+using Clock = std::chrono::steady_clock;
+
+struct CollectiveWorker::Collective {
+  OpSpec spec;
+  OpCallback done;
+  uint64_t seq = 0;
+  std::chrono::milliseconds timeout{0};
+  Clock::time_point deadline;
+  bool started = false;
+  // Per peer: the (step, send index) pairs in send order, and how far they went.
+  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> sendq;
+  std::vector<size_t> sendpos;
+  std::vector<uint64_t> pair_send, pair_recv;  // bytes per peer over the whole op
+  std::vector<uint32_t> recv_msgs;             // messages expected per peer
+  std::vector<uint32_t> sends_issued;          // per step
+  std::vector<std::vector<transfer::BatchPtr>> step_batches;
+  std::vector<transfer::BatchPtr> inflight;
+  std::vector<char> last_sent, last_seen;      // per peer
+  size_t next_step = 0;
+  std::string error;
+  bool draining = false;
+  Clock::time_point drain_deadline;
+};
+
+struct CollectiveWorker::SendOp {
+  int peer = -1;
+  const char* data = nullptr;
+  uint64_t bytes = 0;
+  int tag = 0;
+  OpCallback done;
+  Clock::time_point deadline;
+  uint64_t seq = 0;
+  uint64_t issued_bytes = 0;
+  bool all_issued = false;
+  std::vector<transfer::BatchPtr> inflight;
+};
+
+struct CollectiveWorker::RecvOp {
+  int peer = -1;  // < 0: any source
+  char* data = nullptr;
+  uint64_t bytes = 0;
+  int tag = 0;
+  RecvCallback done;
+  Clock::time_point deadline;
+  uint64_t got = 0;
+};
+
+std::string describeTimeout(const char* what, uint64_t seq, std::chrono::milliseconds timeout,
+                            const std::vector<int>& waiting_for);
+
+}  // namespace moelink::collective

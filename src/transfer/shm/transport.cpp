@@ -1,0 +1,92 @@
+#include "moelink/transfer/shm/transport.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+
+#include "moelink/common/error.h"
+
+namespace moelink::transfer::shm {
+
+SharedRegion createRegion(int rank, SegmentId id, uint64_t length) {
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  SharedRegion r;
+  r.length = length;
+  r.name = str("/moelink.", getpid(), ".", rank, ".", id, ".", counter.fetch_add(1), ".",
+               std::hex, rd());
+  int fd = shm_open(r.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  MOELINK_SYSCHECK(fd, "shm_open(", r.name, ")");
+  size_t map_len = length ? length : 1;
+  if (ftruncate(fd, static_cast<off_t>(map_len)) < 0) {
+    int e = errno;
+    ::close(fd);
+    shm_unlink(r.name.c_str());
+    MOELINK_THROW("ftruncate(", r.name, ", ", map_len, ") failed: ", std::strerror(e),
+                  " (is /dev/shm large enough?)");
+  }
+  void* p = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    int e = errno;
+    shm_unlink(r.name.c_str());
+    MOELINK_THROW("mmap(", r.name, ") failed: ", std::strerror(e));
+  }
+  r.addr = p;
+  return r;
+}
+
+void destroyRegion(SharedRegion& region, bool unlink) {
+  if (region.addr) munmap(region.addr, region.length ? region.length : 1);
+  if (unlink && !region.name.empty()) shm_unlink(region.name.c_str());
+  region.addr = nullptr;
+}
+
+bool ShmTransport::open(const PeerInfo& peer, RemoteSegment& seg) {
+  if (peer.host_id != host_id_ || seg.desc.shm_name.empty()) return false;
+  int fd = shm_open(seg.desc.shm_name.c_str(), O_RDWR, 0600);
+  MOELINK_SYSCHECK(fd, "shm_open(", seg.desc.shm_name, ") of rank ", peer.rank,
+                   " (was it unlinked before every peer opened it?)");
+  size_t map_len = seg.desc.length ? seg.desc.length : 1;
+  void* p = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  MOELINK_CHECK(p != MAP_FAILED, "mmap of rank ", peer.rank, "'s segment ", seg.desc.id,
+                " failed: ", std::strerror(errno));
+  seg.mapped = p;
+  return true;
+}
+
+void ShmTransport::close(RemoteSegment& seg) {
+  if (seg.mapped) munmap(seg.mapped, seg.desc.length ? seg.desc.length : 1);
+  seg.mapped = nullptr;
+}
+
+void orderedCopy(void* dst, const void* src, uint64_t len) {
+  if (len == 8 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+    uint64_t v;
+    std::memcpy(&v, src, 8);
+    // NOTES: the release store orders every earlier copy to this peer before the signal.
+    __atomic_store_n(static_cast<uint64_t*>(dst), v, __ATOMIC_RELEASE);
+    return;
+  }
+  if (len) std::memcpy(dst, src, len);
+}
+
+void ShmTransport::post(const TransferRequest& req, const RemoteSegment& seg,
+                        const BatchPtr& batch, size_t index) {
+  char* remote = static_cast<char*>(seg.mapped) + req.offset;
+  if (req.op == Opcode::kWrite) {
+    orderedCopy(remote, req.local, req.length);
+  } else {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (req.length) std::memcpy(req.local, remote, req.length);
+  }
+  batch->complete(index);
+}
+
+}  // namespace moelink::transfer::shm

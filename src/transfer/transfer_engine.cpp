@@ -1,0 +1,276 @@
+#include "moelink/transfer/transfer_engine.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <glog/logging.h>
+
+#include "moelink/common/error.h"
+#include "moelink/transfer/shm/transport.h"
+#include "moelink/transfer/tcp/transport.h"
+
+namespace moelink::transfer {
+
+void LocalSegments::add(SegmentId id, void* addr, uint64_t length) {
+  std::unique_lock<std::shared_mutex> g(mu_);
+  MOELINK_CHECK(entries_.count(id) == 0, "segment ", id, " is already registered");
+  entries_[id] = Entry{addr, length};
+}
+
+void LocalSegments::remove(SegmentId id) {
+  std::unique_lock<std::shared_mutex> g(mu_);
+  entries_.erase(id);
+}
+
+void* LocalSegments::resolve(SegmentId id, uint64_t offset, uint64_t length) const {
+  std::shared_lock<std::shared_mutex> g(mu_);
+  auto it = entries_.find(id);
+  if (it == entries_.end()) return nullptr;
+  const Entry& e = it->second;
+  if (offset > e.length || length > e.length - offset) return nullptr;
+  return static_cast<char*>(e.addr) + offset;
+}
+
+std::string localHostId() {
+  if (const char* id = std::getenv("MOELINK_HOST_ID"); id && *id) return id;
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  return str(host, "/", boot);
+}
+
+namespace {
+
+std::string modeFromEnv(const std::string& given) {
+  std::string m = given;
+  if (m.empty()) {
+    // MOELINK_TRANSPORT: auto (default), tcp or shm.
+    const char* env = std::getenv("MOELINK_TRANSPORT");
+    m = env && *env ? env : "auto";
+  }
+  MOELINK_CHECK(m == "auto" || m == "tcp" || m == "shm",
+                "MOELINK_TRANSPORT must be auto, tcp or shm, got '", m, "'");
+  return m;
+}
+
+std::string endpointRecord(const std::string& host, const std::string& tcp) {
+  return host + "\n" + tcp;
+}
+
+}  // namespace
+
+TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptions options)
+    : store_(std::move(store)), opts_(std::move(options)) {
+  MOELINK_CHECK(opts_.world_size >= 1 && opts_.rank >= 0 && opts_.rank < opts_.world_size,
+                "bad rank ", opts_.rank, " for world size ", opts_.world_size);
+  mode_ = modeFromEnv(opts_.transport);
+  host_id_ = localHostId();
+  if (opts_.rank == 0) {
+    std::random_device rd;
+    uint64_t s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    store_->set("engine/secret", std::to_string(s ? s : 1));
+  }
+  secret_ = std::stoull(store_->get("engine/secret", opts_.timeout));
+  peer_doorbells_.assign(opts_.world_size, nullptr);
+  doorbell_ = static_cast<DoorbellWord*>(allocateSegment(kDoorbellSegment, sizeof(DoorbellWord)));
+  tcp_ = std::make_unique<tcp::TcpTransport>(opts_.rank, secret_, local_, opts_.timeout,
+                                             [this] { ringDoorbell(doorbell_); });
+  shm_ = std::make_unique<shm::ShmTransport>(host_id_);
+  store_->set(str("engine/peer/", opts_.rank), endpointRecord(host_id_, tcp_->address()));
+}
+
+TransferEngine::~TransferEngine() {
+  tcp_->shutdown();
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& [key, seg] : opened_) {
+    if (seg->via) seg->via->close(*seg);
+  }
+  opened_.clear();
+  for (auto& [id, seg] : segments_) releaseOwned(seg);
+}
+
+void TransferEngine::releaseOwned(OwnedSegment& seg) {
+  if (!seg.owned) return;
+  if (seg.shared) {
+    shm::SharedRegion r{seg.addr, seg.length, seg.shm_name};
+    shm::destroyRegion(r, /*unlink=*/!seg.shm_name.empty());
+  } else {
+    std::free(seg.addr);
+  }
+  seg.owned = false;
+}
+
+std::string TransferEngine::tcpAddress() const { return tcp_->address(); }
+
+void* TransferEngine::allocateSegment(SegmentId id, uint64_t length) {
+  OwnedSegment s;
+  s.length = length;
+  s.owned = true;
+  if (mode_ == "tcp") {
+    s.addr = std::calloc(1, length ? length : 1);
+    MOELINK_CHECK(s.addr, "out of memory allocating segment ", id, " of ", length, " bytes");
+  } else {
+    auto r = shm::createRegion(opts_.rank, id, length);
+    s.addr = r.addr;
+    s.shm_name = r.name;
+    s.shared = true;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    MOELINK_CHECK(segments_.count(id) == 0, "segment ", id, " is already registered");
+    segments_[id] = s;
+  }
+  local_.add(id, s.addr, length);
+  store_->set(str("engine/seg/", opts_.rank, "/", id),
+              SegmentDesc{opts_.rank, id, length, s.shm_name}.serialize());
+  return s.addr;
+}
+
+void TransferEngine::registerSegment(SegmentId id, void* addr, uint64_t length) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    MOELINK_CHECK(segments_.count(id) == 0, "segment ", id, " is already registered");
+    segments_[id] = OwnedSegment{addr, length, "", false, false};
+  }
+  local_.add(id, addr, length);
+  store_->set(str("engine/seg/", opts_.rank, "/", id),
+              SegmentDesc{opts_.rank, id, length, ""}.serialize());
+}
+
+void TransferEngine::unregisterSegment(SegmentId id) {
+  local_.remove(id);
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = segments_.find(id);
+  if (it == segments_.end()) return;
+  releaseOwned(it->second);
+  segments_.erase(it);
+}
+
+void TransferEngine::unlinkSharedNames() {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& [id, seg] : segments_) {
+    if (!seg.shm_name.empty()) {
+      shm_unlink(seg.shm_name.c_str());
+      seg.shm_name.clear();  // the mapping stays; nothing left to unlink later
+    }
+  }
+}
+
+const PeerInfo& TransferEngine::peerInfo(int peer) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = peers_.find(peer);
+    if (it != peers_.end()) return it->second;
+  }
+  std::string rec = store_->get(str("engine/peer/", peer), opts_.timeout);
+  auto nl = rec.find('\n');
+  MOELINK_CHECK(nl != std::string::npos, "malformed endpoint record of rank ", peer);
+  PeerInfo info{peer, rec.substr(0, nl), rec.substr(nl + 1)};
+  std::lock_guard<std::mutex> g(mu_);
+  return peers_.emplace(peer, info).first->second;
+}
+
+std::string TransferEngine::openSegment(int peer, SegmentId id) {
+  MOELINK_CHECK(peer >= 0 && peer < opts_.world_size, "peer rank ", peer,
+                " out of range for world size ", opts_.world_size);
+  if (auto* s = findOpened(peer, id)) return s->via ? s->via->name() : "local";
+  auto seg = std::make_unique<RemoteSegment>();
+  seg->desc = SegmentDesc::parse(store_->get(str("engine/seg/", peer, "/", id), opts_.timeout));
+  if (peer != opts_.rank) {
+    const PeerInfo& info = peerInfo(peer);
+    if (mode_ != "tcp" && shm_->open(info, *seg)) {
+      seg->via = shm_.get();
+    } else {
+      MOELINK_CHECK(mode_ != "shm", "MOELINK_TRANSPORT=shm but rank ", peer,
+                    "'s segment ", id, " is not reachable through shared memory (host '",
+                    info.host_id, "' vs '", host_id_, "')");
+      tcp_->open(info, *seg);
+      seg->via = tcp_.get();
+    }
+  }
+  std::string name = seg->via ? seg->via->name() : "local";
+  VLOG(1) << "moelink: rank " << opts_.rank << " opened segment " << id << " of rank " << peer
+          << " via " << name;
+  RemoteSegment* opened;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    opened = opened_.emplace(std::make_pair(peer, id), std::move(seg)).first->second.get();
+  }
+  if (id == kDoorbellSegment) {
+    peer_doorbells_[peer] = opened;
+  } else if (!peer_doorbells_[peer]) {
+    openSegment(peer, kDoorbellSegment);  // every opened peer can be notified
+  }
+  return name;
+}
+
+RemoteSegment* TransferEngine::findOpened(int peer, SegmentId id) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = opened_.find({peer, id});
+  return it == opened_.end() ? nullptr : it->second.get();
+}
+
+std::string TransferEngine::transportOf(int peer, SegmentId id) const {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = opened_.find({peer, id});
+  MOELINK_CHECK(it != opened_.end(), "segment ", id, " of rank ", peer, " is not opened");
+  return it->second->via ? it->second->via->name() : "local";
+}
+
+void TransferEngine::notify(int peer) {
+  RemoteSegment* bell = peer >= 0 && peer < opts_.world_size ? peer_doorbells_[peer] : nullptr;
+  MOELINK_CHECK(bell, "rank ", peer, "'s doorbell is not opened");
+  if (!bell->via) {
+    ringDoorbell(doorbell_);
+  } else if (bell->mapped) {
+    ringDoorbell(static_cast<DoorbellWord*>(bell->mapped));
+  } else {  // an empty write that rings on arrival
+    submit({TransferRequest{Opcode::kWrite, nullptr, peer, kDoorbellSegment, 0, 0, true}});
+  }
+}
+
+BatchPtr TransferEngine::submit(const std::vector<TransferRequest>& requests) {
+  auto batch = std::make_shared<TransferBatch>(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const TransferRequest& r = requests[i];
+    RemoteSegment* seg = (r.peer >= 0 && r.peer < opts_.world_size) ? findOpened(r.peer, r.segment)
+                                                                      : nullptr;
+    if (!seg) {
+      batch->fail(i, str("segment ", r.segment, " of rank ", r.peer, " is not opened"));
+      continue;
+    }
+    if (r.offset > seg->desc.length || r.length > seg->desc.length - r.offset) {
+      batch->fail(i, str("request of ", r.length, " bytes at offset ", r.offset,
+                         " is outside segment ", r.segment, " of rank ", r.peer, " (",
+                         seg->desc.length, " bytes)"));
+      continue;
+    }
+    if (!seg->via) {  // this rank's own segment
+      void* mine = local_.resolve(r.segment, r.offset, r.length);
+      if (r.op == Opcode::kWrite)
+        shm::orderedCopy(mine, r.local, r.length);
+      else if (r.length)
+        std::memcpy(r.local, mine, r.length);
+      batch->complete(i);
+      if (r.notify) ringDoorbell(doorbell_);
+      continue;
+    }
+    seg->via->post(r, *seg, batch, i);
+    // tcp carries the flag to the peer, whose progress thread rings there; shm rings here.
+    if (r.notify && seg->via == shm_.get()) {
+      if (RemoteSegment* bell = peer_doorbells_[r.peer]; bell && bell->mapped)
+        ringDoorbell(static_cast<DoorbellWord*>(bell->mapped));
+    }
+  }
+  return batch;
+}
+
+}  // namespace moelink::transfer

@@ -1,0 +1,173 @@
+#include <future>
+#include <numeric>
+#include <string>
+#include <tuple>
+
+#include <gtest/gtest.h>
+
+#include "moelink/collective/algorithms.h"
+#include "moelink/collective/worker.h"
+#include "moelink/transfer/transfer_engine.h"
+#include "test_support.h"
+
+using namespace moelink::collective;
+using namespace moelink::transfer;
+using moelink::testing::runRanks;
+using namespace std::chrono;
+
+namespace {
+
+struct Rank {
+  std::unique_ptr<TransferEngine> engine;
+  std::unique_ptr<CollectiveWorker> worker;
+};
+
+Rank makeRank(std::shared_ptr<InProcessStore> store, int rank, int world, const std::string& transport,
+              uint64_t chunk = 4096) {
+  EngineOptions o;
+  o.rank = rank;
+  o.world_size = world;
+  o.transport = transport;
+  o.timeout = seconds(30);
+  Rank r;
+  r.engine = std::make_unique<TransferEngine>(store, o);
+  WorkerOptions w;
+  w.chunk_bytes = chunk;  // small, so that tests cross many chunks
+  w.allreduce_small_bytes = 1024;
+  w.timeout = seconds(30);
+  r.worker = std::make_unique<CollectiveWorker>(*r.engine, *store, w);
+  return r;
+}
+
+std::string run(CollectiveWorker& w, OpSpec op, milliseconds timeout = seconds(30)) {
+  std::promise<std::string> p;
+  auto f = p.get_future();
+  w.submit(std::move(op), [&](const std::string& e) { p.set_value(e); }, timeout);
+  return f.get();
+}
+
+class CollectiveTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(CollectiveTest, AllreduceMatchesLocalSum) {
+  auto [transport, world] = GetParam();
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(world, [&, transport = transport, world = world](int rank) {
+    Rank r = makeRank(store, rank, world, transport);
+    for (uint64_t count : {0ull, 1ull, 3ull, 100ull, 5000ull, 100000ull}) {
+      std::vector<float> x(count);
+      for (uint64_t i = 0; i < count; ++i) x[i] = static_cast<float>((rank + 1) * (i % 7));
+      ASSERT_EQ("", run(*r.worker, allreduceOp(r.worker->context(), x.data(), count, DType::kFloat32, ReduceOp::kSum)));
+      float ranksum = static_cast<float>(world * (world + 1) / 2);
+      for (uint64_t i = 0; i < count; ++i) ASSERT_EQ(x[i], ranksum * (i % 7)) << "count " << count << " i " << i;
+    }
+  });
+}
+
+TEST_P(CollectiveTest, AlltoallUnevenAndBroadcast) {
+  auto [transport, world] = GetParam();
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(world, [&, transport = transport, world = world](int rank) {
+    Rank r = makeRank(store, rank, world, transport);
+    // rank s sends (s + d) * 1000 bytes of value s*16+d to rank d.
+    std::vector<uint64_t> soff(world), sb(world), roff(world), rb(world);
+    uint64_t st = 0, rt = 0;
+    for (int d = 0; d < world; ++d) {
+      sb[d] = static_cast<uint64_t>(rank + d) * 1000;
+      soff[d] = st;
+      st += sb[d];
+      rb[d] = static_cast<uint64_t>(d + rank) * 1000;
+      roff[d] = rt;
+      rt += rb[d];
+    }
+    std::vector<uint8_t> in(st), out(rt, 0xff);
+    for (int d = 0; d < world; ++d) std::fill_n(in.begin() + soff[d], sb[d], static_cast<uint8_t>(rank * 16 + d));
+    ASSERT_EQ("", run(*r.worker, alltoallOp(r.worker->context(), in.data(), soff, sb, out.data(), roff, rb)));
+    for (int s = 0; s < world; ++s)
+      for (uint64_t i = 0; i < rb[s]; ++i) ASSERT_EQ(out[roff[s] + i], s * 16 + rank);
+    std::vector<int> b(9000, rank == 1 ? 42 : 0);
+    ASSERT_EQ("", run(*r.worker, broadcastOp(r.worker->context(), b.data(), b.size() * 4, 1)));
+    for (int v : b) ASSERT_EQ(v, 42);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(All, CollectiveTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm"), ::testing::Values(2, 3, 4)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_w" + std::to_string(std::get<1>(info.param));
+                         });
+
+TEST(Collective, SizeMismatchFailsBothSidesThenRecovers) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    Rank r = makeRank(store, rank, 2, "shm");
+    std::vector<float> x(rank == 0 ? 1024 : 2048, 1.0f);
+    std::string err = run(*r.worker, allreduceOp(r.worker->context(), x.data(), x.size(), DType::kFloat32, ReduceOp::kSum));
+    std::string theirs = rank == 0 ? "8192" : "4096", mine = rank == 0 ? "4096" : "8192";
+    EXPECT_NE(err.find("allreduce #1: rank " + std::to_string(1 - rank) + " sent " + theirs +
+                       " bytes, this rank expects " + mine), std::string::npos) << err;
+    // The group stays usable.
+    std::vector<float> y(5000, static_cast<float>(rank + 1));
+    ASSERT_EQ("", run(*r.worker, allreduceOp(r.worker->context(), y.data(), y.size(), DType::kFloat32, ReduceOp::kSum)));
+    for (float v : y) ASSERT_EQ(v, 3.0f);
+  });
+}
+
+TEST(Collective, MissingPeerTimesOut) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    Rank r = makeRank(store, rank, 2, "tcp");
+    if (rank == 0) {
+      std::vector<float> x(10, 1.0f);
+      auto t0 = steady_clock::now();
+      std::string err = run(*r.worker, allreduceOp(r.worker->context(), x.data(), x.size(), DType::kFloat32, ReduceOp::kSum),
+                            milliseconds(300));
+      EXPECT_NE(err.find("timed out"), std::string::npos) << err;
+      EXPECT_NE(err.find("rank(s) 1"), std::string::npos) << err;
+      EXPECT_LT(steady_clock::now() - t0, seconds(5));
+    }
+    storeBarrier(*store, "end", 2, seconds(30));
+  });
+}
+
+TEST(Collective, SendRecvAnySourceAndTags) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(3, [&](int rank) {
+    Rank r = makeRank(store, rank, 3, "shm");
+    if (rank == 0) {
+      // Two receives from any source, then a tag mismatch that fails cleanly.
+      std::vector<int> got;
+      for (int k = 0; k < 2; ++k) {
+        std::vector<int> buf(3000, -1);
+        std::promise<int> p;
+        r.worker->recv(-1, buf.data(), buf.size() * 4, 0, [&](const std::string& e, int src) {
+          EXPECT_EQ(e, "");
+          p.set_value(src);
+        }, seconds(30));
+        int src = p.get_future().get();
+        for (int v : buf) ASSERT_EQ(v, src * 100);
+        got.push_back(src);
+      }
+      std::sort(got.begin(), got.end());
+      EXPECT_EQ(got, (std::vector<int>{1, 2}));
+      int v = 0;
+      std::promise<std::string> p;
+      r.worker->recv(1, &v, 4, 9, [&](const std::string& e, int) { p.set_value(e); }, seconds(30));
+      std::string err = p.get_future().get();
+      EXPECT_NE(err.find("sent tag 3, this rank expects tag 9"), std::string::npos) << err;
+    } else {
+      std::vector<int> buf(3000, rank * 100);
+      std::promise<std::string> p;
+      r.worker->send(0, buf.data(), buf.size() * 4, 0, [&](const std::string& e) { p.set_value(e); }, seconds(30));
+      EXPECT_EQ(p.get_future().get(), "");
+      if (rank == 1) {
+        int v = 5;
+        std::promise<std::string> q;
+        r.worker->send(0, &v, 4, 3, [&](const std::string& e) { q.set_value(e); }, seconds(30));
+        EXPECT_EQ(q.get_future().get(), "");
+      }
+    }
+    storeBarrier(*store, "end", 3, seconds(30));
+  });
+}
+
+}  // namespace

@@ -1,0 +1,223 @@
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <tuple>
+
+#include <gtest/gtest.h>
+
+#include "moelink/transfer/tcp/transport.h"
+#include "moelink/transfer/transfer_engine.h"
+#include "test_support.h"
+
+using namespace moelink::transfer;
+using moelink::testing::pattern;
+using moelink::testing::runRanks;
+using namespace std::chrono;
+
+namespace {
+
+EngineOptions opts(int rank, int world, const std::string& transport) {
+  EngineOptions o;
+  o.rank = rank;
+  o.world_size = world;
+  o.transport = transport;
+  o.timeout = seconds(30);
+  return o;
+}
+
+class TransferEngineTest
+    : public ::testing::TestWithParam<std::tuple<std::string, int, uint64_t>> {};
+
+// Every rank writes its pattern into its right neighbour's segment, then reads back from
+// that neighbour what it wrote, through the transport under test.
+TEST_P(TransferEngineTest, RingWriteThenRead) {
+  auto [transport, world, bytes] = GetParam();
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(world, [&, transport = transport, world = world, bytes = bytes](int rank) {
+    TransferEngine engine(store, opts(rank, world, transport));
+    char* seg = static_cast<char*>(engine.allocateSegment(7, bytes));
+    std::vector<char> mine(bytes), back(bytes, 0);
+    for (uint64_t i = 0; i < bytes; ++i) mine[i] = static_cast<char>(pattern(rank, i));
+    int right = (rank + 1) % world, left = (rank + world - 1) % world;
+    std::string via = engine.openSegment(right, 7);
+    EXPECT_EQ(via, world == 1 ? "local" : transport);
+    // Split into up to 8 requests in one batch to exercise batching and ordering.
+    std::vector<TransferRequest> reqs;
+    uint64_t piece = std::max<uint64_t>(1, (bytes + 7) / 8);
+    for (uint64_t off = 0; off < bytes; off += piece)
+      reqs.push_back({Opcode::kWrite, mine.data() + off, right, 7, off, std::min(piece, bytes - off)});
+    if (reqs.empty()) reqs.push_back({Opcode::kWrite, mine.data(), right, 7, 0, 0});
+    auto batch = engine.submit(reqs);
+    ASSERT_TRUE(batch->wait(seconds(60)));
+    ASSERT_FALSE(batch->failed()) << batch->error();
+    storeBarrier(*store, "written", world, seconds(60));
+    for (uint64_t i = 0; i < bytes; ++i)
+      ASSERT_EQ(static_cast<uint8_t>(seg[i]), pattern(left, i)) << "byte " << i;
+    auto rd = engine.submit({{Opcode::kRead, back.data(), right, 7, 0, bytes}});
+    ASSERT_TRUE(rd->wait(seconds(60)));
+    ASSERT_FALSE(rd->failed()) << rd->error();
+    ASSERT_EQ(0, std::memcmp(back.data(), mine.data(), bytes));
+    storeBarrier(*store, "read", world, seconds(60));
+  });
+}
+
+std::string paramName(const ::testing::TestParamInfo<TransferEngineTest::ParamType>& info) {
+  return std::get<0>(info.param) + "_w" + std::to_string(std::get<1>(info.param)) + "_b" +
+         std::to_string(std::get<2>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Small, TransferEngineTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm"),
+                                            ::testing::Values(2, 3, 4, 7),
+                                            ::testing::Values(0, 1, 8, 4097, 1 << 20)),
+                         paramName);
+INSTANTIATE_TEST_SUITE_P(Large, TransferEngineTest,
+                         ::testing::Combine(::testing::Values("tcp", "shm"),
+                                            ::testing::Values(2, 4),
+                                            ::testing::Values(64ull << 20)),
+                         paramName);
+
+TEST(TransferEngine, OutOfBoundsRequestFailsLocally) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    TransferEngine engine(store, opts(rank, 2, "tcp"));
+    engine.allocateSegment(1, 100);
+    engine.openSegment(1 - rank, 1);
+    char buf[64] = {0};
+    auto b = engine.submit({{Opcode::kWrite, buf, 1 - rank, 1, 90, 64}});
+    ASSERT_TRUE(b->wait(seconds(5)));
+    EXPECT_TRUE(b->failed());
+    EXPECT_NE(b->error().find("outside segment"), std::string::npos) << b->error();
+    auto unopened = engine.submit({{Opcode::kWrite, buf, 1 - rank, 99, 0, 1}});
+    EXPECT_TRUE(unopened->failed());
+    storeBarrier(*store, "done", 2, seconds(10));
+  });
+}
+
+// Speaks the wire protocol by hand to reach the receiver's own checks.
+int rawConnect(const std::string& addr) {
+  auto colon = addr.rfind(':');
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))));
+  inet_pton(AF_INET, addr.substr(0, colon).c_str(), &a.sin_addr);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  EXPECT_EQ(0, connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a));
+  return fd;
+}
+
+bool readWithTimeout(int fd, void* p, size_t n, int ms) {
+  char* c = static_cast<char*>(p);
+  while (n) {
+    pollfd pf{fd, POLLIN, 0};
+    if (poll(&pf, 1, ms) <= 0) return false;
+    ssize_t r = recv(fd, c, n, 0);
+    if (r <= 0) return false;
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+TEST(TcpTransport, ReceiverRejectsOutOfBoundsWrite) {
+  auto store = std::make_shared<InProcessStore>();
+  TransferEngine engine(store, opts(0, 1, "tcp"));
+  char* seg = static_cast<char*>(engine.allocateSegment(3, 64));
+  int fd = rawConnect(engine.tcpAddress());
+  namespace w = moelink::transfer::tcp::wire;
+  w::Hello hello{w::kHelloMagic, engine.secret(), 5, 0};
+  ASSERT_EQ(static_cast<ssize_t>(sizeof hello), send(fd, &hello, sizeof hello, 0));
+  uint64_t reply = 0;
+  ASSERT_TRUE(readWithTimeout(fd, &reply, 8, 5000));
+  ASSERT_EQ(reply, w::kHelloMagic);
+  char payload[32];
+  std::memset(payload, 0xAB, sizeof payload);
+  w::FrameHeader h{w::kWrite, 0, 42, 3, 0, 48, sizeof payload};  // 48 + 32 > 64
+  send(fd, &h, sizeof h, 0);
+  send(fd, payload, sizeof payload, 0);
+  w::FrameHeader ack{};
+  ASSERT_TRUE(readWithTimeout(fd, &ack, sizeof ack, 5000));
+  EXPECT_EQ(ack.type, w::kWriteAck);
+  EXPECT_EQ(ack.request_id, 42u);
+  EXPECT_EQ(ack.status, w::kOutOfBounds);
+  for (int i = 0; i < 64; ++i) ASSERT_EQ(seg[i], 0) << "segment modified at " << i;
+  // A write inside the bounds on the same connection still works.
+  w::FrameHeader ok{w::kWrite, 0, 43, 3, 0, 0, sizeof payload};
+  send(fd, &ok, sizeof ok, 0);
+  send(fd, payload, sizeof payload, 0);
+  ASSERT_TRUE(readWithTimeout(fd, &ack, sizeof ack, 5000));
+  EXPECT_EQ(ack.status, w::kOk);
+  EXPECT_EQ(static_cast<uint8_t>(seg[0]), 0xAB);
+  close(fd);
+}
+
+TEST(TcpTransport, UnauthenticatedConnectionIsClosed) {
+  auto store = std::make_shared<InProcessStore>();
+  TransferEngine engine(store, opts(0, 1, "tcp"));
+  char* seg = static_cast<char*>(engine.allocateSegment(3, 64));
+  int fd = rawConnect(engine.tcpAddress());
+  namespace w = moelink::transfer::tcp::wire;
+  w::Hello hello{w::kHelloMagic, engine.secret() + 1, 5, 0};
+  send(fd, &hello, sizeof hello, MSG_NOSIGNAL);
+  char payload[16];
+  std::memset(payload, 0xCD, sizeof payload);
+  w::FrameHeader h{w::kWrite, 0, 1, 3, 0, 0, sizeof payload};
+  send(fd, &h, sizeof h, MSG_NOSIGNAL);
+  send(fd, payload, sizeof payload, MSG_NOSIGNAL);
+  char c;
+  EXPECT_FALSE(readWithTimeout(fd, &c, 1, 5000));  // closed without a reply
+  for (int i = 0; i < 64; ++i) ASSERT_EQ(seg[i], 0);
+  close(fd);
+}
+
+TEST(TcpTransport, PeerGoingAwayFailsRequests) {
+  auto store = std::make_shared<InProcessStore>();
+  auto e0 = std::make_unique<TransferEngine>(store, opts(0, 2, "tcp"));
+  auto e1 = std::make_unique<TransferEngine>(store, opts(1, 2, "tcp"));
+  e0->allocateSegment(1, 1 << 20);
+  e1->allocateSegment(1, 1 << 20);
+  e0->openSegment(1, 1);
+  std::vector<char> buf(1 << 20, 1);
+  auto ok = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, buf.size()}});
+  ASSERT_TRUE(ok->wait(seconds(10)));
+  ASSERT_FALSE(ok->failed());
+  e1.reset();  // the peer goes away
+  auto t0 = steady_clock::now();
+  bool failed = false;
+  for (int i = 0; i < 50 && !failed; ++i) {
+    auto b = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, buf.size()}});
+    ASSERT_TRUE(b->wait(seconds(10))) << "a request to a departed peer hung";
+    failed = b->failed();
+    if (failed) {
+      EXPECT_NE(b->error().find("rank 1"), std::string::npos) << b->error();
+    }
+  }
+  EXPECT_TRUE(failed);
+  EXPECT_LT(steady_clock::now() - t0, seconds(20));
+}
+
+TEST(ShmTransport, NamesAreUnlinkedAfterSetup) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    TransferEngine engine(store, opts(rank, 2, "shm"));
+    engine.allocateSegment(1, 4096);
+    storeBarrier(*store, "alloc", 2, seconds(10));
+    engine.openSegment(1 - rank, 1);
+    storeBarrier(*store, "open", 2, seconds(10));
+    engine.unlinkSharedNames();
+    storeBarrier(*store, "unlinked", 2, seconds(10));
+    // Still usable after unlinking.
+    uint64_t v = 0x1122334455667788ull;
+    auto b = engine.submit({{Opcode::kWrite, &v, 1 - rank, 1, 8, 8}});
+    ASSERT_TRUE(b->wait(seconds(5)));
+    EXPECT_FALSE(b->failed());
+  });
+}
+
+}  // namespace
