@@ -63,7 +63,7 @@ def time_op(op, nbytes, group, world, iters, warmup):
     return statistics.median(times)
 
 
-def worker(rank, world, port, sizes, iters, transport, q):
+def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, q):
     os.environ["MOELINK_TRANSPORT"] = transport
     import moelink  # noqa: F401
 
@@ -71,12 +71,12 @@ def worker(rank, world, port, sizes, iters, transport, q):
     gloo = dist.new_group(backend="gloo")
     ep = dist.group.WORLD
     rows = []
-    for op in OPS:
+    for op in ops:
         for nbytes in sizes:
             iters_here = iters if nbytes < (8 << 20) else max(5, iters // 4)
             warm = 3 if nbytes < (8 << 20) else 1
             t_ep = time_op(op, nbytes, ep, world, iters_here, warm)
-            t_gloo = time_op(op, nbytes, gloo, world, iters_here, warm)
+            t_gloo = time_op(op, nbytes, gloo, world, iters_here, warm) if with_gloo else float("nan")
             rows.append((op, nbytes, t_ep, t_gloo))
     if rank == 0:
         q.put(rows)
@@ -98,6 +98,8 @@ def main():
     ap.add_argument("--min-bytes", type=int, default=4 << 10)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--transport", default=os.environ.get("MOELINK_TRANSPORT", "auto"))
+    ap.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
+    ap.add_argument("--no-gloo", action="store_true", help="time backend ep only")
     ap.add_argument("--out", default="collectives.png")
     args = ap.parse_args()
     sizes = []
@@ -110,7 +112,9 @@ def main():
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.nproc, port, sizes, args.iters, args.transport, q))
+    ops = [o for o in args.ops.split(",") if o]
+    procs = [ctx.Process(target=worker, args=(r, args.nproc, port, sizes, args.iters, args.transport, ops,
+                                              not args.no_gloo, q))
              for r in range(args.nproc)]
     for p in procs:
         p.start()
@@ -130,8 +134,9 @@ def main():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(OPS), figsize=(4 * len(OPS), 3.6), sharey=True)
-        for ax, op in zip(axes, OPS):
+        fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), sharey=True, squeeze=False)
+        axes = axes[0]
+        for ax, op in zip(axes, ops):
             r = [x for x in rows if x[0] == op]
             ax.loglog([x[1] for x in r], [x[2] * 1e6 for x in r], "o-", label="ep")
             ax.loglog([x[1] for x in r], [x[3] * 1e6 for x in r], "s--", label="gloo")

@@ -15,10 +15,13 @@ Environment variables (read when a group is created):
 - ``MOELINK_HOST_ID``: overrides the same-host test (default: hostname + boot id).
 - ``MOELINK_CHUNK_BYTES`` (default 524288): mailbox slot size; large ops are pipelined
   through slots of this size.
-- ``MOELINK_MAILBOX_DEPTH`` (default 2): slots per peer pair.
+- ``MOELINK_MAILBOX_DEPTH`` (default 4): slots per peer pair.
+- ``MOELINK_CHAIN_BROADCAST_BYTES`` (default 1 MiB in groups that use tcp, else off): above,
+  broadcast is a pipelined chain from the root.
 - ``MOELINK_ALLREDUCE_SMALL_BYTES`` (default 65536): at or below, allreduce sends every
   rank's data to every rank (one round); above, reduce-scatter + allgather.
-- ``MOELINK_WORKER_SPIN`` (default 2000): busy-wait iterations before the worker yields.
+- ``MOELINK_WORKER_SPIN`` (default 256, or 0 when the host has fewer cores than local
+  ranks): busy-wait iterations before the worker sleeps on its doorbell.
 """
 
 from __future__ import annotations

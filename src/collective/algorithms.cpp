@@ -44,6 +44,11 @@ size_t indexOf(const AlgoContext& c, int rank) {
 }
 
 char* at(void* p, uint64_t off) { return static_cast<char*>(p) + off; }
+
+// Copies each received piece to its destination, unless it was received there directly.
+void copyIfElsewhere(char* dst, const char* got, uint64_t len) {
+  if (got != dst) std::memcpy(dst, got, len);
+}
 const char* at(const void* p, uint64_t off) { return static_cast<const char*>(p) + off; }
 
 // Reduces, in participant order, `own` (this rank's piece) with the received pieces.
@@ -88,9 +93,29 @@ OpSpec base(OpKind k, DType t, ReduceOp op, int root, uint64_t op_bytes) {
 }  // namespace
 
 OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root) {
-  indexOf(c, root);
+  size_t r = indexOf(c, root);
   OpSpec s = base(OpKind::kBroadcast, DType::kBytes, ReduceOp::kNone, root, bytes);
   Pieces pc{bytes, c.chunk};
+  size_t n = c.ranks.size();
+  if (c.chain_broadcast_bytes && bytes > c.chain_broadcast_bytes && n > 2) {
+    // Chain root -> root+1 -> ... : every rank forwards each chunk as soon as it has it.
+    size_t pos = (indexOf(c, c.me) + n - r) % n;
+    int prev = pos ? c.ranks[(r + pos - 1) % n] : -1;
+    int next = pos + 1 < n ? c.ranks[(r + pos + 1) % n] : -1;
+    for (size_t i = 0; i < pc.count(); ++i) {
+      Step st;
+      char* p = at(buf, pc.off(i));
+      uint64_t len = pc.len(i);
+      if (prev >= 0) {
+        st.recvs = {{prev, len, p}};
+        st.consume = [p, len](const std::vector<const char*>& got) { copyIfElsewhere(p, got[0], len); };
+        st.send_after = Step::SendAfter::kThisStep;
+      }
+      if (next >= 0) st.sends = {{next, p, len}};
+      s.steps.push_back(std::move(st));
+    }
+    return s;
+  }
   for (size_t i = 0; i < pc.count(); ++i) {
     Step st;
     char* p = at(buf, pc.off(i));
@@ -98,8 +123,8 @@ OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root) {
     if (c.me == root) {
       st.sends = toAllPeers(c, p, len);
     } else {
-      st.recvs = {{root, len}};
-      st.consume = [p, len](const std::vector<const char*>& got) { std::memcpy(p, got[0], len); };
+      st.recvs = {{root, len, p}};
+      st.consume = [p, len](const std::vector<const char*>& got) { copyIfElsewhere(p, got[0], len); };
     }
     s.steps.push_back(std::move(st));
   }
@@ -112,10 +137,7 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
   OpSpec s = base(OpKind::kAllreduce, t, op, -1, count * es);
   auto scratch = std::make_shared<std::vector<char>>();
   uint64_t per = perChunk(c, es);
-  if (n == 1) {
-    if (op == ReduceOp::kAvg) s.finish = [] {};
-    return s;
-  }
+  if (n == 1) return s;  // nothing to combine; AVG of one rank is the input
   if (count * es <= c.allreduce_small_bytes || count < n) {
     // Latency path: everyone sends everything to everyone and reduces locally.
     Pieces pc{count, per};
@@ -151,20 +173,20 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
           if (i < mine.count()) st.recvs.push_back({peer, mine.len(i) * es});
         } else {
           if (i < mine.count()) st.sends.push_back({peer, my_piece, mine.len(i) * es});
-          if (i < b.count()) st.recvs.push_back({peer, b.len(i) * es});
+          if (i < b.count()) st.recvs.push_back({peer, b.len(i) * es, at(buf, (start[j] + b.off(i)) * es)});
         }
       }
       if (phase == 0) {
         if (i < mine.count()) st.consume = reduceConsumer(c, my_piece, my_piece, mine.len(i), t, op, scratch);
       } else {
-        st.sends_after_previous = true;
+        st.send_after = Step::SendAfter::kPreviousSteps;
         std::vector<std::pair<char*, uint64_t>> dst;
         for (size_t j = 0; j < n; ++j) {
           Pieces b = block(j);
           if (j != me && i < b.count()) dst.push_back({at(buf, (start[j] + b.off(i)) * es), b.len(i) * es});
         }
         st.consume = [dst](const std::vector<const char*>& got) {
-          for (size_t k = 0; k < dst.size(); ++k) std::memcpy(dst[k].first, got[k], dst[k].second);
+          for (size_t k = 0; k < dst.size(); ++k) copyIfElsewhere(dst[k].first, got[k], dst[k].second);
         };
       }
       if (!st.sends.empty() || !st.recvs.empty()) s.steps.push_back(std::move(st));
@@ -192,10 +214,8 @@ OpSpec reduceOp(const AlgoContext& c, const void* in, void* out, uint64_t count,
     s.steps.push_back(std::move(st));
   }
   if (c.ranks.size() == 1 && c.me == root) {
-    s.finish = [in, out, count, es, t, op] {
+    s.finish = [in, out, count, es] {
       if (in != out) std::memmove(out, in, count * es);
-      (void)t;
-      (void)op;
     };
   }
   return s;
@@ -209,12 +229,14 @@ OpSpec allgatherOp(const AlgoContext& c, const void* in, void* out, uint64_t byt
     Step st;
     uint64_t off = pc.off(i), len = pc.len(i);
     st.sends = toAllPeers(c, at(in, off), len);
-    st.recvs = fromAllPeers(c, len);
     std::vector<char*> dst;
     for (size_t j = 0; j < c.ranks.size(); ++j)
-      if (j != me) dst.push_back(at(out, j * bytes + off));
+      if (j != me) {
+        dst.push_back(at(out, j * bytes + off));
+        st.recvs.push_back({c.ranks[j], len, dst.back()});
+      }
     st.consume = [dst, len](const std::vector<const char*>& got) {
-      for (size_t k = 0; k < dst.size(); ++k) std::memcpy(dst[k], got[k], len);
+      for (size_t k = 0; k < dst.size(); ++k) copyIfElsewhere(dst[k], got[k], len);
     };
     s.steps.push_back(std::move(st));
   }
@@ -231,12 +253,14 @@ OpSpec gatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes,
     Step st;
     uint64_t off = pc.off(i), len = pc.len(i);
     if (c.me == root) {
-      st.recvs = fromAllPeers(c, len);
       std::vector<char*> dst;
       for (size_t j = 0; j < c.ranks.size(); ++j)
-        if (j != me) dst.push_back(at(out, j * bytes + off));
+        if (j != me) {
+          dst.push_back(at(out, j * bytes + off));
+          st.recvs.push_back({c.ranks[j], len, dst.back()});
+        }
       st.consume = [dst, len](const std::vector<const char*>& got) {
-        for (size_t k = 0; k < dst.size(); ++k) std::memcpy(dst[k], got[k], len);
+        for (size_t k = 0; k < dst.size(); ++k) copyIfElsewhere(dst[k], got[k], len);
       };
     } else {
       st.sends = {{root, at(in, off), len}};
@@ -260,8 +284,8 @@ OpSpec scatterOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes
         if (j != me) st.sends.push_back({c.ranks[j], at(in, j * bytes + off), len});
     } else {
       char* dst = at(out, off);
-      st.recvs = {{root, len}};
-      st.consume = [dst, len](const std::vector<const char*>& got) { std::memcpy(dst, got[0], len); };
+      st.recvs = {{root, len, dst}};
+      st.consume = [dst, len](const std::vector<const char*>& got) { copyIfElsewhere(dst, got[0], len); };
     }
     s.steps.push_back(std::move(st));
   }
@@ -310,12 +334,12 @@ OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64
       Pieces sp{send_bytes[j], c.chunk}, rp{recv_bytes[j], c.chunk};
       if (i < sp.count()) st.sends.push_back({c.ranks[j], at(in, send_off[j] + sp.off(i)), sp.len(i)});
       if (i < rp.count()) {
-        st.recvs.push_back({c.ranks[j], rp.len(i)});
         dst.push_back({at(out, recv_off[j] + rp.off(i)), rp.len(i)});
+        st.recvs.push_back({c.ranks[j], rp.len(i), dst.back().first});
       }
     }
     st.consume = [dst](const std::vector<const char*>& got) {
-      for (size_t k = 0; k < dst.size(); ++k) std::memcpy(dst[k].first, got[k], dst[k].second);
+      for (size_t k = 0; k < dst.size(); ++k) copyIfElsewhere(dst[k].first, got[k], dst[k].second);
     };
     if (!st.sends.empty() || !st.recvs.empty()) s.steps.push_back(std::move(st));
   }

@@ -27,6 +27,7 @@ Mailbox::Mailbox(transfer::TransferEngine& engine, transfer::SegmentId id, uint6
   out_headers_.resize(n * depth_);
   out_signals_.assign(n * depth_, 0);
   out_acks_.assign(n, 0);
+  head_payload_.assign(n, nullptr);
   transports_.assign(n, "");
 }
 
@@ -73,12 +74,30 @@ const MsgHeader* Mailbox::peek(int peer) const {
   return reinterpret_cast<const MsgHeader*>(base_ + slotOffset(peer, slot));
 }
 
-const char* Mailbox::payload(int peer) const {
-  uint64_t slot = (consumed_[peer] + 1) % depth_;
-  return base_ + slotOffset(peer, slot) + sizeof(MsgHeader);
+const char* Mailbox::payload(int peer) {
+  if (!head_payload_[peer]) {
+    uint64_t off = slotOffset(peer, (consumed_[peer] + 1) % depth_) + sizeof(MsgHeader);
+    void* landed = transports_[peer] == "tcp" ? engine_.claimExpected(id_, off) : nullptr;
+    head_payload_[peer] = landed ? static_cast<const char*>(landed) : base_ + off;
+  }
+  return head_payload_[peer];
 }
 
-void Mailbox::release(int peer) {
+void Mailbox::landAhead(int peer, uint64_t ahead, void* dest, uint64_t length) {
+  if (transports_[peer] != "tcp" || ahead >= depth_ || !dest || !length) return;
+  uint64_t msg = consumed_[peer] + 1 + ahead;
+  engine_.expectWrite(id_, slotOffset(peer, msg % depth_) + sizeof(MsgHeader), dest, length);
+}
+
+void Mailbox::clearLandings() { engine_.clearExpected(id_); }
+
+void Mailbox::release(int peer, void* next_dest, uint64_t next_length) {
+  // A landing request for this slot must not outlive its message (payload() claims it).
+  payload(peer);
+  head_payload_[peer] = nullptr;
+  if (next_dest && next_length && transports_[peer] == "tcp")
+    engine_.expectWrite(id_, slotOffset(peer, (consumed_[peer] + 1) % depth_) + sizeof(MsgHeader),
+                        next_dest, next_length);
   uint64_t n = ++consumed_[peer];
   // A newer value may overwrite this staging word while an older ack is still being sent;
   // the count only grows, so the sender reads the same or a newer count.

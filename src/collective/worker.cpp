@@ -43,6 +43,8 @@ WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
   o.chunk_bytes = envBytes("MOELINK_CHUNK_BYTES", o.chunk_bytes);
   o.depth = static_cast<int>(envBytes("MOELINK_MAILBOX_DEPTH", static_cast<uint64_t>(o.depth)));
   o.allreduce_small_bytes = envBytes("MOELINK_ALLREDUCE_SMALL_BYTES", o.allreduce_small_bytes);
+  if (const char* v = std::getenv("MOELINK_CHAIN_BROADCAST_BYTES"); v && *v)
+    o.chain_broadcast_bytes = static_cast<int64_t>(envBytes("MOELINK_CHAIN_BROADCAST_BYTES", 0));
   MOELINK_CHECK(o.chunk_bytes >= 64, "MOELINK_CHUNK_BYTES must be at least 64");
   MOELINK_CHECK(o.depth >= 1 && o.depth <= 64, "MOELINK_MAILBOX_DEPTH must be 1..64");
   o.timeout = timeout;
@@ -59,6 +61,14 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   p2p_->open();
   transfer::storeBarrier(store, "worker/opened", world_, opts_.timeout);
   engine_.unlinkSharedNames();
+  // Algorithm choices must agree across ranks, so they rest on facts every rank sees
+  // alike: the transport mode and whether the group spans hosts.
+  bool spans_hosts = false;
+  for (int p = 0; p < world_; ++p) spans_hosts |= engine_.hostIdOf(p) != engine_.hostId();
+  bool tcp_group = engine_.transportMode() == "tcp" || spans_hosts;
+  chain_broadcast_bytes_ = opts_.chain_broadcast_bytes >= 0
+                               ? static_cast<uint64_t>(opts_.chain_broadcast_bytes)
+                               : (tcp_group ? (1u << 20) : 0);
   active_.assign(world_, 1);
   sends_.resize(world_);
   bound_.resize(world_);
@@ -111,6 +121,7 @@ AlgoContext CollectiveWorker::context() const {
   c.me = rank_;
   c.chunk = coll_->chunkBytes();
   c.allreduce_small_bytes = opts_.allreduce_small_bytes;
+  c.chain_broadcast_bytes = chain_broadcast_bytes_;
   std::lock_guard<std::mutex> g(mu_);
   for (int r = 0; r < world_; ++r)
     if (active_[r] || r == rank_) c.ranks.push_back(r);
@@ -203,6 +214,8 @@ void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) 
   op.pair_send.assign(world, 0);
   op.pair_recv.assign(world, 0);
   op.recv_msgs.assign(world, 0);
+  op.recvq.assign(world, {});
+  op.recv_done.assign(world, 0);
   op.last_sent.assign(world, 0);
   op.last_seen.assign(world, 0);
   op.sends_issued.assign(op.spec.steps.size(), 0);
@@ -216,6 +229,7 @@ void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) 
     for (const auto& r : st.recvs) {
       op.pair_recv[r.peer] += r.bytes;
       op.recv_msgs[r.peer]++;
+      op.recvq[r.peer].push_back(&r);
     }
   }
 }
@@ -277,6 +291,13 @@ const MsgHeader* CollectiveWorker::nextFresh(int peer, uint64_t seq) {
 bool CollectiveWorker::progressCollective(Collective& op) {
   if (!op.started) {
     prepare(op, world_, op.timeout);
+    // Receive this op's first messages in place too. Only while no op has failed: a failed
+    // op can leave messages behind that would shift which message lands where.
+    if (!had_failure_) {
+      for (int p = 0; p < world_; ++p)
+        for (uint64_t k = 0; k < coll_->depth() && k < op.recvq[p].size(); ++k)
+          if (op.recvq[p][k]->landing) coll_->landAhead(p, k, op.recvq[p][k]->landing, op.recvq[p][k]->bytes);
+    }
     VLOG(1) << "moelink: rank " << rank_ << " starts " << opKindName(op.spec.kind) << " #" << op.seq
             << " (" << op.spec.steps.size() << " steps)";
   }
@@ -287,7 +308,8 @@ bool CollectiveWorker::progressCollective(Collective& op) {
     auto& q = op.sendq[p];
     while (op.sendpos[p] < q.size()) {
       auto [s, k] = q[op.sendpos[p]];
-      if (steps[s].sends_after_previous && op.next_step < s) break;
+      if (steps[s].send_after == Step::SendAfter::kPreviousSteps && op.next_step < s) break;
+      if (steps[s].send_after == Step::SendAfter::kThisStep && op.next_step <= s) break;
       if (!coll_->canSend(p)) break;
       const StepSend& snd = steps[s].sends[k];
       MsgHeader h = headerFor(op, rank_);
@@ -333,7 +355,14 @@ bool CollectiveWorker::progressCollective(Collective& op) {
     if (st.consume) st.consume(got);
     for (const auto& r : st.recvs) {
       if (coll_->peek(r.peer)->flags & kLast) op.last_seen[r.peer] = 1;
-      coll_->release(r.peer);
+      // The credit lets the sender send this op's message `depth` places later: have it
+      // received where it will end up, if the consumer only copies it.
+      size_t later = op.recv_done[r.peer]++ + coll_->depth();
+      const StepRecv* next = later < op.recvq[r.peer].size() ? op.recvq[r.peer][later] : nullptr;
+      if (next && next->landing)
+        coll_->release(r.peer, next->landing, next->bytes);
+      else
+        coll_->release(r.peer);
     }
     op.step_batches[op.next_step].clear();
     op.next_step++;
@@ -375,6 +404,8 @@ bool CollectiveWorker::progressCollective(Collective& op) {
 void CollectiveWorker::failCollective(Collective& op, const std::string& why) {
   if (op.draining) return;
   LOG(WARNING) << "moelink: rank " << rank_ << ": " << why;
+  coll_->clearLandings();  // later messages of this op go to the slots and are discarded
+  had_failure_ = true;
   op.error = why;
   op.draining = true;
   if (!op.started) prepare(op, world_, op.timeout);

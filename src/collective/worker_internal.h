@@ -24,6 +24,8 @@ struct CollectiveWorker::Collective {
   std::vector<size_t> sendpos;
   std::vector<uint64_t> pair_send, pair_recv;  // bytes per peer over the whole op
   std::vector<uint32_t> recv_msgs;             // messages expected per peer
+  std::vector<std::vector<const StepRecv*>> recvq;  // per peer, in order
+  std::vector<uint32_t> recv_done;             // per peer: consumed so far
   std::vector<uint32_t> sends_issued;          // per step
   std::vector<std::vector<transfer::BatchPtr>> step_batches;
   std::vector<transfer::BatchPtr> inflight;

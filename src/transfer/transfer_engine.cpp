@@ -37,6 +37,40 @@ void* LocalSegments::resolve(SegmentId id, uint64_t offset, uint64_t length) con
   return static_cast<char*>(e.addr) + offset;
 }
 
+void LocalSegments::expect(SegmentId id, uint64_t offset, void* dest, uint64_t length) {
+  std::lock_guard<std::mutex> g(expect_mu_);
+  expected_[{id, offset}] = Expectation{dest, length, false};
+}
+
+void* LocalSegments::resolveIncomingWrite(SegmentId id, uint64_t offset, uint64_t length) {
+  {
+    std::lock_guard<std::mutex> g(expect_mu_);
+    if (!expected_.empty()) {
+      auto it = expected_.find({id, offset});
+      if (it != expected_.end() && !it->second.used && length <= it->second.length && length > 0) {
+        it->second.used = true;
+        return it->second.dest;
+      }
+    }
+  }
+  return resolve(id, offset, length);
+}
+
+void* LocalSegments::claim(SegmentId id, uint64_t offset) {
+  std::lock_guard<std::mutex> g(expect_mu_);
+  auto it = expected_.find({id, offset});
+  if (it == expected_.end()) return nullptr;
+  void* dest = it->second.used ? it->second.dest : nullptr;
+  expected_.erase(it);
+  return dest;
+}
+
+void LocalSegments::clearExpectations(SegmentId id) {
+  std::lock_guard<std::mutex> g(expect_mu_);
+  for (auto it = expected_.begin(); it != expected_.end();)
+    it = it->first.first == id ? expected_.erase(it) : std::next(it);
+}
+
 std::string localHostId() {
   if (const char* id = std::getenv("MOELINK_HOST_ID"); id && *id) return id;
   char host[256] = {0};

@@ -87,6 +87,13 @@ TEST_P(CollectiveTest, AlltoallUnevenAndBroadcast) {
     std::vector<int> b(9000, rank == 1 ? 42 : 0);
     ASSERT_EQ("", run(*r.worker, broadcastOp(r.worker->context(), b.data(), b.size() * 4, 1)));
     for (int v : b) ASSERT_EQ(v, 42);
+    // The pipelined chain (forced here; chosen by default for large tcp broadcasts).
+    AlgoContext chain = r.worker->context();
+    chain.chain_broadcast_bytes = 1;
+    std::vector<int> c(9000, rank == world - 1 ? 7 : -1);
+    for (int i = 0; i < 9000 && rank == world - 1; ++i) c[i] = i;
+    ASSERT_EQ("", run(*r.worker, broadcastOp(chain, c.data(), c.size() * 4, world - 1)));
+    for (int i = 0; i < 9000; ++i) ASSERT_EQ(c[i], i);
   });
 }
 

@@ -221,3 +221,44 @@ TEST(ShmTransport, NamesAreUnlinkedAfterSetup) {
 }
 
 }  // namespace
+
+namespace {
+
+// Receive redirection: an expected tcp write lands at the destination given, exactly once;
+// without an expectation (or once claimed) writes land in the segment.
+TEST(TcpTransport, ExpectedWriteLandsAtDestination) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    TransferEngine engine(store, opts(rank, 2, "tcp"));
+    char* seg = static_cast<char*>(engine.allocateSegment(4, 4096));
+    storeBarrier(*store, "alloc", 2, seconds(10));
+    engine.openSegment(1 - rank, 4);
+    std::vector<char> dest(1024, 0);
+    if (rank == 1) engine.expectWrite(4, 512, dest.data(), dest.size());
+    storeBarrier(*store, "expected", 2, seconds(10));
+    if (rank == 0) {
+      std::vector<char> a(1000, 'a'), b(1000, 'b');
+      auto b1 = engine.submit({{Opcode::kWrite, a.data(), 1, 4, 512, a.size()}});
+      ASSERT_TRUE(b1->wait(seconds(10)));
+      ASSERT_FALSE(b1->failed());
+      storeBarrier(*store, "first", 2, seconds(10));
+      storeBarrier(*store, "claimed", 2, seconds(10));
+      auto b2 = engine.submit({{Opcode::kWrite, b.data(), 1, 4, 512, b.size()}});
+      ASSERT_TRUE(b2->wait(seconds(10)));
+      storeBarrier(*store, "second", 2, seconds(10));
+    } else {
+      storeBarrier(*store, "first", 2, seconds(10));
+      EXPECT_EQ(engine.claimExpected(4, 512), dest.data());
+      EXPECT_EQ(dest[0], 'a');
+      EXPECT_EQ(dest[999], 'a');
+      EXPECT_EQ(seg[512], 0) << "the redirected write also touched the segment";
+      EXPECT_EQ(engine.claimExpected(4, 512), nullptr);  // claimed once
+      storeBarrier(*store, "claimed", 2, seconds(10));
+      storeBarrier(*store, "second", 2, seconds(10));
+      EXPECT_EQ(seg[512], 'b');  // no expectation: the segment receives it
+      EXPECT_EQ(dest[0], 'a');
+    }
+  });
+}
+
+}  // namespace

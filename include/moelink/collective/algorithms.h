@@ -20,6 +20,9 @@ struct AlgoContext {
   std::vector<int> ranks;  // participants, ascending
   uint64_t chunk;          // mailbox payload bytes
   uint64_t allreduce_small_bytes;  // at or below: every rank reduces everything
+  // Above this (0: never), broadcast is a pipelined chain from the root instead of direct
+  // writes, so that the root sends the data once (chosen for groups that talk over tcp).
+  uint64_t chain_broadcast_bytes = 0;
 };
 
 OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root);

@@ -47,6 +47,7 @@ class Mailbox {
   void open();
 
   uint64_t chunkBytes() const { return chunk_; }
+  uint64_t depth() const { return depth_; }
   const std::string& transportTo(int peer) const { return transports_[peer]; }
 
   bool canSend(int peer) const;
@@ -55,9 +56,21 @@ class Mailbox {
 
   // The next message from `peer` if it has arrived, else nullptr.
   const MsgHeader* peek(int peer) const;
-  const char* payload(int peer) const;
-  // Frees the peeked slot and tells the sender.
-  void release(int peer);
+  // Its payload: in the slot, or where release() asked it to land.
+  const char* payload(int peer);
+  // Frees the peeked slot and returns its credit to the sender. The credit lets the
+  // sender send the message `depth` places after this one, into the same slot; when
+  // `next_dest` is given and the transport receives into memory itself (tcp), that
+  // message's payload (at most `next_length` bytes) is received straight into
+  // `next_dest`, which saves the copy out of the slot. The request is in place before the
+  // credit leaves, so the sender cannot overtake it.
+  void release(int peer, void* next_dest = nullptr, uint64_t next_length = 0);
+  // Like release()'s request, for the message `ahead` places after the current head
+  // (0: the head itself), which may already be arriving: if the transport has started on
+  // it, it simply lands in its slot. ahead < depth.
+  void landAhead(int peer, uint64_t ahead, void* dest, uint64_t length);
+  // Drops every landing request (after a failed op: later messages go to the slots).
+  void clearLandings();
 
  private:
   uint64_t signalOffset(int src, uint64_t slot) const { return (src * depth_ + slot) * 8; }
@@ -78,6 +91,7 @@ class Mailbox {
   std::vector<MsgHeader> out_headers_;  // [peer][slot]: staged until the write completes
   std::vector<uint64_t> out_signals_;   // [peer][slot]
   std::vector<uint64_t> out_acks_;      // [peer]
+  std::vector<const char*> head_payload_;  // [peer]: resolved payload of the head message
   std::vector<std::string> transports_;
 };
 

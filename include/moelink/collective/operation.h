@@ -29,6 +29,9 @@ struct StepSend {
 struct StepRecv {
   int peer;
   uint64_t bytes;
+  // Where the payload ends up when the consumer only copies it (nullptr otherwise). The
+  // worker may have it received there directly (tcp); consume then sees that address.
+  char* landing = nullptr;
 };
 
 struct Step {
@@ -36,8 +39,11 @@ struct Step {
   std::vector<StepRecv> recvs;
   // Called once every recv of this step has arrived, with their payloads in recvs order.
   std::function<void(const std::vector<const char*>&)> consume;
-  // Sends wait until every earlier step has been consumed (data produced by them).
-  bool sends_after_previous = false;
+  // When the sends may go: at once, once every earlier step has been consumed (they
+  // produce the data), or once this step itself has been consumed (forwarding what it
+  // received, as in a pipelined chain).
+  enum class SendAfter : uint8_t { kAnytime, kPreviousSteps, kThisStep };
+  SendAfter send_after = SendAfter::kAnytime;
   // Consume waits until this step's own sends have completed (it overwrites their source).
   bool consume_after_sends = false;
 };

@@ -23,7 +23,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <list>
 #include <memory>
@@ -41,8 +40,10 @@ namespace moelink::collective {
 
 struct WorkerOptions {
   uint64_t chunk_bytes = 512 << 10;          // MOELINK_CHUNK_BYTES
-  int depth = 2;                             // MOELINK_MAILBOX_DEPTH
+  int depth = 4;                             // MOELINK_MAILBOX_DEPTH
   uint64_t allreduce_small_bytes = 64 << 10; // MOELINK_ALLREDUCE_SMALL_BYTES
+  // MOELINK_CHAIN_BROADCAST_BYTES; unset: 1 MiB in groups that talk over tcp, else never.
+  int64_t chain_broadcast_bytes = -1;
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   // Reads the MOELINK_* variables above over the given defaults.
   static WorkerOptions fromEnv(std::chrono::milliseconds timeout);
@@ -95,6 +96,8 @@ class CollectiveWorker {
   int rank_, world_;
   std::unique_ptr<Mailbox> coll_, p2p_;
   std::vector<char> active_;
+  uint64_t chain_broadcast_bytes_ = 0;
+  bool had_failure_ = false;  // worker thread: an op of this group has failed
 
   mutable std::mutex mu_;
   bool stop_ = false;

@@ -45,9 +45,25 @@ class LocalSegments {
   // not inside a registered segment.
   void* resolve(SegmentId id, uint64_t offset, uint64_t length) const;
 
+  // Receive redirection (see TransferEngine::expectWrite).
+  void expect(SegmentId id, uint64_t offset, void* dest, uint64_t length);
+  // Where an incoming write of `length` bytes at (id, offset) goes: an expected
+  // destination that is large enough (marked as used), else resolve().
+  void* resolveIncomingWrite(SegmentId id, uint64_t offset, uint64_t length);
+  // Removes the expectation at (id, offset); its destination if a write used it.
+  void* claim(SegmentId id, uint64_t offset);
+  void clearExpectations(SegmentId id);
+
  private:
+  struct Expectation {
+    void* dest = nullptr;
+    uint64_t length = 0;
+    bool used = false;
+  };
   mutable std::shared_mutex mu_;
   std::map<SegmentId, Entry> entries_;
+  std::mutex expect_mu_;
+  std::map<std::pair<SegmentId, uint64_t>, Expectation> expected_;
 };
 
 struct EngineOptions {
@@ -99,9 +115,23 @@ class TransferEngine {
   // Rings `peer`'s doorbell (its segments must have been opened).
   void notify(int peer);
 
+  // Receive redirection, for transports that receive into memory themselves (tcp): the
+  // next incoming write of at most `length` bytes at (id, offset) of this rank's segment
+  // is placed at `dest` instead, saving the copy out of the segment. claimExpected()
+  // removes the expectation and tells whether a write used it (then the data is at
+  // `dest`, else at (id, offset) as usual). The caller must install it before the writer
+  // can send (the mailbox does so before returning the credit for that slot).
+  void expectWrite(SegmentId id, uint64_t offset, void* dest, uint64_t length) {
+    local_.expect(id, offset, dest, length);
+  }
+  void* claimExpected(SegmentId id, uint64_t offset) { return local_.claim(id, offset); }
+  void clearExpected(SegmentId id) { local_.clearExpectations(id); }
+
   // The tcp listen address published for this rank ("ip:port").
   std::string tcpAddress() const;
   const std::string& hostId() const { return host_id_; }
+  // The host id that `peer` published (waits for it up to the timeout).
+  std::string hostIdOf(int peer) { return peerInfo(peer).host_id; }
   uint64_t secret() const { return secret_; }
 
  private:

@@ -134,7 +134,6 @@ class TcpTransport::Impl {
     int fd = -1;
     int peer = -1;
     bool outbound = false;
-    bool authed = false;
     // receive side
     enum class In { kHello, kHeader, kPayload } in = In::kHeader;
     std::vector<char> rbuf;
@@ -152,7 +151,7 @@ class TcpTransport::Impl {
     std::unordered_map<uint64_t, Pending> pending;  // outbound: by request id
   };
 
-  Impl(int rank, uint64_t secret, const LocalSegments& segs, milliseconds timeout,
+  Impl(int rank, uint64_t secret, LocalSegments& segs, milliseconds timeout,
        std::function<void()> ring_local)
       : rank_(rank), secret_(secret), segs_(segs), timeout_(timeout), ring_local_(std::move(ring_local)) {
     listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -239,12 +238,11 @@ class TcpTransport::Impl {
     c->fd = fd;
     c->peer = peer.rank;
     c->outbound = true;
-    c->authed = true;
     c->rbuf.resize(kReadBuffer);
     std::lock_guard<std::mutex> g(mu_);
     connected_.insert(peer.rank);
     new_conns_.push_back(std::move(c));
-    wakeLocked();
+    wake();
   }
 
   void post(const TransferRequest& req, const BatchPtr& batch, size_t index) {
@@ -269,7 +267,7 @@ class TcpTransport::Impl {
       return;
     }
     submissions_.push_back(std::move(s));
-    if (submissions_.size() == 1) wakeLocked();
+    if (submissions_.size() == 1) wake();
   }
 
  private:
@@ -291,7 +289,6 @@ class TcpTransport::Impl {
     ssize_t r = ::write(event_fd_, &one, sizeof one);
     (void)r;
   }
-  void wakeLocked() { wake(); }
 
   void loop() {
     std::vector<epoll_event> events(64);
@@ -420,7 +417,6 @@ class TcpTransport::Impl {
           return false;
         }
         c.peer = h.rank;
-        c.authed = true;
         c.in = Conn::In::kHeader;
         OutFrame f;
         uint64_t magic = wire::kHelloMagic;
@@ -463,7 +459,7 @@ class TcpTransport::Impl {
     switch (h.type) {
       case wire::kWrite: {
         if (c.outbound) return protocolError(c, "write frame on an outbound connection");
-        void* dst = segs_.resolve(h.segment, h.offset, h.length);
+        void* dst = segs_.resolveIncomingWrite(h.segment, h.offset, h.length);
         c.reply_status = dst ? wire::kOk : wire::kOutOfBounds;
         if (!dst)
           LOG(WARNING) << "moelink tcp: rank " << c.peer << " wrote " << h.length
@@ -649,7 +645,7 @@ class TcpTransport::Impl {
 
   int rank_;
   uint64_t secret_;
-  const LocalSegments& segs_;
+  LocalSegments& segs_;
   milliseconds timeout_;
   int listen_fd_ = -1, epoll_fd_ = -1, event_fd_ = -1;
   std::string address_;
@@ -673,7 +669,7 @@ class TcpTransport::Impl {
   std::function<void()> ring_local_;
 };
 
-TcpTransport::TcpTransport(int rank, uint64_t secret, const LocalSegments& segments,
+TcpTransport::TcpTransport(int rank, uint64_t secret, LocalSegments& segments,
                            milliseconds connect_timeout, std::function<void()> ring_local)
     : impl_(std::make_unique<Impl>(rank, secret, segments, connect_timeout, std::move(ring_local))) {}
 

