@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node 4 examples/quickstart.py
 
-Every rank runs the collectives on CPU tensors (the GPU EP buffer is separate), checks
-each result against what it computes itself from every rank's known inputs, and rank 0
-prints a line per op with the transport used between ranks.
+Every rank runs the collectives on CPU tensors, checks each result against what it
+computes itself from every rank's known inputs, and rank 0 prints a line per op with the
+transport used between ranks. With a GPU per rank it also runs one MoE dispatch + combine
+round through moelink.Buffer (NVLink), checked the same way.
 """
 
 import os
@@ -20,6 +21,22 @@ import moelink  # noqa: E402  (registers backend "ep")
 
 def value(rank: int, n: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.float32) + 100 * rank
+
+
+def ep_round(rank: int, world: int) -> bool:
+    """One MoE round on the GPUs: dispatch tokens to their top-2 experts, let every expert
+    double its tokens, combine with the top-k weights; compare with the local expectation."""
+    torch.cuda.set_device(rank)
+    tokens, hidden, experts = 64, 1024, 8 * world
+    buf = moelink.Buffer(None, tokens, hidden, experts)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.rand(tokens, experts, generator=g).topk(2, dim=1).indices.cuda()
+    w = torch.rand(tokens, 2, generator=g).cuda()
+    recv_x, count, handle, _, _ = buf.dispatch(x, idx, tokens, experts, use_fp8=False)
+    out, _, _ = buf.combine((recv_x.float() * 2).to(torch.bfloat16), idx, w, handle)
+    want = (x.float() * 2) * w.sum(1, keepdim=True)
+    return torch.allclose(out.float(), want, rtol=2e-2, atol=5e-2)
 
 
 def main() -> None:
@@ -69,6 +86,10 @@ def main() -> None:
             dist.recv(got, src=0)
             check("send/recv", torch.equal(got, value(0, 16)), t0)
     dist.barrier()
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world and moelink._C.HAS_CUDA:
+        t0 = time.perf_counter()
+        check("ep dispatch/combine", ep_round(rank, world), t0)
 
     if rank == 0:
         peers = {moelink.transport_of(r) for r in range(world) if r != rank} or {"local"}

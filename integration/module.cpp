@@ -6,6 +6,9 @@
 #include <torch/version.h>
 
 #include "moelink/backend/ep_backend.h"
+#ifdef MOELINK_WITH_CUDA
+#include "moelink/ep/ep_buffer.h"
+#endif
 
 namespace py = pybind11;
 using moelink::backend::EpBackend;
@@ -27,5 +30,36 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def("transport_of", &EpBackend::transportOf, py::arg("rank"),
            "How this rank reaches `rank` for collectives: 'shm', 'tcp' or 'local'.")
       .def("active_ranks", &EpBackend::activeRanks, "Ranks currently in the active-rank mask.")
-      .def_property_readonly("timeout", &EpBackend::timeout);
+      .def_property_readonly("timeout", &EpBackend::timeout)
+      .def_property_readonly("rank", &EpBackend::getRank)
+      .def_property_readonly("size", &EpBackend::getSize)
+      .def_property_readonly("store", &EpBackend::store);
+
+#ifdef MOELINK_WITH_CUDA
+  using moelink::ep::DispatchOutputs;
+  using moelink::ep::EpBuffer;
+  m.attr("HAS_CUDA") = true;
+  py::class_<DispatchOutputs>(m, "DispatchOutputs")
+      .def_readonly("recv_x", &DispatchOutputs::recv_x)
+      .def_readonly("recv_scales", &DispatchOutputs::recv_scales)
+      .def_readonly("recv_count", &DispatchOutputs::recv_count)
+      .def_readonly("src_info", &DispatchOutputs::src_info)
+      .def_readonly("src_slot", &DispatchOutputs::src_slot)
+      .def_readonly("layout_range", &DispatchOutputs::layout_range)
+      .def_readonly("half", &DispatchOutputs::half);
+  py::class_<EpBuffer, std::shared_ptr<EpBuffer>>(m, "EpBuffer")
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const std::string&, int64_t, int64_t,
+                    int64_t>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("key"), py::arg("max_tokens"),
+           py::arg("hidden"), py::arg("num_experts"), py::call_guard<py::gil_scoped_release>())
+      .def_static("size_hint", &EpBuffer::sizeHint)
+      .def("dispatch", &EpBuffer::dispatch)
+      .def("dispatch_recv", &EpBuffer::dispatchRecv)
+      .def("combine", &EpBuffer::combine)
+      .def("combine_recv", &EpBuffer::combineRecv)
+      .def("transport_of", &EpBuffer::transportOf)
+      .def("active_ranks", &EpBuffer::activeRanks);
+#else
+  m.attr("HAS_CUDA") = false;
+#endif
 }

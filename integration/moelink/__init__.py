@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["get_backend", "transport_of", "BACKEND_NAME"]
+__all__ = ["Buffer", "EventOverlap", "get_backend", "transport_of", "BACKEND_NAME"]
 
 BACKEND_NAME = "ep"
 
@@ -86,3 +86,20 @@ def get_backend(group=None) -> "_C.EpBackend":
 def transport_of(rank: int, group=None) -> str:
     """How this process reaches ``rank`` of ``group``: 'shm', 'tcp' or 'local'."""
     return get_backend(group).transport_of(rank)
+
+
+from .buffer import Buffer, EventOverlap  # noqa: E402
+
+
+def _ep_buffer(self, num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=256):
+    """The EP buffer of this backend's group (a collective call, as moelink.Buffer)."""
+    for pg in dist.distributed_c10d._world.pg_map:
+        try:
+            if pg._get_backend(torch.device("cpu")) is self:
+                return Buffer(pg, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        except RuntimeError:
+            continue
+    raise ValueError("this backend belongs to no live process group")
+
+
+_C.EpBackend.ep_buffer = _ep_buffer

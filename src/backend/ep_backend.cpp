@@ -171,7 +171,10 @@ class C10dStore : public transfer::MetadataStore {
 
 EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                      milliseconds timeout)
-    : c10d::Backend(rank, size), timeout_(timeout), store_(std::make_shared<C10dStore>(store)) {
+    : c10d::Backend(rank, size),
+      timeout_(timeout),
+      c10d_store_(store),
+      store_(std::make_shared<C10dStore>(store)) {
   try {
     transfer::EngineOptions eo;
     eo.rank = rank;

@@ -93,6 +93,8 @@ class EpBackend : public c10d::Backend {
   std::string transportOf(int peer) const;
   std::vector<int64_t> activeRanks() const;
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // The group's store (the EP buffer exchanges its CUDA IPC handles through it).
+  c10::intrusive_ptr<c10d::Store> store() const { return c10d_store_; }
 
  private:
   collective::CollectiveWorker& worker() const;
@@ -103,6 +105,7 @@ class EpBackend : public c10d::Backend {
                                          std::chrono::milliseconds timeout);
 
   std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10d::Store> c10d_store_;
   std::shared_ptr<transfer::MetadataStore> store_;
   std::unique_ptr<transfer::TransferEngine> engine_;
   std::unique_ptr<collective::CollectiveWorker> worker_;

@@ -1,0 +1,182 @@
+"""EP buffer latency vs an all_to_all_single (NCCL) dispatch + combine of the same routing.
+
+    python examples/bench/ep.py [--gpus 4] [--tokens 128,256] [--iters 200] [--out ep.png]
+
+One process per GPU. Per round: random top-8 of 256 experts per token (hidden 7168), FP8
+dispatch and BF16 combine for moelink; the NCCL pipeline moves bf16 tokens with
+all_to_all_single (counts exchanged first, as a real MoE layer must) and combines with
+index_add. Every timing is CUDA events around one call, L2 flushed before it, median of
+`iters` after warm-up, slowest rank. Bandwidth as DeepEP's tests/test_low_latency.py counts
+it: dispatch moves (hidden + hidden/128*4 + 16) bytes per selected (token, expert) pair,
+combine hidden*2 bytes per pair.
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "integration"))
+
+HIDDEN, EXPERTS, TOPK = 7168, 256, 8
+
+
+def timed(fn, flush, iters, warmup, gpu_only=True):
+    """CUDA-event times (us). gpu_only: a sleep kernel queued first lets the host enqueue the
+    call before the start event fires, so the events measure the GPU's time, not the host's
+    launch and allocation overhead (what DeepEP's kernel timings report)."""
+    times = []
+    for i in range(warmup + iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if gpu_only:
+            torch.cuda._sleep(2_000_000)  # ~1 ms
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end) * 1e3)  # us
+    return times
+
+
+def a2a_pipeline(x, idx, w, world, nccl):
+    """Dispatch: send each (token, expert) copy to the expert's rank; combine: back + weighted sum."""
+    nle = EXPERTS // world
+    valid = idx >= 0
+    tok = valid.nonzero()[:, 0]
+    exp = idx[valid]
+    dst = exp // nle
+    order = torch.argsort(dst, stable=True)
+    send_counts = torch.bincount(dst, minlength=world)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=nccl)
+    sc, rc = send_counts.tolist(), recv_counts.tolist()
+    send = x[tok[order]]
+    recv = torch.empty(sum(rc), x.shape[1], dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(recv, send, rc, sc, group=nccl)
+    # (experts would run here)
+    back = torch.empty_like(send)
+    dist.all_to_all_single(back, recv, sc, rc, group=nccl)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok[order], back.float() * w[valid][order].unsqueeze(1))
+    return out.to(torch.bfloat16)
+
+
+def worker(rank, world, port, tokens_list, iters, q):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    import moelink
+
+    dist.init_process_group("ep", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    nccl = dist.new_group(backend="nccl", device_id=torch.device("cuda", rank))
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    rows = []
+    for tokens in tokens_list:
+        buf = moelink.Buffer(None, tokens, HIDDEN, EXPERTS)
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        x = torch.randn(tokens, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+        scores = torch.randn(tokens, EXPERTS, device="cuda", generator=g).abs() + 1
+        idx = scores.topk(TOPK, dim=1).indices
+        w = torch.rand(tokens, TOPK, device="cuda", generator=g)
+        state = {}
+
+        def dispatch():
+            state["r"] = buf.dispatch(x, idx, tokens, EXPERTS, use_fp8=True)
+
+        def combine():
+            recv, count, handle, _, _ = state["r"]
+            buf.combine(state["y"], idx, w, handle)
+
+        nle = EXPERTS // world
+        state["y"] = torch.zeros(nle, world * tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        dispatch()  # warm-up round trip
+        combine()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t_disp, t_comb, t_call = [], [], []
+        for _ in range(iters + 10):
+            t_disp += timed(dispatch, flush, 1, 0)
+            t_comb += timed(combine, flush, 1, 0)
+            t_call += timed(lambda: (dispatch(), combine()), flush, 1, 0, gpu_only=False)
+        t_disp, t_comb, t_call = t_disp[10:], t_comb[10:], t_call[10:]
+        dist.barrier()
+        # The all_to_all pipeline syncs with the host (split sizes), so it is timed end to end.
+        t_a2a = timed(lambda: a2a_pipeline(x, idx, w, world, nccl), flush, max(20, iters // 5), 5, gpu_only=False)
+        sel = int((idx >= 0).sum())
+        meds = torch.tensor([statistics.median(t_disp), statistics.median(t_comb), statistics.median(t_a2a),
+                             statistics.median(t_call)], device="cuda")
+        dist.all_reduce(meds, op=dist.ReduceOp.MAX, group=nccl)
+        sel_t = torch.tensor([sel], device="cuda")
+        dist.all_reduce(sel_t, group=nccl)
+        d, c, a, call = meds.tolist()
+        rows.append((tokens, d, c, a, call, int(sel_t) / world))
+        del buf
+        torch.cuda.synchronize()
+        dist.barrier()
+    if rank == 0:
+        q.put(rows)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
+    ap.add_argument("--tokens", default="128,256")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", default="ep.png")
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.gpus, port, tokens, args.iters, q)) for r in range(args.gpus)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=1800)
+    for p in procs:
+        p.join()
+    fp8_bytes, bf16_bytes = HIDDEN + HIDDEN // 128 * 4 + 16, HIDDEN * 2
+    print(f"# EP{args.gpus}, hidden {HIDDEN}, top-{TOPK} of {EXPERTS} experts, FP8 dispatch / BF16 combine, "
+          f"median of {args.iters} (slowest rank), {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'tokens':>7}{'dispatch us':>13}{'GB/s':>8}{'combine us':>12}{'GB/s':>8}{'d+c call us':>13}"
+          f"{'a2a d+c us':>12}{'speed-up':>10}")
+    for tok, d, c, a, call, sel in rows:
+        print(f"{tok:>7}{d:13.1f}{sel * fp8_bytes / d / 1e3:8.1f}{c:12.1f}{sel * bf16_bytes / c / 1e3:8.1f}"
+              f"{call:13.1f}{a:12.1f}{a / call:9.1f}x")
+    print("dispatch/combine: GPU time of each call; d+c call: one dispatch + combine end to end (host launch "
+          "overhead included), which the speed-up compares with the all_to_all pipeline (end to end)")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        labels = [str(r[0]) for r in rows]
+        xs = range(len(rows))
+        ax.bar([i - 0.27 for i in xs], [r[1] for r in rows], 0.27, label="moelink dispatch (FP8)")
+        ax.bar([i for i in xs], [r[2] for r in rows], 0.27, label="moelink combine (BF16)")
+        ax.bar([i + 0.27 for i in xs], [r[3] for r in rows], 0.27, label="all_to_all_single d+c (NCCL, end to end)")
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), labels)
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("median latency (us)")
+        ax.set_title(f"EP{args.gpus}, hidden {HIDDEN}, top-{TOPK}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.out, dpi=110)
+        print(f"plot written to {args.out}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+// EpBuffer: the tensor-facing entry of the EP buffer (this file and ep_buffer.cpp are the
+// only EP code that sees torch). Validates every argument before any launch, owns the GPU
+// buffer and the peers' mappings, and launches the kernels of kernels.h on the current
+// stream. Collective: every rank of the group constructs it with the same arguments.
+//
+// Paths per peer, chosen at construction: "local" (this rank), "nvlink" (same host, CUDA
+// IPC mapping). Ranks on other hosts need the IBGDA or proxy path, which this build does
+// not have: construction fails with a message saying so.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "moelink/ep/layout.h"
+
+namespace moelink::ep {
+
+struct DispatchOutputs {
+  at::Tensor recv_x;       // bf16 or e4m3 [local, ranks*max_tokens, hidden]
+  at::Tensor recv_scales;  // float [local, ranks*max_tokens, hidden/128] (FP8 only)
+  at::Tensor recv_count;   // int32 [local]
+  at::Tensor src_info;     // int32 [local, ranks*max_tokens]
+  at::Tensor src_slot;     // int32 [local, ranks*max_tokens]
+  at::Tensor layout_range; // int64 [local, ranks]: (begin << 32) | count
+  int64_t half = 0;
+};
+
+class EpBuffer {
+ public:
+  EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& key,
+           int64_t max_tokens, int64_t hidden, int64_t num_experts);
+  ~EpBuffer();
+
+  static int64_t sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts);
+
+  // Sends (and, unless launch_recv is false, receives) one dispatch round.
+  DispatchOutputs dispatch(const at::Tensor& x, const at::Tensor& topk_idx, bool use_fp8,
+                           bool round_scale, int64_t timeout_us,
+                           const std::optional<at::Tensor>& active_ranks, bool launch_recv);
+  // The receive half of dispatch() (for return_recv_hook).
+  void dispatchRecv(DispatchOutputs& out, bool use_fp8, int64_t timeout_us,
+                    const std::optional<at::Tensor>& active_ranks);
+  // Sends expert outputs back; unless launch_recv is false, also reduces into `out`.
+  at::Tensor combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                     const DispatchOutputs& handle, const std::optional<at::Tensor>& out,
+                     int64_t timeout_us, const std::optional<at::Tensor>& active_ranks, bool launch_recv);
+  void combineRecv(const at::Tensor& topk_idx, const at::Tensor& topk_weights, const DispatchOutputs& handle,
+                   at::Tensor& out, int64_t timeout_us, const std::optional<at::Tensor>& active_ranks);
+
+  std::string transportOf(int rank) const;
+  at::Tensor activeRanks() const { return active_; }
+  const EpLayout& layout() const { return layout_; }
+  int rank() const { return rank_; }
+
+ private:
+  struct Launch;
+  Launch common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active_ranks) const;
+
+  int rank_, size_, device_;
+  EpLayout layout_;
+  char* buffer_ = nullptr;
+  int* scratch_ = nullptr;
+  char** peers_dev_ = nullptr;
+  std::vector<char*> peers_;
+  std::vector<std::string> transports_;
+  at::Tensor active_;
+  int num_sms_ = 0;
+  int64_t round_ = 0;
+  int64_t default_timeout_us_;
+};
+
+}  // namespace moelink::ep

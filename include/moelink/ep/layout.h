@@ -1,0 +1,48 @@
+// EpLayout: where everything lives in an EP buffer, and what sizes are allowed.
+//
+// Every rank allocates one GPU buffer with the same layout; peers write into it directly
+// (NVLink: through CUDA IPC mappings). It holds two halves used by alternate rounds, so
+// that a round's dispatch can start while the previous round's buffers are still read.
+// One half:
+//   dispatch_x     [local expert][source rank][slot] messages of dispatch_msg_bytes:
+//                  a 16-byte header {source token, top-k slot} then the payload (bf16
+//                  hidden, or e4m3 hidden + float scales per 128 elements)
+//   dispatch_count [local expert][source rank] int32, written by the source after its
+//                  tokens: -n-1 for n tokens, so that 0 means "not arrived" (the receiver
+//                  resets it to 0 after reading)
+//   combine_x      [token][top-k slot] bf16 hidden: expert outputs returning to the
+//                  token's rank
+//   combine_flag   [global expert] int32: the expert's rank writes the round's tag when it
+//                  has sent everything for that expert
+// No torch and no CUDA here; the kernels take these offsets as plain integers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace moelink::ep {
+
+constexpr int kMaxTopk = 16;
+constexpr int kHiddenAlign = 128;  // FP8 scale group; hidden must be a multiple of it
+constexpr int kMsgHeaderBytes = 16;
+
+struct EpLayout {
+  int num_ranks = 0;
+  int num_experts = 0;
+  int num_local_experts = 0;
+  int max_tokens = 0;  // num_max_dispatch_tokens_per_rank
+  int hidden = 0;
+
+  uint64_t dispatch_msg_bytes = 0;
+  uint64_t combine_msg_bytes = 0;
+  uint64_t off_dispatch_x = 0, off_dispatch_count = 0, off_combine_x = 0, off_combine_flag = 0;
+  uint64_t half_bytes = 0;
+
+  // Validates the sizes (throws moelink::Error naming the bad one) and lays out a half.
+  static EpLayout make(int num_ranks, int num_experts, int max_tokens, int hidden);
+  uint64_t totalBytes() const { return 2 * half_bytes; }
+  uint64_t fp8PayloadBytes() const { return static_cast<uint64_t>(hidden) + hidden / kHiddenAlign * 4; }
+};
+
+}  // namespace moelink::ep

@@ -1,0 +1,176 @@
+"""moelink.Buffer: low-latency MoE dispatch and combine on the GPU.
+
+Every rank of an "ep" group creates one with the same arguments (a collective call)::
+
+    buf = moelink.Buffer(group, num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=256)
+    recv_x, recv_count, handle, event, hook = buf.dispatch(x, topk_idx, 128, 256)
+    y = experts(recv_x, recv_count)                      # [local experts, ranks * 128, hidden] bf16
+    combined, event, hook = buf.combine(y, topk_idx, topk_weights, handle)
+
+GPU warps write straight into the peers' buffers: over NVLink through CUDA IPC mappings
+within a host. Paths per peer: ``buf.transport_of(rank)`` ('local' or 'nvlink').
+
+Layout of the results (as DeepEP's low-latency mode):
+
+- ``recv_x``: bf16 ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``,
+  or with ``use_fp8`` a tuple (e4m3 data of that shape, float32 scales ``[..., hidden / 128]``;
+  with ``use_ue8m0`` the scales are power-of-two exponents packed four to an int32,
+  ``[..., hidden / 512]``). Expert e's received tokens are rows ``0 .. recv_count[e]-1``.
+- ``handle``: ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``
+  plus internal fields; ``src_info[e, i]`` is the sender's token index of row i;
+  ``layout_range[e, r]`` packs, for tokens from rank r, ``(begin << 32) | count``.
+- ``combine``: ``combined_x[t] = sum_k topk_weights[t, k] * y(token t at expert topk_idx[t, k])``.
+
+Sizes: hidden a multiple of 128, top-k 1..16, num_experts a multiple of the group size, at most
+``num_max_dispatch_tokens_per_rank`` tokens per call; a token must not list one expert twice;
+entries of -1 (or out of range) are skipped. Violations raise before anything is launched.
+
+Faults: a receiver that waits on a source longer than ``timeout_us`` (-1: the buffer default,
+MOELINK_EP_TIMEOUT_US, 30 s; 0: no limit) marks it inactive in ``active_ranks`` (int32 per rank
+on the GPU; ``buf.active_ranks()``) and treats it as having sent nothing; later rounds skip it.
+
+Rounds: dispatch/combine pairs alternate between two halves of the buffer, so a round's
+dispatch may be issued while the previous round's combine is still running. Nothing here
+synchronizes with the host or allocates outside torch's allocator, so dispatch and combine can
+be captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+_KEYS = itertools.count()
+
+
+class EventOverlap:
+    """The CUDA event of an ``async_finish`` call (``None`` otherwise)."""
+
+    def __init__(self, event: Optional[torch.cuda.Event] = None):
+        self.event = event
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+def _noop() -> None:
+    return None
+
+
+class Buffer:
+    """See the module docstring."""
+
+    def __init__(self, group=None, num_max_dispatch_tokens_per_rank: int = 128, hidden: int = 7168,
+                 num_experts: int = 256):
+        from . import get_backend
+
+        if not getattr(_C, "HAS_CUDA", False):
+            raise RuntimeError("moelink was built without CUDA (no nvcc at build time): the EP buffer needs it")
+        if not torch.cuda.is_available():
+            raise RuntimeError("moelink.Buffer needs a CUDA device")
+        backend = get_backend(group)
+        self.group = group
+        self.rank, self.num_ranks = backend.rank, backend.size
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // max(1, self.num_ranks)
+        # Every rank creates its buffers in the same order, so the keys agree.
+        key = f"moelink/ep_buffer/{next(_KEYS)}"
+        self._impl = _C.EpBuffer(backend.store, self.rank, self.num_ranks, key,
+                                 num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._zero_copy = [None, None]  # per buffer half, allocated on first use
+
+    @staticmethod
+    def get_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                             num_experts: int) -> int:
+        """Bytes of GPU memory a Buffer of these sizes allocates on each rank."""
+        return _C.EpBuffer.size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def transport_of(self, rank: int) -> str:
+        return self._impl.transport_of(rank)
+
+    def active_ranks(self) -> torch.Tensor:
+        return self._impl.active_ranks()
+
+    def _check_call(self, num_max_dispatch_tokens_per_rank, num_experts):
+        if num_max_dispatch_tokens_per_rank != self.num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}, but the buffer "
+                             f"was created for {self.num_max_dispatch_tokens_per_rank}")
+        if num_experts != self.num_experts:
+            raise ValueError(f"num_experts={num_experts}, but the buffer was created for {self.num_experts}")
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                 num_experts: int, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                 async_finish: bool = False, return_recv_hook: bool = False, timeout_us: int = -1,
+                 active_ranks: Optional[torch.Tensor] = None):
+        self._check_call(num_max_dispatch_tokens_per_rank, num_experts)
+        if use_ue8m0:
+            if not (use_fp8 and round_scale):
+                raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (power-of-two scales)")
+            if self.hidden % 512:
+                raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden ({self.hidden}) must be a multiple of 512")
+        out = self._impl.dispatch(x, topk_idx, use_fp8, round_scale, timeout_us, active_ranks, not return_recv_hook)
+        recv_x = out.recv_x
+        if use_fp8:
+            scales = out.recv_scales
+            if use_ue8m0:
+                rows = scales.shape[:-1]
+                scales = torch.empty(*rows, self.hidden // 512, dtype=torch.int32, device=x.device)
+            recv_x = (out.recv_x, scales)
+
+        def finish_recv():
+            if use_fp8 and use_ue8m0:  # float 2^k -> its exponent byte, four per int32
+                recv_x[1].copy_(((out.recv_scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.int32))
+
+        hook: Callable[[], None] = _noop
+        if return_recv_hook:
+            def hook():
+                self._impl.dispatch_recv(out, use_fp8, timeout_us, active_ranks)
+                finish_recv()
+        else:
+            finish_recv()
+        handle = (out.src_info, out.layout_range, num_max_dispatch_tokens_per_rank, self.hidden, num_experts, out)
+        return recv_x, out.recv_count, handle, self._event(async_finish), hook
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                out: Optional[torch.Tensor] = None, timeout_us: int = -1,
+                active_ranks: Optional[torch.Tensor] = None):
+        state = handle[-1]
+        if zero_copy and x.data_ptr() != self._combine_buffer(state.half).data_ptr():
+            raise ValueError("zero_copy=True expects x to be the tensor from get_next_combine_buffer(handle)")
+        result = self._impl.combine(x, topk_idx, topk_weights, state, out, timeout_us, active_ranks,
+                                    not return_recv_hook)
+        hook: Callable[[], None] = _noop
+        if return_recv_hook:
+            def hook():
+                self._impl.combine_recv(topk_idx, topk_weights, state, result, timeout_us, active_ranks)
+        return result, self._event(async_finish), hook
+
+    def get_next_combine_buffer(self, handle) -> torch.Tensor:
+        """A persistent [local experts, ranks * max tokens, hidden] bf16 tensor (one per buffer
+        half) that combine sends from directly: write the expert outputs into it and call
+        combine with it and zero_copy=True, saving a copy into a separate tensor."""
+        return self._combine_buffer(handle[-1].half)
+
+    def _combine_buffer(self, half: int) -> torch.Tensor:
+        if self._zero_copy[half] is None:
+            rows = self.num_ranks * self.num_max_dispatch_tokens_per_rank
+            self._zero_copy[half] = torch.empty(self.num_local_experts, rows, self.hidden, dtype=torch.bfloat16,
+                                                device=torch.device("cuda", torch.cuda.current_device()))
+        return self._zero_copy[half]
+
+    @staticmethod
+    def _event(async_finish: bool) -> EventOverlap:
+        if not async_finish:
+            return EventOverlap(None)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        return EventOverlap(ev)

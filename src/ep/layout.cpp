@@ -1,0 +1,37 @@
+#include "moelink/ep/layout.h"
+
+#include "moelink/common/error.h"
+
+namespace moelink::ep {
+
+namespace {
+uint64_t align(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+EpLayout EpLayout::make(int num_ranks, int num_experts, int max_tokens, int hidden) {
+  MOELINK_CHECK(num_ranks >= 1, "the group has no ranks");
+  MOELINK_CHECK(num_experts >= num_ranks && num_experts % num_ranks == 0, "num_experts (", num_experts,
+                ") must be a positive multiple of the group size (", num_ranks, ")");
+  MOELINK_CHECK(max_tokens >= 1, "num_max_dispatch_tokens_per_rank must be >= 1, got ", max_tokens);
+  MOELINK_CHECK(hidden >= kHiddenAlign && hidden % kHiddenAlign == 0, "hidden (", hidden,
+                ") must be a positive multiple of ", kHiddenAlign);
+  EpLayout l;
+  l.num_ranks = num_ranks;
+  l.num_experts = num_experts;
+  l.num_local_experts = num_experts / num_ranks;
+  l.max_tokens = max_tokens;
+  l.hidden = hidden;
+  // A bf16 payload (2 bytes per element) is larger than e4m3 + scales, so it sizes the slot.
+  l.dispatch_msg_bytes = align(kMsgHeaderBytes + 2ull * hidden, 16);
+  l.combine_msg_bytes = 2ull * hidden;
+  uint64_t slots = static_cast<uint64_t>(l.num_local_experts) * num_ranks * max_tokens;
+  l.off_dispatch_x = 0;
+  l.off_dispatch_count = align(l.off_dispatch_x + slots * l.dispatch_msg_bytes, 128);
+  l.off_combine_x = align(l.off_dispatch_count + 4ull * l.num_local_experts * num_ranks, 128);
+  l.off_combine_flag =
+      align(l.off_combine_x + static_cast<uint64_t>(max_tokens) * kMaxTopk * l.combine_msg_bytes, 128);
+  l.half_bytes = align(l.off_combine_flag + 4ull * num_experts, 4096);
+  return l;
+}
+
+}  // namespace moelink::ep

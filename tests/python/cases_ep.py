@@ -1,0 +1,242 @@
+"""EP buffer cases, run on one GPU per rank by test_ep_buffer.py. Every rank builds every
+rank's inputs from the same seeds, so it can compute the expected results with pure torch."""
+
+import torch
+import torch.distributed as dist
+
+import moelink
+
+NUM_EXPERTS = 256
+MAX_TOKENS = 128
+
+
+def inputs(rank, tokens, hidden, topk, num_experts=NUM_EXPERTS, device="cuda"):
+    g = torch.Generator().manual_seed(1000 * rank + 7 * tokens + topk + hidden)
+    x = (torch.randn(tokens, hidden, generator=g) * (rank + 1)).to(torch.bfloat16)
+    scores = torch.rand(tokens, num_experts, generator=g)
+    idx = scores.topk(topk, dim=1).indices  # distinct experts per token
+    idx[torch.rand(tokens, topk, generator=g) < 0.1] = -1  # some "no expert"
+    w = torch.rand(tokens, topk, generator=g)
+    return x.to(device), idx.to(device), w.to(device)
+
+
+def expert_fn(y, e):
+    """What 'expert' e computes in the tests: a scale, done in float32, rounded to bf16."""
+    return (y.float() * (0.125 * (e + 1))).to(torch.bfloat16)
+
+
+def ref_fp8(x):
+    xs = x.float().view(x.shape[0], -1, 128)
+    scale = xs.abs().amax(-1).clamp(min=1e-4) / 448.0
+    return (xs / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(x.shape), scale
+
+
+def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
+    """One dispatch + combine round, checked against pure torch. The round always completes
+    (combine runs even when dispatch was wrong) so that the ranks stay in step; the first
+    problem found is raised at the end."""
+    nle = NUM_EXPERTS // world
+    x, idx, w = inputs(rank, tokens, hidden, topk)
+    recv, count, handle, event, hook = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=use_fp8,
+                                                     round_scale=kw.get("round_scale", False),
+                                                     async_finish=kw.get("async_finish", False),
+                                                     return_recv_hook=kw.get("return_recv_hook", False))
+    if kw.get("return_recv_hook"):
+        hook()
+    event.current_stream_wait()
+    src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+    data, scales = recv if use_fp8 else (recv, None)
+    everyone = [inputs(r, tokens, hidden, topk) for r in range(world)]
+    problems = []
+    counts = count.cpu()
+    for le in range(nle):
+        e = rank * nle + le
+        total = 0
+        for r, (xr, ir, _) in enumerate(everyone):
+            want = sorted((ir == e).any(1).nonzero().flatten().tolist())
+            lr = int(layout_range[le, r])
+            begin, n = lr >> 32, lr & 0xFFFFFFFF
+            total += n
+            if n != len(want):
+                problems.append(f"expert {e} from rank {r}: {n} tokens, expected {len(want)}")
+                continue
+            got = src_info[le, begin:begin + n].tolist()
+            if sorted(got) != want:
+                problems.append(f"expert {e} from rank {r}: tokens {sorted(got)} != {want}")
+                continue
+            if n:
+                order = torch.tensor(got, device="cuda")
+                rows = slice(begin, begin + n)
+                if use_fp8:
+                    q_ref, s_ref = ref_fp8(xr[order])
+                    if kw.get("round_scale"):  # up to a power of two, exactly
+                        bits = s_ref.view(torch.int32)
+                        up = (bits & 0x7FFFFF) != 0
+                        s_ref = torch.where(up, (bits & -0x800000) + 0x800000, bits).view(torch.float32)
+                        q_ref = (xr[order].float().view(n, -1, 128) / s_ref.unsqueeze(-1)).to(
+                            torch.float8_e4m3fn).view(n, -1)
+                    if not torch.equal(scales[le, rows], s_ref):
+                        problems.append(f"expert {e} from rank {r}: FP8 scales differ")
+                    diff = (data[le, rows].float() - q_ref.float()).abs()
+                    if not bool((diff <= q_ref.float().abs() * 0.126 + 2 ** -9).all()):
+                        problems.append(f"expert {e} from rank {r}: FP8 data off by more than one e4m3 step")
+                elif not torch.equal(data[le, rows], xr[order]):
+                    problems.append(f"expert {e} from rank {r}: data differs")
+        if int(counts[le]) != total:
+            problems.append(f"recv_count[{le}] = {int(counts[le])}, expected {total}")
+    # Combine: expert e scales its tokens by (e+1)/8; each token gets the weighted sum back.
+    y = buf.get_next_combine_buffer(handle) if kw.get("zero_copy") else torch.empty(
+        nle, world * MAX_TOKENS, hidden, dtype=torch.bfloat16, device="cuda")
+    src = (data.float().view(nle, -1, hidden // 128, 128) * scales.unsqueeze(-1)).view(nle, -1, hidden).to(
+        torch.bfloat16) if use_fp8 else data
+    for le in range(nle):
+        y[le] = expert_fn(src[le], rank * nle + le)
+    out, event, hook = buf.combine(y, idx, w, handle, zero_copy=kw.get("zero_copy", False),
+                                   async_finish=kw.get("async_finish", False),
+                                   return_recv_hook=kw.get("return_recv_hook", False))
+    if kw.get("return_recv_hook"):
+        hook()
+    event.current_stream_wait()
+    want = torch.zeros(tokens, hidden, dtype=torch.float32, device="cuda")
+    bound = torch.zeros_like(want)
+    for k in range(topk):
+        e = idx[:, k]
+        valid = e >= 0
+        xv = x
+        if use_fp8:
+            q, s = ref_fp8(x)
+            xv = (q.float().view(tokens, -1, 128) * s.unsqueeze(-1)).view(tokens, -1).to(torch.bfloat16)
+        contrib = (xv.float() * (0.125 * (e.clamp(min=0) + 1)).unsqueeze(1)).to(torch.bfloat16).float()
+        contrib = contrib * (w[:, k] * valid).unsqueeze(1)
+        want += contrib
+        bound += contrib.abs()
+    # bf16: the kernel and this reference round alike (tolerance for summation order); FP8:
+    # the kernel's e4m3 rounding may differ by one step (12.5%) per element from torch's.
+    tol = bound * (0.13 if use_fp8 else 0.01) + 0.05
+    if not bool(((out.float() - want).abs() <= tol).all()):
+        bad = int(((out.float() - want).abs() > tol).sum())
+        problems.append(f"combine: {bad} of {out.numel()} elements off")
+    if problems:
+        raise AssertionError(f"tokens={tokens} hidden={hidden} topk={topk} fp8={use_fp8} {kw}: " +
+                             "; ".join(problems[:5]))
+
+
+def _setup(rank):
+    torch.cuda.set_device(rank)
+    torch.manual_seed(0)
+
+
+def routing_matrix(rank, world):
+    _setup(rank)
+    for hidden in (2048, 4096, 7168):
+        buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
+        for r in range(world):
+            assert buf.transport_of(r) == ("local" if r == rank else "nvlink")
+        for topk in (1, 8, 16):
+            for tokens in (1, 17, 128):
+                for use_fp8 in (False, True):
+                    check_round(buf, rank, world, tokens, hidden, topk, use_fp8)
+        del buf
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def modes(rank, world):
+    _setup(rank)
+    buf = moelink.Buffer(None, MAX_TOKENS, 2048, NUM_EXPERTS)
+    check_round(buf, rank, world, 64, 2048, 8, True, async_finish=True)
+    check_round(buf, rank, world, 64, 2048, 8, False, return_recv_hook=True)
+    check_round(buf, rank, world, 64, 2048, 8, False, zero_copy=True)
+    check_round(buf, rank, world, 33, 2048, 4, True, round_scale=True)
+
+
+def two_rounds_in_flight(rank, world):
+    _setup(rank)
+    hidden, nle = 2048, NUM_EXPERTS // world
+    buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
+    outs = []
+    rounds = []
+    for seed_tokens in (40, 41):
+        x, idx, w = inputs(rank, seed_tokens, hidden, 8)
+        rounds.append((x, idx, w) + buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)[:3])
+    for x, idx, w, recv, count, handle in rounds:  # combine both after both dispatches
+        y = recv.clone()
+        outs.append((buf.combine(y, idx, w, handle)[0], x, idx, w))
+    for out, x, idx, w in outs:
+        want = (w * (idx >= 0)).sum(1, keepdim=True) * x.float()  # identity experts
+        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=4e-2)
+
+
+def cuda_graph(rank, world):
+    _setup(rank)
+    hidden = 2048
+    buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
+    x, idx, w = inputs(rank, 96, hidden, 8)
+    static_x = x.clone()
+
+    def step():
+        recv, count, handle, _, _ = buf.dispatch(static_x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
+        return buf.combine(recv, idx, w, handle)[0]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    dist.barrier()
+    for i in range(3):
+        static_x.copy_(x * (i + 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = (w * (idx >= 0)).sum(1, keepdim=True) * (x * (i + 1)).float()
+        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-1)
+        dist.barrier()
+
+
+def bad_input_raises(rank, world):
+    _setup(rank)
+    import pytest
+
+    buf = moelink.Buffer(None, MAX_TOKENS, 2048, NUM_EXPERTS)
+    x, idx, w = inputs(rank, 8, 2048, 4)
+    with pytest.raises(ValueError, match="exceed num_max_dispatch_tokens_per_rank"):
+        buf.dispatch(torch.zeros(MAX_TOKENS + 1, 2048, dtype=torch.bfloat16, device="cuda"),
+                     torch.zeros(MAX_TOKENS + 1, 4, dtype=torch.int64, device="cuda"), MAX_TOKENS, NUM_EXPERTS)
+    with pytest.raises(TypeError, match="bfloat16"):
+        buf.dispatch(x.float(), idx, MAX_TOKENS, NUM_EXPERTS)
+    with pytest.raises(ValueError, match="top-k must be"):
+        buf.dispatch(x, torch.zeros(8, 17, dtype=torch.int64, device="cuda"), MAX_TOKENS, NUM_EXPERTS)
+    with pytest.raises(ValueError, match="num_experts"):
+        buf.dispatch(x, idx, MAX_TOKENS, 128)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        moelink.Buffer(None, MAX_TOKENS, 2000, NUM_EXPERTS)
+    check_round(buf, rank, world, 8, 2048, 4, False)  # still works
+
+
+def timeout_masks_absent_rank(rank, world):
+    _setup(rank)
+    hidden = 2048
+    buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
+    absent = world - 1
+    dist.barrier()
+    if rank != absent:
+        x, idx, w = inputs(rank, 32, hidden, 8)
+        recv, count, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False, timeout_us=300000)
+        out = buf.combine(recv, idx, w, handle, timeout_us=300000)[0]
+        torch.cuda.synchronize()
+        active = buf.active_ranks().tolist()
+        assert active[absent] == 0 and all(active[r] == 1 for r in range(world) if r != absent), active
+        nle = NUM_EXPERTS // world
+        live = (idx >= 0) & (idx // nle != absent)
+        want = (w * live).sum(1, keepdim=True) * x.float()
+        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=4e-2)
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+CASES = ["routing_matrix", "modes", "two_rounds_in_flight", "cuda_graph", "bad_input_raises",
+         "timeout_masks_absent_rank"]
