@@ -80,6 +80,20 @@ std::vector<StepSend> toAllPeers(const AlgoContext& c, const char* data, uint64_
   return s;
 }
 
+// Receives [off, off+len) of every peer's block into `out` (block j at j * block), the
+// step shared by allgather and by gather's root.
+void recvBlocksFromAllPeers(const AlgoContext& c, Step& st, void* out, uint64_t block, uint64_t off, uint64_t len) {
+  std::vector<char*> dst;
+  for (size_t j = 0; j < c.ranks.size(); ++j)
+    if (c.ranks[j] != c.me) {
+      dst.push_back(at(out, j * block + off));
+      st.recvs.push_back({c.ranks[j], len, dst.back()});
+    }
+  st.consume = [dst, len](const std::vector<const char*>& got) {
+    for (size_t k = 0; k < dst.size(); ++k) copyIfElsewhere(dst[k], got[k], len);
+  };
+}
+
 OpSpec base(OpKind k, DType t, ReduceOp op, int root, uint64_t op_bytes) {
   OpSpec s;
   s.kind = k;
@@ -229,15 +243,7 @@ OpSpec allgatherOp(const AlgoContext& c, const void* in, void* out, uint64_t byt
     Step st;
     uint64_t off = pc.off(i), len = pc.len(i);
     st.sends = toAllPeers(c, at(in, off), len);
-    std::vector<char*> dst;
-    for (size_t j = 0; j < c.ranks.size(); ++j)
-      if (j != me) {
-        dst.push_back(at(out, j * bytes + off));
-        st.recvs.push_back({c.ranks[j], len, dst.back()});
-      }
-    st.consume = [dst, len](const std::vector<const char*>& got) {
-      for (size_t k = 0; k < dst.size(); ++k) copyIfElsewhere(dst[k], got[k], len);
-    };
+    recvBlocksFromAllPeers(c, st, out, bytes, off, len);
     s.steps.push_back(std::move(st));
   }
   s.finish = [in, out, me, bytes] { std::memmove(at(out, me * bytes), in, bytes); };
@@ -253,15 +259,7 @@ OpSpec gatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes,
     Step st;
     uint64_t off = pc.off(i), len = pc.len(i);
     if (c.me == root) {
-      std::vector<char*> dst;
-      for (size_t j = 0; j < c.ranks.size(); ++j)
-        if (j != me) {
-          dst.push_back(at(out, j * bytes + off));
-          st.recvs.push_back({c.ranks[j], len, dst.back()});
-        }
-      st.consume = [dst, len](const std::vector<const char*>& got) {
-        for (size_t k = 0; k < dst.size(); ++k) copyIfElsewhere(dst[k], got[k], len);
-      };
+      recvBlocksFromAllPeers(c, st, out, bytes, off, len);
     } else {
       st.sends = {{root, at(in, off), len}};
     }
