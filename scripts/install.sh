@@ -36,7 +36,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   say "pip install torch==$TORCH_VERSION"
   "$PY" -m pip install -q "torch==$TORCH_VERSION"
 fi
-"$PY" -c "import pytest, numpy, matplotlib" 2>/dev/null || {
+"$PY" -c "import pytest, numpy, matplotlib, wheel" 2>/dev/null || {
   say "pip install -r requirements-dev.txt"
   "$PY" -m pip install -q -r requirements-dev.txt
 }
