@@ -204,6 +204,11 @@ at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, co
                         topk_weights.is_contiguous() && topk_weights.is_cuda(),
                     "moelink combine: topk_weights must be a contiguous float32 CUDA tensor shaped like topk_idx");
   c10::cuda::CUDAGuard guard(device_);
+  // Everything is checked before the send: once it runs, the peers expect this rank's receive.
+  at::Tensor result = out.has_value() ? *out : at::empty({topk_idx.size(0), L.hidden}, x.options());
+  TORCH_CHECK_VALUE(result.sizes() == at::IntArrayRef({topk_idx.size(0), L.hidden}) &&
+                        result.scalar_type() == at::kBFloat16 && result.is_contiguous() && result.is_cuda(),
+                    "moelink combine: out must be a contiguous bfloat16 [", topk_idx.size(0), ", ", L.hidden, "] CUDA tensor");
   kernels::CombineArgs a;
   a.c = common(static_cast<int>(h.half), timeout_us, active).c;
   a.x = x.data_ptr();
@@ -212,10 +217,6 @@ at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, co
   a.layout_range = h.layout_range.data_ptr<int64_t>();
   a.scratch = scratch_;
   kernels::combineSend(a, c10::cuda::getCurrentCUDAStream(device_).stream());
-  at::Tensor result = out.has_value() ? *out : at::empty({topk_idx.size(0), L.hidden}, x.options());
-  TORCH_CHECK_VALUE(result.sizes() == at::IntArrayRef({topk_idx.size(0), L.hidden}) &&
-                        result.scalar_type() == at::kBFloat16 && result.is_contiguous() && result.is_cuda(),
-                    "moelink combine: out must be a contiguous bfloat16 [", topk_idx.size(0), ", ", L.hidden, "] CUDA tensor");
   if (launch_recv) combineRecv(topk_idx, topk_weights, h, result, timeout_us, active);
   return result;
 }
