@@ -8,7 +8,11 @@ Every rank of an "ep" group creates one with the same arguments (a collective ca
     combined, event, hook = buf.combine(y, topk_idx, topk_weights, handle)
 
 GPU warps write straight into the peers' buffers: over NVLink through CUDA IPC mappings
-within a host. Paths per peer: ``buf.transport_of(rank)`` ('local' or 'nvlink').
+within a host. Paths per peer: ``buf.transport_of(rank)`` ('local' or 'nvlink'). The GPU buffer
+is created with the Buffer when CUDA is usable (on the current device). CPU tensors take
+a host implementation with the same results and layout (``host_ep.py``: torch ops and
+all_to_all_single over the group), for machines without GPUs; ``timeout_us`` and
+``active_ranks`` apply to the GPU path only (the host path has the group's timeout).
 
 Layout of the results (as DeepEP's low-latency mode):
 
@@ -43,7 +47,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, host_ep
 
 _KEYS = itertools.count()
 
@@ -70,10 +74,6 @@ class Buffer:
                  num_experts: int = 256):
         from . import get_backend
 
-        if not getattr(_C, "HAS_CUDA", False):
-            raise RuntimeError("moelink was built without CUDA (no nvcc at build time): the EP buffer needs it")
-        if not torch.cuda.is_available():
-            raise RuntimeError("moelink.Buffer needs a CUDA device")
         backend = get_backend(group)
         self.group = group
         self.rank, self.num_ranks = backend.rank, backend.size
@@ -81,11 +81,20 @@ class Buffer:
         self.hidden = hidden
         self.num_experts = num_experts
         self.num_local_experts = num_experts // max(1, self.num_ranks)
+        if hidden <= 0 or hidden % 128:
+            raise ValueError(f"moelink Buffer: hidden ({hidden}) must be a positive multiple of 128")
+        if num_experts <= 0 or num_experts % self.num_ranks:
+            raise ValueError(f"moelink Buffer: num_experts ({num_experts}) must be a positive multiple of the "
+                             f"group size ({self.num_ranks})")
+        if num_max_dispatch_tokens_per_rank < 1:
+            raise ValueError("moelink Buffer: num_max_dispatch_tokens_per_rank must be >= 1")
+        self._backend = backend
         # Every rank creates its buffers in the same order, so the keys agree.
-        key = f"moelink/ep_buffer/{next(_KEYS)}"
-        self._impl = _C.EpBuffer(backend.store, self.rank, self.num_ranks, key,
-                                 num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        self._zero_copy = [None, None]  # per buffer half, allocated on first use
+        self._key = f"moelink/ep_buffer/{next(_KEYS)}"
+        self._impl = None  # the GPU buffer
+        self._zero_copy = {}  # (device, half) -> persistent combine source for zero_copy
+        if getattr(_C, "HAS_CUDA", False) and torch.cuda.is_available():
+            self._gpu()  # on the current device; collective, like this constructor
 
     @staticmethod
     def get_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -93,11 +102,41 @@ class Buffer:
         """Bytes of GPU memory a Buffer of these sizes allocates on each rank."""
         return _C.EpBuffer.size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    def _gpu(self):
+        if self._impl is None:
+            if not getattr(_C, "HAS_CUDA", False):
+                raise RuntimeError("moelink was built without CUDA (no nvcc at build time): CUDA tensors need it")
+            self._impl = _C.EpBuffer(self._backend.store, self.rank, self.num_ranks, self._key,
+                                     self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
+        return self._impl
+
     def transport_of(self, rank: int) -> str:
-        return self._impl.transport_of(rank)
+        """'local', 'nvlink' (GPU buffer); before any GPU call, the CPU path's transport."""
+        if self._impl is not None:
+            return self._impl.transport_of(rank)
+        from . import transport_of
+
+        return transport_of(rank, self.group)
 
     def active_ranks(self) -> torch.Tensor:
+        if self._impl is None:
+            return torch.ones(self.num_ranks, dtype=torch.int32)
         return self._impl.active_ranks()
+
+    def _check_host_inputs(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"moelink dispatch: x must be bfloat16, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"moelink dispatch: x must be a [tokens, {self.hidden}] tensor, got {tuple(x.shape)}")
+        if x.shape[0] > self.num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"moelink dispatch: {x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank="
+                             f"{self.num_max_dispatch_tokens_per_rank}")
+        if topk_idx.dtype != torch.int64:
+            raise TypeError("moelink dispatch: topk_idx must be int64")
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_idx.device != x.device:
+            raise ValueError(f"moelink dispatch: topk_idx must be a [{x.shape[0]}, topk] tensor on {x.device}")
+        if not 1 <= topk_idx.shape[1] <= 16:
+            raise ValueError(f"moelink dispatch: top-k must be 1..16, got {topk_idx.shape[1]}")
 
     def _check_call(self, num_max_dispatch_tokens_per_rank, num_experts):
         if num_max_dispatch_tokens_per_rank != self.num_max_dispatch_tokens_per_rank:
@@ -116,7 +155,14 @@ class Buffer:
                 raise ValueError("use_ue8m0 needs use_fp8=True and round_scale=True (power-of-two scales)")
             if self.hidden % 512:
                 raise ValueError(f"use_ue8m0 packs 4 scales per int32: hidden ({self.hidden}) must be a multiple of 512")
-        out = self._impl.dispatch(x, topk_idx, use_fp8, round_scale, timeout_us, active_ranks, not return_recv_hook)
+        if x.device.type == "cpu":
+            self._check_host_inputs(x, topk_idx)
+            out = host_ep.dispatch(self.group, self.rank, self.num_ranks, self.num_max_dispatch_tokens_per_rank,
+                                   self.hidden, self.num_experts, x, topk_idx, use_fp8, round_scale)
+            return_recv_hook = False  # the host path has received everything already
+        else:
+            out = self._gpu().dispatch(x, topk_idx, use_fp8, round_scale, timeout_us, active_ranks,
+                                       not return_recv_hook)
         recv_x = out.recv_x
         if use_fp8:
             scales = out.recv_scales
@@ -144,10 +190,19 @@ class Buffer:
                 out: Optional[torch.Tensor] = None, timeout_us: int = -1,
                 active_ranks: Optional[torch.Tensor] = None):
         state = handle[-1]
-        if zero_copy and x.data_ptr() != self._combine_buffer(state.half).data_ptr():
+        if zero_copy and x.data_ptr() != self._combine_buffer(state).data_ptr():
             raise ValueError("zero_copy=True expects x to be the tensor from get_next_combine_buffer(handle)")
-        result = self._impl.combine(x, topk_idx, topk_weights, state, out, timeout_us, active_ranks,
-                                    not return_recv_hook)
+        if isinstance(state, host_ep.HostState):
+            rows = self.num_ranks * self.num_max_dispatch_tokens_per_rank
+            if x.dtype != torch.bfloat16 or tuple(x.shape) != (self.num_local_experts, rows, self.hidden):
+                raise ValueError(f"moelink combine: x must be a bfloat16 [{self.num_local_experts}, {rows}, "
+                                 f"{self.hidden}] tensor, got {x.dtype} {tuple(x.shape)}")
+            if topk_weights.shape != topk_idx.shape:
+                raise ValueError("moelink combine: topk_weights must be shaped like topk_idx")
+            result = host_ep.combine(self.group, self.num_ranks, self.hidden, x, topk_idx, topk_weights, state, out)
+            return result, self._event(False), _noop
+        result = self._gpu().combine(x, topk_idx, topk_weights, state, out, timeout_us, active_ranks,
+                                     not return_recv_hook)
         hook: Callable[[], None] = _noop
         if return_recv_hook:
             def hook():
@@ -158,14 +213,16 @@ class Buffer:
         """A persistent [local experts, ranks * max tokens, hidden] bf16 tensor (one per buffer
         half) that combine sends from directly: write the expert outputs into it and call
         combine with it and zero_copy=True, saving a copy into a separate tensor."""
-        return self._combine_buffer(handle[-1].half)
+        return self._combine_buffer(handle[-1])
 
-    def _combine_buffer(self, half: int) -> torch.Tensor:
-        if self._zero_copy[half] is None:
+    def _combine_buffer(self, state) -> torch.Tensor:
+        device = state.recv_count.device
+        key = (str(device), state.half)
+        if key not in self._zero_copy:
             rows = self.num_ranks * self.num_max_dispatch_tokens_per_rank
-            self._zero_copy[half] = torch.empty(self.num_local_experts, rows, self.hidden, dtype=torch.bfloat16,
-                                                device=torch.device("cuda", torch.cuda.current_device()))
-        return self._zero_copy[half]
+            self._zero_copy[key] = torch.empty(self.num_local_experts, rows, self.hidden, dtype=torch.bfloat16,
+                                               device=device)
+        return self._zero_copy[key]
 
     @staticmethod
     def _event(async_finish: bool) -> EventOverlap:

@@ -26,7 +26,7 @@ def expert_fn(y, e):
 
 
 def ref_fp8(x):
-    xs = x.float().view(x.shape[0], -1, 128)
+    xs = x.float().view(x.shape[0], x.shape[1] // 128, 128)
     scale = xs.abs().amax(-1).clamp(min=1e-4) / 448.0
     return (xs / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(x.shape), scale
 
@@ -36,7 +36,8 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
     (combine runs even when dispatch was wrong) so that the ranks stay in step; the first
     problem found is raised at the end."""
     nle = NUM_EXPERTS // world
-    x, idx, w = inputs(rank, tokens, hidden, topk)
+    dev = kw.pop("device", "cuda")
+    x, idx, w = inputs(rank, tokens, hidden, topk, device=dev)
     recv, count, handle, event, hook = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=use_fp8,
                                                      round_scale=kw.get("round_scale", False),
                                                      async_finish=kw.get("async_finish", False),
@@ -46,7 +47,7 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
     event.current_stream_wait()
     src_info, layout_range = handle[0].cpu(), handle[1].cpu()
     data, scales = recv if use_fp8 else (recv, None)
-    everyone = [inputs(r, tokens, hidden, topk) for r in range(world)]
+    everyone = [inputs(r, tokens, hidden, topk, device=dev) for r in range(world)]
     problems = []
     counts = count.cpu()
     for le in range(nle):
@@ -65,7 +66,7 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
                 problems.append(f"expert {e} from rank {r}: tokens {sorted(got)} != {want}")
                 continue
             if n:
-                order = torch.tensor(got, device="cuda")
+                order = torch.tensor(got, device=dev)
                 rows = slice(begin, begin + n)
                 if use_fp8:
                     q_ref, s_ref = ref_fp8(xr[order])
@@ -86,7 +87,7 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
             problems.append(f"recv_count[{le}] = {int(counts[le])}, expected {total}")
     # Combine: expert e scales its tokens by (e+1)/8; each token gets the weighted sum back.
     y = buf.get_next_combine_buffer(handle) if kw.get("zero_copy") else torch.empty(
-        nle, world * MAX_TOKENS, hidden, dtype=torch.bfloat16, device="cuda")
+        nle, world * MAX_TOKENS, hidden, dtype=torch.bfloat16, device=dev)
     src = (data.float().view(nle, -1, hidden // 128, 128) * scales.unsqueeze(-1)).view(nle, -1, hidden).to(
         torch.bfloat16) if use_fp8 else data
     for le in range(nle):
@@ -97,7 +98,7 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
     if kw.get("return_recv_hook"):
         hook()
     event.current_stream_wait()
-    want = torch.zeros(tokens, hidden, dtype=torch.float32, device="cuda")
+    want = torch.zeros(tokens, hidden, dtype=torch.float32, device=dev)
     bound = torch.zeros_like(want)
     for k in range(topk):
         e = idx[:, k]
@@ -105,7 +106,7 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
         xv = x
         if use_fp8:
             q, s = ref_fp8(x)
-            xv = (q.float().view(tokens, -1, 128) * s.unsqueeze(-1)).view(tokens, -1).to(torch.bfloat16)
+            xv = (q.float().view(tokens, hidden // 128, 128) * s.unsqueeze(-1)).view(tokens, hidden).to(torch.bfloat16)
         contrib = (xv.float() * (0.125 * (e.clamp(min=0) + 1)).unsqueeze(1)).to(torch.bfloat16).float()
         contrib = contrib * (w[:, k] * valid).unsqueeze(1)
         want += contrib
@@ -236,6 +237,20 @@ def timeout_masks_absent_rank(rank, world):
         torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=4e-2)
     torch.cuda.synchronize()
     dist.barrier()
+
+
+def host_path(rank, world):
+    """The same checks through the CPU-tensor implementation (no GPU needed)."""
+    buf = moelink.Buffer(None, MAX_TOKENS, 256, NUM_EXPERTS)
+    for topk in (1, 8):
+        for tokens in (0, 1, 17, 64):
+            for use_fp8 in (False, True):
+                check_round(buf, rank, world, tokens, 256, topk, use_fp8, device="cpu")
+    check_round(buf, rank, world, 9, 256, 4, True, device="cpu", round_scale=True)
+    check_round(buf, rank, world, 9, 256, 4, False, device="cpu", zero_copy=True)
+    big = moelink.Buffer(None, MAX_TOKENS, 1024, NUM_EXPERTS)
+    for use_fp8 in (False, True):
+        check_round(big, rank, world, 33, 1024, 16, use_fp8, device="cpu")
 
 
 CASES = ["routing_matrix", "modes", "two_rounds_in_flight", "cuda_graph", "bad_input_raises",
