@@ -11,17 +11,17 @@ alltoall (n-1)/n, broadcast 1, times the message bytes over the time.
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "integration"))
+sys.path.insert(0, HERE)
+from common import run_ranks, save_plot  # noqa: E402
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 BUS = {
@@ -107,20 +107,8 @@ def main():
     while s <= args.max_bytes:
         sizes.append(s)
         s *= 4
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     ops = [o for o in args.ops.split(",") if o]
-    procs = [ctx.Process(target=worker, args=(r, args.nproc, port, sizes, args.iters, args.transport, ops,
-                                              not args.no_gloo, q))
-             for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    rows = q.get(timeout=3600)
-    for p in procs:
-        p.join()
+    rows = run_ranks(worker, args.nproc, (sizes, args.iters, args.transport, ops, not args.no_gloo), timeout=3600)
     n = args.nproc
     print(f"# {n} ranks, ep transport={args.transport}, median of {args.iters} (max over ranks), "
           f"torch {torch.__version__}")
@@ -128,12 +116,7 @@ def main():
     for op, nb, te, tg in rows:
         bw = lambda t: BUS[op](n) * nb / t / 1e9
         print(f"{op:<15}{fmt_bytes(nb):>10}{te * 1e6:12.1f}{tg * 1e6:12.1f}{bw(te):10.2f}{bw(tg):11.2f}{te / tg:9.2f}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    def draw(plt):
         fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), sharey=True, squeeze=False)
         axes = axes[0]
         for ax, op in zip(axes, ops):
@@ -146,12 +129,9 @@ def main():
         axes[0].set_ylabel("median latency (us)")
         axes[0].legend()
         fig.suptitle(f"moelink 'ep' vs gloo, {n} ranks, transport={args.transport}")
-        fig.tight_layout()
-        fig.savefig(args.out, dpi=110)
-        print(f"plot written to {args.out}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+        return fig
 
+    save_plot(draw, args.out)
 
 if __name__ == "__main__":
     main()

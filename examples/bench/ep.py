@@ -13,15 +13,16 @@ combine hidden*2 bytes per pair.
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "integration"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "integration"))
+sys.path.insert(0, HERE)
+from common import run_ranks, save_plot  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK = 7168, 256, 8
 
@@ -132,17 +133,7 @@ def main():
     ap.add_argument("--out", default="ep.png")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.gpus, port, tokens, args.iters, q)) for r in range(args.gpus)]
-    for p in procs:
-        p.start()
-    rows = q.get(timeout=1800)
-    for p in procs:
-        p.join()
+    rows = run_ranks(worker, args.gpus, (tokens, args.iters), timeout=1800)
     fp8_bytes, bf16_bytes = HIDDEN + HIDDEN // 128 * 4 + 16, HIDDEN * 2
     print(f"# EP{args.gpus}, hidden {HIDDEN}, top-{TOPK} of {EXPERTS} experts, FP8 dispatch / BF16 combine, "
           f"median of {args.iters} (slowest rank), {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -153,12 +144,7 @@ def main():
               f"{call:13.1f}{a:12.1f}{a / call:9.1f}x")
     print("dispatch/combine: GPU time of each call; d+c call: one dispatch + combine end to end (host launch "
           "overhead included), which the speed-up compares with the all_to_all pipeline (end to end)")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    def draw(plt):
         fig, ax = plt.subplots(figsize=(6, 3.6))
         labels = [str(r[0]) for r in rows]
         xs = range(len(rows))
@@ -171,12 +157,9 @@ def main():
         ax.set_ylabel("median latency (us)")
         ax.set_title(f"EP{args.gpus}, hidden {HIDDEN}, top-{TOPK}")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.out, dpi=110)
-        print(f"plot written to {args.out}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+        return fig
 
+    save_plot(draw, args.out)
 
 if __name__ == "__main__":
     main()

@@ -29,10 +29,14 @@ Mailbox::Mailbox(transfer::TransferEngine& engine, transfer::SegmentId id, uint6
   out_acks_.assign(n, 0);
   head_payload_.assign(n, nullptr);
   transports_.assign(n, "");
+  tcp_.assign(n, 0);
 }
 
 void Mailbox::open() {
-  for (int p = 0; p < world_; ++p) transports_[p] = engine_.openSegment(p, id_);
+  for (int p = 0; p < world_; ++p) {
+    transports_[p] = engine_.openSegment(p, id_);
+    tcp_[p] = transports_[p] == "tcp";
+  }
 }
 
 bool Mailbox::canSend(int peer) const {
@@ -77,14 +81,14 @@ const MsgHeader* Mailbox::peek(int peer) const {
 const char* Mailbox::payload(int peer) {
   if (!head_payload_[peer]) {
     uint64_t off = slotOffset(peer, (consumed_[peer] + 1) % depth_) + sizeof(MsgHeader);
-    void* landed = transports_[peer] == "tcp" ? engine_.claimExpected(id_, off) : nullptr;
+    void* landed = tcp_[peer] ? engine_.claimExpected(id_, off) : nullptr;
     head_payload_[peer] = landed ? static_cast<const char*>(landed) : base_ + off;
   }
   return head_payload_[peer];
 }
 
 void Mailbox::landAhead(int peer, uint64_t ahead, void* dest, uint64_t length) {
-  if (transports_[peer] != "tcp" || ahead >= depth_ || !dest || !length) return;
+  if (!tcp_[peer] || ahead >= depth_ || !dest || !length) return;
   uint64_t msg = consumed_[peer] + 1 + ahead;
   engine_.expectWrite(id_, slotOffset(peer, msg % depth_) + sizeof(MsgHeader), dest, length);
 }
@@ -95,17 +99,16 @@ void Mailbox::release(int peer, void* next_dest, uint64_t next_length) {
   // A landing request for this slot must not outlive its message (payload() claims it).
   payload(peer);
   head_payload_[peer] = nullptr;
-  if (next_dest && next_length && transports_[peer] == "tcp")
+  if (next_dest && next_length && tcp_[peer])
     engine_.expectWrite(id_, slotOffset(peer, (consumed_[peer] + 1) % depth_) + sizeof(MsgHeader),
                         next_dest, next_length);
   uint64_t n = ++consumed_[peer];
   // A newer value may overwrite this staging word while an older ack is still being sent;
   // the count only grows, so the sender reads the same or a newer count.
   __atomic_store_n(&out_acks_[peer], n, __ATOMIC_RELAXED);
-  bool shm = transports_[peer] == "shm";
   // Over tcp the ack always wakes the sender (its arrival order is not observable here).
-  engine_.submit({TransferRequest{Opcode::kWrite, &out_acks_[peer], peer, id_, ackOffset(rank_), 8, !shm}});
-  if (!shm) return;
+  engine_.submit({TransferRequest{Opcode::kWrite, &out_acks_[peer], peer, id_, ackOffset(rank_), 8, tcp_[peer] != 0}});
+  if (tcp_[peer]) return;
   // The sender can only be blocked on this credit if it has filled every slot, i.e. if
   // message n - 1 + depth is already here; only then is a wake-up worth its syscall.
   // NOTES: the ack store above (shm: synchronous) is ordered before this load.

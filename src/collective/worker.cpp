@@ -409,8 +409,8 @@ void CollectiveWorker::failCollective(Collective& op, const std::string& why) {
   op.error = why;
   op.draining = true;
   if (!op.started) prepare(op, world_, op.timeout);
+  // Drain until the op's own deadline, and at least briefly (for ABORTs) when it has passed.
   op.drain_deadline = std::max(op.deadline, Clock::now() + milliseconds(200));
-  if (Clock::now() > op.deadline) op.drain_deadline = Clock::now() + milliseconds(200);
 }
 
 // After a failure: owe every send-peer an ABORT|LAST, discard what recv-peers still send

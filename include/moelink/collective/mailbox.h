@@ -93,6 +93,7 @@ class Mailbox {
   std::vector<uint64_t> out_acks_;      // [peer]
   std::vector<const char*> head_payload_;  // [peer]: resolved payload of the head message
   std::vector<std::string> transports_;
+  std::vector<char> tcp_;  // [peer]: reached over tcp (receive redirection applies, acks always wake)
 };
 
 }  // namespace moelink::collective

@@ -406,7 +406,10 @@ class TcpTransport::Impl {
       size_t avail = c.rlen - c.rpos;
       const char* p = c.rbuf.data() + c.rpos;
       if (c.in == Conn::In::kHello) {
-        if (avail < sizeof(wire::Hello)) return compactPartial(c);
+        if (avail < sizeof(wire::Hello)) {
+          compactPartial(c);
+          return true;
+        }
         wire::Hello h;
         std::memcpy(&h, p, sizeof h);
         c.rpos += sizeof h;
@@ -424,7 +427,10 @@ class TcpTransport::Impl {
         f.head_len = sizeof magic;
         c.out.push_back(f);
       } else if (c.in == Conn::In::kHeader) {
-        if (avail < sizeof(wire::FrameHeader)) return compactPartial(c);
+        if (avail < sizeof(wire::FrameHeader)) {
+          compactPartial(c);
+          return true;
+        }
         std::memcpy(&c.cur, p, sizeof c.cur);
         c.rpos += sizeof c.cur;
         if (!startFrame(c)) return false;
@@ -446,12 +452,11 @@ class TcpTransport::Impl {
   }
 
   // Keeps a partial header at the front of the buffer so that the next recv appends.
-  bool compactPartial(Conn& c) {
+  void compactPartial(Conn& c) {
     size_t avail = c.rlen - c.rpos;
     std::memmove(c.rbuf.data(), c.rbuf.data() + c.rpos, avail);
     c.rpos = 0;
     c.rlen = avail;
-    return true;
   }
 
   bool startFrame(Conn& c) {

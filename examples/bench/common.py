@@ -1,0 +1,39 @@
+"""Scaffolding shared by the benchmark scripts: run one process per rank, collect rank 0's
+rows, save a plot."""
+
+import socket
+
+import torch.multiprocessing as mp
+
+
+def run_ranks(worker, nprocs, args, timeout):
+    """Spawns worker(rank, nprocs, port, *args, queue) for every rank and returns what rank 0
+    puts on the queue."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, nprocs, port, *args, q)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    rows = q.get(timeout=timeout)
+    for p in procs:
+        p.join()
+    return rows
+
+
+def save_plot(draw, out):
+    """Calls draw(plt) and writes the figure to `out` as PNG (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig = draw(plt)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot written to {out}")
