@@ -1,6 +1,6 @@
-// The IBGDA WQE encoders produce the same bytes as rdma-core's own mlx5dv.h definitions.
-// (Host instantiation of the __host__ __device__ code; the GPU instantiation is the same
-// source compiled by nvcc.)
+// The IBGDA WQE encoders produce the same bytes as rdma-core's own mlx5dv.h definitions:
+// the host instantiation of the __host__ __device__ code here, and (when built with CUDA
+// and a GPU is present) the GPU instantiation, run by GPU threads in ibgda_wqe_gpu.cu.
 #include <infiniband/mlx5dv.h>
 
 #include <cstring>
@@ -62,3 +62,46 @@ TEST(IbgdaWqe, RdmaWriteWqeMatchesRdmaCoreComposition) {
   buildRdmaWrite(got, 0x1234, 0xabcde, true, 0x7f00deadbeef0000ull, 0x11223344, 0x7f1122334455ull, 0x55667788, 7392);
   EXPECT_EQ(0, std::memcmp(want, got, sizeof want));
 }
+
+#if defined(MOELINK_TEST_GPU_WQE)
+#include "ibgda_wqe_gpu.h"
+
+// The bytes GPU threads build equal rdma-core's, composed on the host.
+TEST(IbgdaWqe, GpuBuiltWqesMatchRdmaCore) {
+  std::mt19937_64 rng(11);
+  std::vector<WqeCase> cases(4096);
+  for (auto& c : cases) {
+    c.raddr = rng();
+    c.laddr = rng();
+    c.qpn = static_cast<uint32_t>(rng()) & 0xffffff;
+    c.rkey = static_cast<uint32_t>(rng());
+    c.lkey = static_cast<uint32_t>(rng());
+    c.length = static_cast<uint32_t>(rng());
+    c.imm = static_cast<uint32_t>(rng());
+    c.pi = static_cast<uint16_t>(rng());
+    c.opcode = static_cast<uint8_t>(rng());
+    c.opmod = static_cast<uint8_t>(rng());
+    c.fm_ce_se = static_cast<uint8_t>(rng());
+    c.ds = static_cast<uint8_t>(rng() & 0x3f);
+    c.signature = static_cast<uint8_t>(rng());
+    c.signal = rng() & 1;
+  }
+  std::vector<unsigned char> got;
+  std::string why = buildWqesOnGpu(cases, got);
+  if (!why.empty()) GTEST_SKIP() << why;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const WqeCase& c = cases[i];
+    alignas(64) unsigned char want[128] = {0};
+    mlx5dv_set_ctrl_seg(reinterpret_cast<mlx5_wqe_ctrl_seg*>(want), c.pi, MLX5_OPCODE_RDMA_WRITE, 0, c.qpn,
+                        c.signal ? MLX5_WQE_CTRL_CQ_UPDATE : 0, 3, 0, 0);
+    auto* raddr = reinterpret_cast<mlx5_wqe_raddr_seg*>(want + 16);
+    raddr->raddr = htobe64(c.raddr);
+    raddr->rkey = htobe32(c.rkey);
+    mlx5dv_set_data_seg(reinterpret_cast<mlx5_wqe_data_seg*>(want + 32), c.length, c.lkey, c.laddr);
+    mlx5dv_set_ctrl_seg(reinterpret_cast<mlx5_wqe_ctrl_seg*>(want + 64), c.pi, c.opcode, c.opmod, c.qpn, c.fm_ce_se,
+                        c.ds, c.signature, c.imm);
+    ASSERT_EQ(0, std::memcmp(want, got.data() + i * 128, 48)) << "RDMA WRITE WQE, case " << i;
+    ASSERT_EQ(0, std::memcmp(want + 64, got.data() + i * 128 + 64, 16)) << "control segment, case " << i;
+  }
+}
+#endif

@@ -2,9 +2,10 @@
 //
 // Only the encoders so far: the IBGDA path itself (queue pairs created with mlx5dv/DEVX,
 // work queue, completion queue and doorbell record in GPU memory, the doorbell ring) is not
-// built yet. These functions are __host__ __device__: the same code runs in a kernel and in
-// the host test that compares its bytes with rdma-core's own mlx5dv.h definitions
-// (mlx5dv_set_ctrl_seg, mlx5dv_set_data_seg, struct mlx5_wqe_raddr_seg). All multi-byte
+// built yet (docs/EP.md). These functions are __host__ __device__: the same code runs on
+// the host and in GPU threads, and tests/cpp/ibgda_wqe_test.cpp compares both with
+// rdma-core's own mlx5dv.h definitions (mlx5dv_set_ctrl_seg, mlx5dv_set_data_seg,
+// struct mlx5_wqe_raddr_seg). All multi-byte
 // fields are big-endian on the wire.
 #pragma once
 
