@@ -58,7 +58,10 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def("combine", &EpBuffer::combine)
       .def("combine_recv", &EpBuffer::combineRecv)
       .def("transport_of", &EpBuffer::transportOf)
-      .def("active_ranks", &EpBuffer::activeRanks);
+      .def("proxy_transport_of", &EpBuffer::proxyTransportOf)
+      .def("active_ranks", &EpBuffer::activeRanks)
+      .def("set_trace", &EpBuffer::setTrace)
+      .def("num_sms", &EpBuffer::numSms);
 #else
   m.attr("HAS_CUDA") = false;
 #endif

@@ -27,16 +27,20 @@ from common import run_ranks, save_plot  # noqa: E402
 HIDDEN, EXPERTS, TOPK = 7168, 256, 8
 
 
-def timed(fn, flush, iters, warmup, gpu_only=True):
+def timed(fn, flush, iters, warmup, barrier, gpu_only=True):
     """CUDA-event times (us). gpu_only: a sleep kernel queued first lets the host enqueue the
     call before the start event fires, so the events measure the GPU's time, not the host's
-    launch and allocation overhead (what DeepEP's kernel timings report)."""
+    launch and allocation overhead (what DeepEP's kernel timings report). `barrier` (a tiny
+    NCCL all_reduce) runs on the GPU right before the start event, so that every rank's call
+    starts at the same moment: otherwise a rank whose host happened to launch earlier would
+    count its wait for the others as its own latency."""
     times = []
     for i in range(warmup + iters):
         flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if gpu_only:
             torch.cuda._sleep(2_000_000)  # ~1 ms
+        barrier()
         start.record()
         fn()
         end.record()
@@ -69,7 +73,37 @@ def a2a_pipeline(x, idx, w, world, nccl):
     return out.to(torch.bfloat16)
 
 
-def worker(rank, world, port, tokens_list, iters, q):
+DISPATCH_POINTS = ["start", "1st token staged", "sends done", "experts counted", "counts seen", "end"]
+COMBINE_POINTS = ["start", "sends done", "flags seen", "tokens done", "flags cleared"]
+
+
+def trace_breakdown(buf, fn, names, flush, barrier, iters=30):
+    """Per-phase timestamps from inside the kernel (%globaltimer, one block = one sample):
+    for each phase, the min / median / max over blocks of its time since the earliest block
+    started, each the median over `iters` calls."""
+    trace = torch.zeros(buf._impl.num_sms() * 8, dtype=torch.int64, device="cuda")
+    buf._impl.set_trace(trace)
+    per_call = []
+    for _ in range(iters):
+        trace.zero_()
+        flush.zero_()
+        torch.cuda._sleep(2_000_000)
+        barrier()
+        fn()
+        torch.cuda.synchronize()
+        t = trace.view(-1, 8).cpu()
+        t0 = int(t[:, 0][t[:, 0] > 0].min())
+        stats = []
+        for i in range(len(names)):
+            col = t[:, i][t[:, i] > 0]
+            col = (col - t0).float() / 1e3
+            stats.append((float(col.min()), float(col.median()), float(col.max())) if len(col) else (0, 0, 0))
+        per_call.append(stats)
+    buf._impl.set_trace(None)
+    return [tuple(statistics.median(c[i][j] for c in per_call) for j in range(3)) for i in range(len(names))]
+
+
+def worker(rank, world, port, tokens_list, iters, trace, q):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     import moelink
@@ -77,6 +111,10 @@ def worker(rank, world, port, tokens_list, iters, q):
     dist.init_process_group("ep", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     nccl = dist.new_group(backend="nccl", device_id=torch.device("cuda", rank))
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    token = torch.ones(1, device="cuda")
+
+    def barrier():
+        dist.all_reduce(token, group=nccl)
     rows = []
     for tokens in tokens_list:
         buf = moelink.Buffer(None, tokens, HIDDEN, EXPERTS)
@@ -100,23 +138,46 @@ def worker(rank, world, port, tokens_list, iters, q):
         combine()
         torch.cuda.synchronize()
         dist.barrier()
-        t_disp, t_comb, t_call = [], [], []
+        def dispatch_send():
+            state["h"] = buf.dispatch(x, idx, tokens, EXPERTS, use_fp8=True, return_recv_hook=True)
+
+        def combine_send():
+            state["ch"] = buf.combine(state["y"], idx, w, state["h"][2], return_recv_hook=True)
+
+        t_disp, t_comb, t_call, t_hook = [], [], [], [[], [], [], []]
         for _ in range(iters + 10):
-            t_disp += timed(dispatch, flush, 1, 0)
-            t_comb += timed(combine, flush, 1, 0)
-            t_call += timed(lambda: (dispatch(), combine()), flush, 1, 0, gpu_only=False)
+            t_disp += timed(dispatch, flush, 1, 0, barrier)
+            t_comb += timed(combine, flush, 1, 0, barrier)
+            t_call += timed(lambda: (dispatch(), combine()), flush, 1, 0, barrier, gpu_only=False)
+            # Hook mode: the send and receive halves on their own (the receive after every
+            # rank's send has finished, so it measures the copy-out alone).
+            t_hook[0] += timed(dispatch_send, flush, 1, 0, barrier)
+            t_hook[1] += timed(lambda: state["h"][4](), flush, 1, 0, barrier)
+            t_hook[2] += timed(combine_send, flush, 1, 0, barrier)
+            t_hook[3] += timed(lambda: state["ch"][2](), flush, 1, 0, barrier)
         t_disp, t_comb, t_call = t_disp[10:], t_comb[10:], t_call[10:]
+        if trace:
+            bd = trace_breakdown(buf, dispatch, DISPATCH_POINTS, flush, barrier)
+            bc = trace_breakdown(buf, combine, COMBINE_POINTS, flush, barrier)
+            if rank == 0:
+                print(f"# rank 0, {tokens} tokens: phase times in the kernel (us since the first block started; "
+                      f"min / median / max over blocks)")
+                for title, names, b in (("dispatch", DISPATCH_POINTS, bd), ("combine", COMBINE_POINTS, bc)):
+                    for name, (lo, med, hi) in zip(names, b):
+                        print(f"  {title:9}{name:18}{lo:8.1f}{med:8.1f}{hi:8.1f}")
+        t_hook = [t[10:] for t in t_hook]
         dist.barrier()
         # The all_to_all pipeline syncs with the host (split sizes), so it is timed end to end.
-        t_a2a = timed(lambda: a2a_pipeline(x, idx, w, world, nccl), flush, max(20, iters // 5), 5, gpu_only=False)
+        t_a2a = timed(lambda: a2a_pipeline(x, idx, w, world, nccl), flush, max(20, iters // 5), 5, barrier,
+                      gpu_only=False)
         sel = int((idx >= 0).sum())
         meds = torch.tensor([statistics.median(t_disp), statistics.median(t_comb), statistics.median(t_a2a),
-                             statistics.median(t_call)], device="cuda")
+                             statistics.median(t_call)] + [statistics.median(t) for t in t_hook], device="cuda")
         dist.all_reduce(meds, op=dist.ReduceOp.MAX, group=nccl)
         sel_t = torch.tensor([sel], device="cuda")
         dist.all_reduce(sel_t, group=nccl)
-        d, c, a, call = meds.tolist()
-        rows.append((tokens, d, c, a, call, int(sel_t) / world))
+        d, c, a, call, *hook = meds.tolist()
+        rows.append((tokens, d, c, a, call, int(sel_t) / world, hook))
         del buf
         torch.cuda.synchronize()
         dist.barrier()
@@ -131,19 +192,23 @@ def main():
     ap.add_argument("--tokens", default="128,256")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default="ep.png")
+    ap.add_argument("--trace", action="store_true", help="also print per-phase times from inside the kernels")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    rows = run_ranks(worker, args.gpus, (tokens, args.iters), timeout=1800)
+    rows = run_ranks(worker, args.gpus, (tokens, args.iters, args.trace), timeout=1800)
     fp8_bytes, bf16_bytes = HIDDEN + HIDDEN // 128 * 4 + 16, HIDDEN * 2
     print(f"# EP{args.gpus}, hidden {HIDDEN}, top-{TOPK} of {EXPERTS} experts, FP8 dispatch / BF16 combine, "
           f"median of {args.iters} (slowest rank), {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'tokens':>7}{'dispatch us':>13}{'GB/s':>8}{'combine us':>12}{'GB/s':>8}{'d+c call us':>13}"
           f"{'a2a d+c us':>12}{'speed-up':>10}")
-    for tok, d, c, a, call, sel in rows:
+    for tok, d, c, a, call, sel, _ in rows:
         print(f"{tok:>7}{d:13.1f}{sel * fp8_bytes / d / 1e3:8.1f}{c:12.1f}{sel * bf16_bytes / c / 1e3:8.1f}"
               f"{call:13.1f}{a:12.1f}{a / call:9.1f}x")
     print("dispatch/combine: GPU time of each call; d+c call: one dispatch + combine end to end (host launch "
           "overhead included), which the speed-up compares with the all_to_all pipeline (end to end)")
+    print(f"{'tokens':>7}{'hook: dispatch send':>21}{'recv':>7}{'combine send':>14}{'recv':>7}   (us)")
+    for tok, *_, hook in rows:
+        print(f"{tok:>7}{hook[0]:21.1f}{hook[1]:7.1f}{hook[2]:14.1f}{hook[3]:7.1f}")
     def draw(plt):
         fig, ax = plt.subplots(figsize=(6, 3.6))
         labels = [str(r[0]) for r in rows]

@@ -8,7 +8,11 @@ Every rank of an "ep" group creates one with the same arguments (a collective ca
     combined, event, hook = buf.combine(y, topk_idx, topk_weights, handle)
 
 GPU warps write straight into the peers' buffers: over NVLink through CUDA IPC mappings
-within a host. Paths per peer: ``buf.transport_of(rank)`` ('local' or 'nvlink'). The GPU buffer
+within a host. A peer on another host (or, with ``MOELINK_EP_RANKS_PER_HOST=n``, on another
+"virtual host": ranks [0, n), [n, 2n), ...) takes the CPU-proxy path: the GPU writes into
+mapped host memory and a proxy thread carries the bytes over moelink's transfer engine (shm
+or tcp). Paths per peer: ``buf.transport_of(rank)`` ('local', 'nvlink' or 'proxy'). The
+GPU-initiated RDMA path (IBGDA) is not part of the buffer yet: see docs/EP.md. The GPU buffer
 is created with the Buffer when CUDA is usable (on the current device). CPU tensors take
 a host implementation with the same results and layout (``host_ep.py``: torch ops and
 all_to_all_single over the group), for machines without GPUs; ``timeout_us`` and
@@ -111,7 +115,7 @@ class Buffer:
         return self._impl
 
     def transport_of(self, rank: int) -> str:
-        """'local', 'nvlink' (GPU buffer); before any GPU call, the CPU path's transport."""
+        """'local', 'nvlink' or 'proxy' (GPU buffer); without one, the CPU path's transport."""
         if self._impl is not None:
             return self._impl.transport_of(rank)
         from . import transport_of

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "ep_work.h"
+#include "moelink/backend/c10d_store.h"
 #include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
 #include "moelink/transfer/transfer_engine.h"
@@ -146,28 +147,6 @@ at::Tensor inputBuffer(EpWork& w, const at::Tensor& t) {
 uint64_t nbytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
 // ---- the backend ----
-
-namespace {
-
-// The transfer engine's store, over the group's (prefixed) c10d store.
-class C10dStore : public transfer::MetadataStore {
- public:
-  explicit C10dStore(c10::intrusive_ptr<c10d::Store> s) : s_(std::move(s)) {}
-  void set(const std::string& key, const std::string& value) override {
-    s_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-  }
-  std::string get(const std::string& key, milliseconds timeout) override {
-    s_->wait({key}, timeout);
-    auto v = s_->get(key);
-    return std::string(v.begin(), v.end());
-  }
-  int64_t add(const std::string& key, int64_t delta) override { return s_->add(key, delta); }
-
- private:
-  c10::intrusive_ptr<c10d::Store> s_;
-};
-
-}  // namespace
 
 EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                      milliseconds timeout)

@@ -6,10 +6,12 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <thread>
 #include <cstring>
+#include <thread>
 
-#include "moelink/ep/kernels.h"
+#include "moelink/backend/c10d_store.h"
+#include "moelink/ep/proxy.h"
+#include "moelink/transfer/metadata_store.h"
 #include "moelink/transfer/transfer_engine.h"
 
 namespace moelink::ep {
@@ -22,11 +24,34 @@ void cudaCheck(cudaError_t e, const char* what) {
 
 std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
 
-}  // namespace
+uint64_t align(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
-struct EpBuffer::Launch {
-  kernels::Common c;
+// Where things live in one half of a rank's proxy inbox, for `sources` proxy sources:
+// their dispatch columns, one combine_x region (rows from any proxy source), their count
+// columns, then the combine flags of every expert.
+struct InboxLayout {
+  uint64_t off_combine = 0, off_count = 0, off_flag = 0, half = 0;
+  InboxLayout(const EpLayout& L, int sources) {
+    off_combine = align(sources * L.dispatch_col_bytes, 128);
+    off_count = align(off_combine + L.combineRegionBytes(), 128);
+    off_flag = align(off_count + static_cast<uint64_t>(sources) * L.num_local_experts * kSignalBytes, 128);
+    half = align(off_flag + static_cast<uint64_t>(L.num_experts) * kSignalBytes, 4096);
+  }
 };
+
+// One half of a rank's outbox: per proxy peer, the dispatch column and combine_x region
+// that the peer's inbox receives from this rank.
+uint64_t outboxWindow(const EpLayout& L) { return align(L.dispatch_col_bytes + L.combineRegionBytes(), 128); }
+
+int indexOf(const std::vector<bool>& row, int r) {
+  int i = 0;
+  for (int q = 0; q < r; ++q) i += row[q];
+  return i;
+}
+
+int countOf(const std::vector<bool>& row) { return indexOf(row, static_cast<int>(row.size())); }
+
+}  // namespace
 
 int64_t EpBuffer::sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts) {
   return static_cast<int64_t>(EpLayout::make(static_cast<int>(num_ranks), static_cast<int>(num_experts),
@@ -47,6 +72,13 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   // when the call passes timeout_us=-1 (default 30 s; 0 waits without limit).
   const char* env = std::getenv("MOELINK_EP_TIMEOUT_US");
   default_timeout_us_ = env && *env ? std::atoll(env) : 30000000;
+  // Dispatch messages to NVLink peers go as bulk copies (TMA), measured faster than warp
+  // stores (docs/PERF.md). MOELINK_EP_TMA=0 selects the warp stores.
+  const char* tma_env = std::getenv("MOELINK_EP_TMA");
+  use_tma_ = !(tma_env && *tma_env && std::atoi(tma_env) == 0);
+  const char* rph_env = std::getenv("MOELINK_EP_RANKS_PER_HOST");
+  const int rph = rph_env && *rph_env ? std::atoi(rph_env) : 0;
+  TORCH_CHECK_VALUE(rph >= 0, "moelink Buffer: MOELINK_EP_RANKS_PER_HOST must be a positive integer, got ", rph_env);
   cudaCheck(cudaGetDevice(&device_), "cudaGetDevice");
   cudaCheck(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_), "SM count");
   cudaCheck(cudaMalloc(&buffer_, layout_.totalBytes()), "cudaMalloc(buffer)");
@@ -55,36 +87,61 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   cudaCheck(cudaMalloc(&scratch_, scratch * sizeof(int)), "cudaMalloc(scratch)");
   cudaCheck(cudaMemset(scratch_, 0, scratch * sizeof(int)), "cudaMemset(scratch)");
 
-  // Exchange CUDA IPC handles and host ids through the group's store.
+  // Exchange host ids and CUDA IPC handles through the group's store.
   cudaIpcMemHandle_t handle;
   cudaCheck(cudaIpcGetMemHandle(&handle, buffer_), "cudaIpcGetMemHandle");
   std::string mine(reinterpret_cast<const char*>(&handle), sizeof handle);
-  std::string host = transfer::localHostId();
   store->set(key + "/ipc/" + std::to_string(rank), bytesOf(mine));
-  store->set(key + "/host/" + std::to_string(rank), bytesOf(host));
+  store->set(key + "/host/" + std::to_string(rank), bytesOf(transfer::localHostId()));
+  std::vector<std::string> hosts(size);
+  for (int r = 0; r < size; ++r) {
+    auto h = store->get(key + "/host/" + std::to_string(r));
+    hosts[r] = std::string(h.begin(), h.end());
+  }
+  // proxy[a][b]: a and b are different ranks on different (possibly virtual) hosts.
+  std::vector<std::vector<bool>> proxy(size, std::vector<bool>(size, false));
+  bool any_proxy = false;
+  for (int a = 0; a < size; ++a)
+    for (int b = 0; b < size; ++b) {
+      proxy[a][b] = a != b && (hosts[a] != hosts[b] || (rph > 0 && a / rph != b / rph));
+      any_proxy = any_proxy || proxy[a][b];
+    }
   peers_.assign(size, nullptr);
   transports_.assign(size, "");
   for (int r = 0; r < size; ++r) {
     if (r == rank) {
       peers_[r] = buffer_;
       transports_[r] = "local";
-      continue;
+    } else if (proxy[rank][r]) {
+      transports_[r] = "proxy";
+    } else {
+      auto b = store->get(key + "/ipc/" + std::to_string(r));
+      TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t), "moelink Buffer: bad IPC handle from rank ", r);
+      cudaIpcMemHandle_t ph;
+      std::memcpy(&ph, b.data(), sizeof ph);
+      void* p = nullptr;
+      cudaCheck(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+      peers_[r] = static_cast<char*>(p);
+      transports_[r] = "nvlink";
     }
-    auto h = store->get(key + "/host/" + std::to_string(r));
-    std::string peer_host(h.begin(), h.end());
-    TORCH_CHECK(peer_host == host, "moelink Buffer: rank ", r, " is on another host (", peer_host,
-                "); the cross-host paths (IBGDA, CPU proxy) are not part of this build, only NVLink within a host");
-    auto b = store->get(key + "/ipc/" + std::to_string(r));
-    TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t), "moelink Buffer: bad IPC handle from rank ", r);
-    cudaIpcMemHandle_t ph;
-    std::memcpy(&ph, b.data(), sizeof ph);
-    void* p = nullptr;
-    cudaCheck(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
-    peers_[r] = static_cast<char*>(p);
-    transports_[r] = "nvlink";
   }
-  cudaCheck(cudaMalloc(&peers_dev_, size * sizeof(char*)), "cudaMalloc(peers)");
-  cudaCheck(cudaMemcpy(peers_dev_, peers_.data(), size * sizeof(char*), cudaMemcpyHostToDevice), "peers copy");
+  if (any_proxy) {
+    // Every rank takes part (the engines' rendezvous), also one without proxy peers.
+    std::vector<int> mine_peers;
+    for (int r = 0; r < size; ++r)
+      if (proxy[rank][r]) mine_peers.push_back(r);
+    const int sources = static_cast<int>(mine_peers.size());
+    const uint64_t inbox = 2 * InboxLayout(layout_, sources).half;
+    const uint64_t outbox = 2 * sources * outboxWindow(layout_);
+    auto ms = std::make_shared<transfer::PrefixStore>(key + "/proxy/", std::make_shared<backend::C10dStore>(store));
+    try {
+      proxy_ = std::make_unique<EpProxy>(ms, rank, size, mine_peers, inbox, outbox,
+                                         std::chrono::duration_cast<std::chrono::milliseconds>(store->getTimeout()));
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "moelink Buffer: could not set up the CPU proxy path: ", e.what());
+    }
+  }
+  buildRoutes(proxy);
   active_ = at::ones({size}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
   cudaCheck(cudaDeviceSynchronize(), "buffer setup");
   // Every rank has mapped every peer before anyone writes (the store doubles as barrier).
@@ -95,13 +152,61 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
                 "moelink Buffer: timed out waiting for every rank to create its buffer (a collective call)");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+  if (proxy_) proxy_->unlinkNames();  // every peer has opened its segments by now
+}
+
+void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy) {
+  const EpLayout& L = layout_;
+  const uint64_t count_col = static_cast<uint64_t>(L.num_local_experts) * kSignalBytes;
+  std::vector<kernels::PeerRoute> routes(2 * size_);
+  const InboxLayout in_me(L, countOf(proxy[rank_]));
+  const uint64_t window = outboxWindow(L);
+  for (int h = 0; h < 2; ++h) {
+    char* my_half = buffer_ + h * L.half_bytes;
+    for (int r = 0; r < size_; ++r) {
+      kernels::PeerRoute& pr = routes[h * size_ + r];
+      if (!proxy[rank_][r]) {
+        char* peer_half = peers_[r] + h * L.half_bytes;
+        pr.dispatch_send = peer_half + L.off_dispatch_x + rank_ * L.dispatch_col_bytes;
+        pr.count_send = peer_half + L.off_dispatch_count + rank_ * count_col;
+        pr.combine_send = peer_half + L.off_combine_x;
+        pr.flag_send = peer_half + L.off_combine_flag;
+        pr.dispatch_recv = my_half + L.off_dispatch_x + r * L.dispatch_col_bytes;
+        pr.count_recv = my_half + L.off_dispatch_count + r * count_col;
+        pr.combine_recv = my_half + L.off_combine_x;
+        pr.flag_recv = my_half + L.off_combine_flag;
+        continue;
+      }
+      pr.proxy = 1;
+      const int j = indexOf(proxy[rank_], r);      // r among this rank's proxy peers
+      const int jm = indexOf(proxy[r], rank_);     // this rank among r's proxy peers
+      const InboxLayout in_r(L, countOf(proxy[r]));
+      char* ob = proxy_->outbox() + (static_cast<uint64_t>(h) * countOf(proxy[rank_]) + j) * window;
+      pr.dispatch_send = ob;
+      pr.combine_send = ob + L.dispatch_col_bytes;
+      const uint64_t r_half = h * in_r.half;
+      pr.dispatch_remote = r_half + jm * L.dispatch_col_bytes;
+      pr.count_remote = r_half + in_r.off_count + jm * count_col;
+      pr.combine_remote = r_half + in_r.off_combine;
+      pr.flag_remote = r_half + in_r.off_flag;
+      char* ib = proxy_->inbox() + h * in_me.half;
+      pr.dispatch_recv = ib + j * L.dispatch_col_bytes;
+      pr.count_recv = ib + in_me.off_count + j * count_col;
+      pr.combine_recv = ib + in_me.off_combine;
+      pr.flag_recv = ib + in_me.off_flag;
+    }
+  }
+  cudaCheck(cudaMalloc(&routes_dev_, routes.size() * sizeof(kernels::PeerRoute)), "cudaMalloc(routes)");
+  cudaCheck(cudaMemcpy(routes_dev_, routes.data(), routes.size() * sizeof(kernels::PeerRoute), cudaMemcpyHostToDevice),
+            "routes copy");
 }
 
 EpBuffer::~EpBuffer() {
   cudaDeviceSynchronize();
+  proxy_.reset();
   for (int r = 0; r < size_; ++r)
-    if (r != rank_ && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
-  cudaFree(peers_dev_);
+    if (transports_[r] == "nvlink" && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
+  cudaFree(routes_dev_);
   cudaFree(scratch_);
   cudaFree(buffer_);
 }
@@ -111,23 +216,45 @@ std::string EpBuffer::transportOf(int rank) const {
   return transports_[rank];
 }
 
-EpBuffer::Launch EpBuffer::common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active) const {
-  Launch l;
-  l.c.layout = layout_;
-  l.c.rank = rank_;
-  l.c.half = half;
-  l.c.peers = peers_dev_;
-  l.c.num_sms = num_sms_;
+void EpBuffer::setTrace(const std::optional<at::Tensor>& trace) {
+  if (!trace.has_value()) {
+    trace_ = at::Tensor();
+    return;
+  }
+  TORCH_CHECK_VALUE(trace->is_cuda() && trace->device().index() == device_ && trace->scalar_type() == at::kLong &&
+                        trace->is_contiguous() && trace->numel() == static_cast<int64_t>(num_sms_) * kernels::kTracePoints,
+                    "moelink: the trace tensor must be a contiguous int64 tensor of ", num_sms_ * kernels::kTracePoints,
+                    " entries on cuda:", device_);
+  trace_ = *trace;
+}
+
+std::string EpBuffer::proxyTransportOf(int rank) const {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < size_, "moelink Buffer: rank ", rank, " outside the group of ", size_);
+  return transports_[rank] == "proxy" ? proxy_->transportTo(rank) : std::string();
+}
+
+kernels::Common EpBuffer::common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active,
+                                 int phases) const {
+  kernels::Common c;
+  c.layout = layout_;
+  c.rank = rank_;
+  c.half = half;
+  c.routes = routes_dev_ + half * size_;
+  if (proxy_) c.ring = proxy_->ring();
+  c.num_sms = num_sms_;
+  c.phases = phases;
+  c.trace = trace_.defined() ? reinterpret_cast<uint64_t*>(trace_.data_ptr<int64_t>()) : nullptr;
   at::Tensor mask = active_;
   if (active.has_value()) {
     mask = *active;
-    TORCH_CHECK_VALUE(mask.is_cuda() && mask.scalar_type() == at::kInt && mask.numel() == size_ && mask.is_contiguous(),
-                      "moelink: active_ranks must be a contiguous int32 CUDA tensor of ", size_, " entries");
+    TORCH_CHECK_VALUE(mask.is_cuda() && mask.device().index() == device_ && mask.scalar_type() == at::kInt &&
+                          mask.numel() == size_ && mask.is_contiguous(),
+                      "moelink: active_ranks must be a contiguous int32 tensor of ", size_, " entries on cuda:", device_);
   }
-  l.c.active = mask.data_ptr<int>();
+  c.active = mask.data_ptr<int>();
   int64_t us = timeout_us < 0 ? default_timeout_us_ : timeout_us;
-  l.c.timeout_ns = us * 1000;
-  return l;
+  c.timeout_ns = us * 1000;
+  return c;
 }
 
 DispatchOutputs EpBuffer::dispatch(const at::Tensor& x, const at::Tensor& topk_idx, bool use_fp8, bool round_scale,
@@ -152,22 +279,28 @@ DispatchOutputs EpBuffer::dispatch(const at::Tensor& x, const at::Tensor& topk_i
   out.half = round_++ & 1;
   out.recv_x = at::empty({L.num_local_experts, rows, L.hidden}, opts.dtype(use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
   if (use_fp8) out.recv_scales = at::empty({L.num_local_experts, rows, L.hidden / kHiddenAlign}, opts.dtype(at::kFloat));
-  out.recv_count = at::zeros({L.num_local_experts}, opts.dtype(at::kInt));
+  out.recv_count = at::empty({L.num_local_experts}, opts.dtype(at::kInt));
   out.src_info = at::empty({L.num_local_experts, rows}, opts.dtype(at::kInt));
   out.src_slot = at::empty({L.num_local_experts, rows}, opts.dtype(at::kInt));
   out.layout_range = at::empty({L.num_local_experts, L.num_ranks}, opts.dtype(at::kLong));
   kernels::DispatchArgs a;
-  a.c = common(static_cast<int>(out.half), timeout_us, active).c;
+  a.c = common(static_cast<int>(out.half), timeout_us, active,
+               kernels::kSendPhase | (launch_recv ? kernels::kRecvPhase : 0));
   a.x = x.data_ptr();
   a.topk_idx = topk_idx.data_ptr<int64_t>();
   a.num_tokens = static_cast<int>(x.size(0));
   a.num_topk = static_cast<int>(topk_idx.size(1));
   a.use_fp8 = use_fp8;
   a.round_scale = round_scale;
+  a.use_tma = use_tma_;
   a.scratch = scratch_;
-  auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-  kernels::dispatchSend(a, stream);
-  if (launch_recv) dispatchRecv(out, use_fp8, timeout_us, active);
+  a.recv_x = out.recv_x.data_ptr();
+  a.recv_scales = use_fp8 ? out.recv_scales.data_ptr<float>() : nullptr;
+  a.recv_src_info = out.src_info.data_ptr<int>();
+  a.recv_src_slot = out.src_slot.data_ptr<int>();
+  a.recv_count = out.recv_count.data_ptr<int>();
+  a.layout_range = out.layout_range.data_ptr<int64_t>();
+  kernels::dispatch(a, c10::cuda::getCurrentCUDAStream(device_).stream());
   return out;
 }
 
@@ -175,15 +308,16 @@ void EpBuffer::dispatchRecv(DispatchOutputs& out, bool use_fp8, int64_t timeout_
                             const std::optional<at::Tensor>& active) {
   c10::cuda::CUDAGuard guard(device_);
   kernels::DispatchArgs a;
-  a.c = common(static_cast<int>(out.half), timeout_us, active).c;
+  a.c = common(static_cast<int>(out.half), timeout_us, active, kernels::kRecvPhase);
   a.use_fp8 = use_fp8;
+  a.scratch = scratch_;
   a.recv_x = out.recv_x.data_ptr();
   a.recv_scales = use_fp8 ? out.recv_scales.data_ptr<float>() : nullptr;
   a.recv_src_info = out.src_info.data_ptr<int>();
   a.recv_src_slot = out.src_slot.data_ptr<int>();
   a.recv_count = out.recv_count.data_ptr<int>();
   a.layout_range = out.layout_range.data_ptr<int64_t>();
-  kernels::dispatchRecv(a, c10::cuda::getCurrentCUDAStream(device_).stream());
+  kernels::dispatch(a, c10::cuda::getCurrentCUDAStream(device_).stream());
 }
 
 at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
@@ -197,27 +331,37 @@ at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, co
                     "moelink combine: x must be a contiguous [", L.num_local_experts, ", ", rows, ", ", L.hidden,
                     "] tensor on cuda:", device_, ", got ", x.sizes());
   TORCH_CHECK_VALUE(topk_idx.dim() == 2 && topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous() &&
+                        topk_idx.is_cuda() && topk_idx.device().index() == device_ &&
                         topk_idx.size(0) <= L.max_tokens && topk_idx.size(1) >= 1 && topk_idx.size(1) <= kMaxTopk,
                     "moelink combine: topk_idx must be a contiguous int64 [tokens <= ", L.max_tokens, ", 1..",
-                    kMaxTopk, "] tensor");
+                    kMaxTopk, "] tensor on cuda:", device_);
   TORCH_CHECK_VALUE(topk_weights.sizes() == topk_idx.sizes() && topk_weights.scalar_type() == at::kFloat &&
-                        topk_weights.is_contiguous() && topk_weights.is_cuda(),
-                    "moelink combine: topk_weights must be a contiguous float32 CUDA tensor shaped like topk_idx");
+                        topk_weights.is_contiguous() && topk_weights.is_cuda() &&
+                        topk_weights.device().index() == device_,
+                    "moelink combine: topk_weights must be a contiguous float32 tensor on cuda:", device_,
+                    " shaped like topk_idx");
   c10::cuda::CUDAGuard guard(device_);
-  // Everything is checked before the send: once it runs, the peers expect this rank's receive.
+  // Everything is checked before the launch: once it runs, the peers expect this rank's receive.
   at::Tensor result = out.has_value() ? *out : at::empty({topk_idx.size(0), L.hidden}, x.options());
   TORCH_CHECK_VALUE(result.sizes() == at::IntArrayRef({topk_idx.size(0), L.hidden}) &&
-                        result.scalar_type() == at::kBFloat16 && result.is_contiguous() && result.is_cuda(),
-                    "moelink combine: out must be a contiguous bfloat16 [", topk_idx.size(0), ", ", L.hidden, "] CUDA tensor");
+                        result.scalar_type() == at::kBFloat16 && result.is_contiguous() && result.is_cuda() &&
+                        result.device().index() == device_,
+                    "moelink combine: out must be a contiguous bfloat16 [", topk_idx.size(0), ", ", L.hidden,
+                    "] tensor on cuda:", device_);
   kernels::CombineArgs a;
-  a.c = common(static_cast<int>(h.half), timeout_us, active).c;
+  a.c = common(static_cast<int>(h.half), timeout_us, active,
+               kernels::kSendPhase | (launch_recv ? kernels::kRecvPhase : 0));
   a.x = x.data_ptr();
   a.src_info = h.src_info.data_ptr<int>();
   a.src_slot = h.src_slot.data_ptr<int>();
   a.layout_range = h.layout_range.data_ptr<int64_t>();
   a.scratch = scratch_;
-  kernels::combineSend(a, c10::cuda::getCurrentCUDAStream(device_).stream());
-  if (launch_recv) combineRecv(topk_idx, topk_weights, h, result, timeout_us, active);
+  a.topk_idx = topk_idx.data_ptr<int64_t>();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.num_tokens = static_cast<int>(topk_idx.size(0));
+  a.num_topk = static_cast<int>(topk_idx.size(1));
+  a.out = result.data_ptr();
+  kernels::combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());
   return result;
 }
 
@@ -225,14 +369,14 @@ void EpBuffer::combineRecv(const at::Tensor& topk_idx, const at::Tensor& topk_we
                            at::Tensor& out, int64_t timeout_us, const std::optional<at::Tensor>& active) {
   c10::cuda::CUDAGuard guard(device_);
   kernels::CombineArgs a;
-  a.c = common(static_cast<int>(h.half), timeout_us, active).c;
+  a.c = common(static_cast<int>(h.half), timeout_us, active, kernels::kRecvPhase);
   a.scratch = scratch_;
   a.topk_idx = topk_idx.data_ptr<int64_t>();
   a.topk_weights = topk_weights.data_ptr<float>();
   a.num_tokens = static_cast<int>(topk_idx.size(0));
   a.num_topk = static_cast<int>(topk_idx.size(1));
   a.out = out.data_ptr();
-  kernels::combineRecv(a, c10::cuda::getCurrentCUDAStream(device_).stream());
+  kernels::combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());
 }
 
 }  // namespace moelink::ep

@@ -22,15 +22,16 @@ EpLayout EpLayout::make(int num_ranks, int num_experts, int max_tokens, int hidd
   l.max_tokens = max_tokens;
   l.hidden = hidden;
   // A bf16 payload (2 bytes per element) is larger than e4m3 + scales, so it sizes the slot.
-  l.dispatch_msg_bytes = align(kMsgHeaderBytes + 2ull * hidden, 16);
+  // Slots start on 128-byte lines, so that a warp's 512-byte stores cover whole lines
+  // (partial-line writes over NVLink travel as masked writes and waste link bandwidth).
+  l.dispatch_msg_bytes = align(kMsgHeaderBytes + 2ull * hidden, 128);
   l.combine_msg_bytes = 2ull * hidden;
-  uint64_t slots = static_cast<uint64_t>(l.num_local_experts) * num_ranks * max_tokens;
+  l.dispatch_col_bytes = static_cast<uint64_t>(l.num_local_experts) * max_tokens * l.dispatch_msg_bytes;
   l.off_dispatch_x = 0;
-  l.off_dispatch_count = align(l.off_dispatch_x + slots * l.dispatch_msg_bytes, 128);
-  l.off_combine_x = align(l.off_dispatch_count + 4ull * l.num_local_experts * num_ranks, 128);
-  l.off_combine_flag =
-      align(l.off_combine_x + static_cast<uint64_t>(max_tokens) * kMaxTopk * l.combine_msg_bytes, 128);
-  l.half_bytes = align(l.off_combine_flag + 4ull * num_experts, 4096);
+  l.off_dispatch_count = align(l.off_dispatch_x + num_ranks * l.dispatch_col_bytes, 128);
+  l.off_combine_x = align(l.off_dispatch_count + static_cast<uint64_t>(kSignalBytes) * l.num_local_experts * num_ranks, 128);
+  l.off_combine_flag = align(l.off_combine_x + l.combineRegionBytes(), 128);
+  l.half_bytes = align(l.off_combine_flag + static_cast<uint64_t>(kSignalBytes) * num_experts, 4096);
   return l;
 }
 

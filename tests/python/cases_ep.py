@@ -239,6 +239,40 @@ def timeout_masks_absent_rank(rank, world):
     dist.barrier()
 
 
+def proxy_path(rank, world, ranks_per_host=2, transport="shm"):
+    """Run with MOELINK_EP_RANKS_PER_HOST=2: ranks of the other half are proxy peers (GPU
+    writes into mapped host memory, a CPU proxy carries them over the transfer engine)."""
+    _setup(rank)
+    for hidden, cases in ((2048, [(t, k, f) for k in (1, 8) for t in (1, 17, 128) for f in (False, True)]),
+                          (4096, [(128, 16, True), (64, 8, False)])):
+        buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
+        for r in range(world):
+            want = "local" if r == rank else ("nvlink" if r // ranks_per_host == rank // ranks_per_host else "proxy")
+            assert buf.transport_of(r) == want, (r, buf.transport_of(r), want)
+            if want == "proxy":
+                assert buf._impl.proxy_transport_of(r) == transport, buf._impl.proxy_transport_of(r)
+        for tokens, topk, use_fp8 in cases:
+            check_round(buf, rank, world, tokens, hidden, topk, use_fp8)
+        if hidden == 2048:
+            check_round(buf, rank, world, 64, hidden, 8, True, return_recv_hook=True)
+            check_round(buf, rank, world, 64, hidden, 8, False, zero_copy=True, async_finish=True)
+        del buf
+        torch.cuda.synchronize()
+        dist.barrier()
+    two_rounds_in_flight(rank, world)
+
+
+def proxy_path_tcp(rank, world):
+    """The proxy path over the engine's tcp transport (MOELINK_TRANSPORT=tcp)."""
+    _setup(rank)
+    buf = moelink.Buffer(None, MAX_TOKENS, 2048, NUM_EXPERTS)
+    for r in range(world):
+        if buf.transport_of(r) == "proxy":
+            assert buf._impl.proxy_transport_of(r) == "tcp", buf._impl.proxy_transport_of(r)
+    for tokens, topk, use_fp8 in ((17, 8, True), (128, 8, False)):
+        check_round(buf, rank, world, tokens, 2048, topk, use_fp8)
+
+
 def host_path(rank, world):
     """The same checks through the CPU-tensor implementation (no GPU needed)."""
     buf = moelink.Buffer(None, MAX_TOKENS, 256, NUM_EXPERTS)

@@ -1,5 +1,6 @@
-"""The EP buffer on 2 and 4 GPUs (one process per GPU, NVLink), checked against pure-torch
-references of the same routing. Skipped without enough GPUs."""
+"""The EP buffer on 2 and 4 GPUs (one process per GPU, NVLink; and the CPU-proxy path with
+MOELINK_EP_RANKS_PER_HOST=2 on 4 GPUs), checked against pure-torch references of the same
+routing. Skipped without enough GPUs."""
 
 import functools
 
@@ -23,4 +24,35 @@ def test_ep_buffer(world, case):
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs, found {GPUS}")
     failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(results(world)) if res[case]]
+    assert not failures, "\n".join(failures)
+
+
+@functools.lru_cache(maxsize=None)
+def proxy_results(transport):
+    case = "proxy_path" if transport == "shm" else "proxy_path_tcp"
+    env = {"MOELINK_EP_RANKS_PER_HOST": "2", "MOELINK_TRANSPORT": transport}
+    return case, run_group(4, run_cases, kwargs={"cases_mod": "cases_ep", "names": [case]}, env=env, timeout=900)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_ep_proxy_path(transport):
+    if GPUS < 4:
+        pytest.skip(f"needs 4 GPUs, found {GPUS}")
+    case, res = proxy_results(transport)
+    failures = [f"rank {r}:\n{x[case]}" for r, x in enumerate(res) if x[case]]
+    assert not failures, "\n".join(failures)
+
+
+@functools.lru_cache(maxsize=None)
+def warp_store_results():
+    return run_group(2, run_cases, kwargs={"cases_mod": "cases_ep", "names": ["modes", "two_rounds_in_flight"]},
+                     env={"MOELINK_EP_TMA": "0"}, timeout=600)
+
+
+@pytest.mark.parametrize("case", ["modes", "two_rounds_in_flight"])
+def test_ep_warp_store_path(case):
+    """Dispatch with warp stores instead of bulk copies (MOELINK_EP_TMA=0)."""
+    if GPUS < 2:
+        pytest.skip(f"needs 2 GPUs, found {GPUS}")
+    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(warp_store_results()) if res[case]]
     assert not failures, "\n".join(failures)

@@ -4,8 +4,11 @@
 // stream. Collective: every rank of the group constructs it with the same arguments.
 //
 // Paths per peer, chosen at construction: "local" (this rank), "nvlink" (same host, CUDA
-// IPC mapping). Ranks on other hosts need the IBGDA or proxy path, which this build does
-// not have: construction fails with a message saying so.
+// IPC mapping), "proxy" (another host, or another virtual host under
+// MOELINK_EP_RANKS_PER_HOST=n, which groups ranks [0, n), [n, 2n), ... into hosts: GPU
+// writes into mapped host memory carried by a CPU proxy over the transfer engine; see
+// proxy.h). IBGDA is not wired into the buffer (see docs/EP.md), so other hosts always
+// take the proxy path.
 #pragma once
 
 #include <memory>
@@ -16,9 +19,12 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "moelink/ep/kernels.h"
 #include "moelink/ep/layout.h"
 
 namespace moelink::ep {
+
+class EpProxy;
 
 struct DispatchOutputs {
   at::Tensor recv_x;       // bf16 or e4m3 [local, ranks*max_tokens, hidden]
@@ -53,25 +59,34 @@ class EpBuffer {
                    at::Tensor& out, int64_t timeout_us, const std::optional<at::Tensor>& active_ranks);
 
   std::string transportOf(int rank) const;
+  // The transfer-engine transport under a proxy peer ("shm" or "tcp"); "" for others.
+  std::string proxyTransportOf(int rank) const;
   at::Tensor activeRanks() const { return active_; }
+  // Benchmark aid: an int64 CUDA tensor of numSms() * kernels::kTracePoints entries that
+  // later launches fill with per-block phase timestamps (ns); None stops it.
+  void setTrace(const std::optional<at::Tensor>& trace);
+  int numSms() const { return num_sms_; }
   const EpLayout& layout() const { return layout_; }
   int rank() const { return rank_; }
 
  private:
-  struct Launch;
-  Launch common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active_ranks) const;
+  kernels::Common common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active_ranks, int phases) const;
+  void buildRoutes(const std::vector<std::vector<bool>>& proxy);
 
   int rank_, size_, device_;
   EpLayout layout_;
   char* buffer_ = nullptr;
   int* scratch_ = nullptr;
-  char** peers_dev_ = nullptr;
-  std::vector<char*> peers_;
+  std::vector<char*> peers_;           // NVLink peers' buffers (IPC mappings), own buffer
+  kernels::PeerRoute* routes_dev_ = nullptr;  // [2][size]
+  std::unique_ptr<EpProxy> proxy_;
   std::vector<std::string> transports_;
   at::Tensor active_;
   int num_sms_ = 0;
   int64_t round_ = 0;
   int64_t default_timeout_us_;
+  bool use_tma_ = false;
+  at::Tensor trace_;
 };
 
 }  // namespace moelink::ep

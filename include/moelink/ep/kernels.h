@@ -1,7 +1,17 @@
 // Launchers of the EP kernels (src/ep/kernels/*.cu). They take raw device pointers, sizes
-// and a stream: no torch types. `peers[r]` is rank r's buffer as this rank addresses it
-// (its own buffer for r == rank, a CUDA IPC mapping for an NVLink peer); `half` selects
-// the round's half (0 or 1). See layout.h for the buffer layout.
+// and a stream: no torch types. See layout.h for the buffer layout.
+//
+// Each of dispatch and combine is one kernel with a send phase and a receive phase (the
+// `phases` bits); a normal call runs both in one launch, a recv-hook call runs the send
+// phase first and the receive phase when the hook is called. The grid is one block per
+// SM, so that every block is resident and a block's receive phase may wait on sends of
+// other blocks of the same launch.
+//
+// Where a rank's traffic goes is a table of PeerRoute per (buffer half, peer), built at
+// buffer creation: for the local rank and NVLink peers the pointers are into the peers'
+// GPU buffers (CUDA IPC mappings); for a proxy peer they are into this rank's host-mapped
+// outbox (sends) and inbox (receives), and every send is also posted to the proxy ring
+// (see ProxyRing) for the CPU proxy to carry over the transfer engine.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,21 +22,68 @@
 
 namespace moelink::ep::kernels {
 
-// Scratch integers a buffer keeps for its kernels (zeroed once at allocation).
+enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
+
+// Scratch integers a buffer keeps for its kernels (zeroed once at allocation; every
+// kernel leaves them zero again).
 inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts + 4; }
+
+struct PeerRoute {
+  // Sends to the peer.
+  char* dispatch_send = nullptr;  // this rank's dispatch column at the peer
+  char* count_send = nullptr;     // this rank's count column at the peer (8 B per local expert)
+  char* combine_send = nullptr;   // the peer's combine_x region ([token][top-k] rows)
+  char* flag_send = nullptr;      // the peer's combine flags (8 B per global expert)
+  // For a proxy peer, the offsets in the peer's inbox segment that match the four above.
+  uint64_t dispatch_remote = 0, count_remote = 0, combine_remote = 0, flag_remote = 0;
+  // Receives from the peer (in this rank's GPU buffer, or its inbox for a proxy peer).
+  char* dispatch_recv = nullptr;  // the peer's dispatch column here
+  char* count_recv = nullptr;     // the peer's count column here
+  char* combine_recv = nullptr;   // the combine_x region where the peer's experts' rows land
+  char* flag_recv = nullptr;      // the combine flags region the peer's experts raise
+  int proxy = 0;
+};
+
+// One request for the CPU proxy, in host-mapped memory. `seq` is written last (ticket + 1).
+struct alignas(16) ProxyEntry {
+  uint64_t seq;
+  int32_t kind;  // kProxyData or kProxySignal
+  int32_t peer;
+  uint64_t local;   // data: offset in the outbox; signal: the 8-byte value
+  uint64_t remote;  // offset in the peer's inbox segment
+  uint64_t length;  // data bytes (signals: 8)
+  uint64_t pad;
+};
+constexpr int kProxyData = 1;
+constexpr int kProxySignal = 2;
+
+struct ProxyRing {
+  ProxyEntry* entries = nullptr;         // host-mapped, `capacity` entries
+  const uint64_t* head = nullptr;        // host-mapped: entries the proxy has consumed
+  unsigned long long* tail = nullptr;    // device: tickets handed out
+  uint64_t capacity = 0;
+  const char* outbox = nullptr;          // device address of the outbox (data offsets are from here)
+};
 
 struct Common {
   EpLayout layout;
   int rank = 0;
   int half = 0;
-  char* const* peers = nullptr;  // device array [num_ranks]
+  const PeerRoute* routes = nullptr;  // device array [num_ranks] for this half
+  ProxyRing ring;
   int num_sms = 0;
+  int phases = kSendPhase | kRecvPhase;
   // int32 [num_ranks] on the GPU: 1 = active. A receiver that waits on a source longer
   // than timeout_ns (> 0) clears the source's entry and treats it as having sent nothing;
   // inactive ranks are neither sent to nor waited for.
   int* active = nullptr;
   int64_t timeout_ns = 0;  // <= 0: wait without limit
+  // Optional phase timestamps (%globaltimer, ns) for the benchmark's breakdown:
+  // [grid][kTracePoints]; nullptr (the default) records nothing.
+  uint64_t* trace = nullptr;
 };
+
+constexpr int kTracePoints = 8;
 
 struct DispatchArgs {
   Common c;
@@ -36,20 +93,20 @@ struct DispatchArgs {
   int num_topk = 0;
   bool use_fp8 = false;
   bool round_scale = false;  // FP8 scales rounded up to a power of two
-  int* scratch = nullptr;    // kScratchInts int32, zero between rounds (the kernels restore it)
-  // outputs (dispatchRecv)
+  bool use_tma = false;      // messages to GPU peers as bulk copies (TMA) instead of warp stores
+  int* scratch = nullptr;    // scratchInts() int32
+  // outputs (receive phase)
   void* recv_x = nullptr;        // bf16 or e4m3 [local, ranks*max_tokens, hidden]
   float* recv_scales = nullptr;  // [local, ranks*max_tokens, hidden/128] when FP8
   int* recv_src_info = nullptr;  // [local, ranks*max_tokens]: source token
   int* recv_src_slot = nullptr;  // [local, ranks*max_tokens]: source top-k slot
-  int* recv_count = nullptr;     // [local], zeroed before dispatchRecv
+  int* recv_count = nullptr;     // [local] (written, need not be zeroed)
   int64_t* layout_range = nullptr;  // [local, ranks]: (begin << 32) | count
 };
 
-// Sends every (token, top-k) to its expert's rank, then each expert's token count.
-void dispatchSend(const DispatchArgs& a, cudaStream_t stream);
-// Waits for every source's count and packs the received tokens per local expert.
-void dispatchRecv(const DispatchArgs& a, cudaStream_t stream);
+// Send phase: every (token, top-k) goes to its expert's rank, then each expert's count.
+// Receive phase: waits for every source's count and packs the tokens per local expert.
+void dispatch(const DispatchArgs& a, cudaStream_t stream);
 
 struct CombineArgs {
   Common c;
@@ -66,9 +123,8 @@ struct CombineArgs {
   void* out = nullptr;  // bf16 [num_tokens, hidden]
 };
 
-// Sends every expert output back to its token's rank, then each expert's flag.
-void combineSend(const CombineArgs& a, cudaStream_t stream);
-// Waits for the flags of each token's experts and writes the weighted sums.
-void combineRecv(const CombineArgs& a, cudaStream_t stream);
+// Send phase: every expert output goes back to its token's rank, then the expert's flag.
+// Receive phase: waits for the flags of each token's experts and writes the weighted sums.
+void combine(const CombineArgs& a, cudaStream_t stream);
 
 }  // namespace moelink::ep::kernels

@@ -1,82 +1,133 @@
 // Low-latency combine: expert outputs go straight back into their token's rank, one
 // region per (token, top-k slot); the token's rank waits for the experts' flags and
 // writes the weighted sum.
+//
+// One launch, one block of 32 warps per SM. Send phase: each half-block (16 warps) takes
+// (local expert, destination rank) pairs: the pair's rows are split into chunks over the
+// warps, then one thread raises the expert's flag at the destination. Receive phase: a
+// block per token waits for the flags of its experts, then every thread reduces one
+// 16-byte column over the top-k rows. The last block to finish clears the flags.
 #include <cuda_bf16.h>
 
-#include "moelink/common/error.h"
 #include "moelink/ep/kernels.h"
+#include "launch.h"
 #include "sync.cuh"
 
 namespace moelink::ep::kernels {
 
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 32;
+constexpr int kThreads = kWarps * 32;
+constexpr int kGroups = 2;  // send-phase groups per block
+constexpr int kGroupWarps = kWarps / kGroups;
+constexpr int kVecsPerLane = 8;  // a send chunk: 32 lanes x 8 x 16 B
 
-__global__ void __launch_bounds__(kWarps * 32) combineSendKernel(CombineArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
   const EpLayout& L = a.c.layout;
-  const int pair = blockIdx.x;  // (local expert, rank the tokens came from)
-  const int le = pair / L.num_ranks, dst = pair % L.num_ranks;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  if (!a.c.active[dst]) return;
-  const int64_t lr = a.layout_range[pair];
-  const int begin = static_cast<int>(lr >> 32), n = static_cast<int>(lr & 0xffffffff);
-  const uint64_t rows_per_expert = static_cast<uint64_t>(L.num_ranks) * L.max_tokens;
-  char* remote = a.c.peers[dst] + a.c.half * L.half_bytes;
-  for (int i = warp; i < n; i += kWarps) {
-    const uint64_t row = le * rows_per_expert + begin + i;
-    const int t = a.src_info[row], k = a.src_slot[row];
-    const int4* s = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + row * 2ull * L.hidden);
-    int4* d = reinterpret_cast<int4*>(remote + L.off_combine_x +
-                                      (static_cast<uint64_t>(t) * kMaxTopk + k) * L.combine_msg_bytes);
-    for (int j = lane; j < L.hidden / 8; j += 32) d[j] = s[j];
-  }
-  // NOTES: the barrier orders every thread's stores before thread 0's release, which is
-  // cumulative at system scope: a reader that sees the flag sees all of the block's data.
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence_system();
-    stReleaseSys(reinterpret_cast<int*>(remote + L.off_combine_flag) + a.c.rank * L.num_local_experts + le, 1);
-  }
-}
+  const int vecs = L.hidden / 8;  // 16-byte vectors per bf16 row
+  extern __shared__ int s_active[];  // [num_ranks]: the mask as this launch starts
+  if (tid == 0) tracePoint(a.c, 0);
 
-__global__ void __launch_bounds__(kWarps * 32) combineRecvKernel(CombineArgs a) {
-  const EpLayout& L = a.c.layout;
-  char* half = a.c.peers[a.c.rank] + a.c.half * L.half_bytes;
-  int* flags = reinterpret_cast<int*>(half + L.off_combine_flag);
-  int* finished = a.scratch + 3 * L.num_experts;
-  const int tid = threadIdx.x;
+  if (a.c.phases & kSendPhase) {
+    // A snapshot, so that every thread of a group takes the same branch below (the mask
+    // may change while the kernel runs, when a receiver times out).
+    for (int r = tid; r < L.num_ranks; r += kThreads) s_active[r] = a.c.active[r];
+    __syncthreads();
+    const int group = warp / kGroupWarps, gwarp = warp % kGroupWarps, gtid = tid % (kGroupWarps * 32);
+    const int parts = (vecs + 32 * kVecsPerLane - 1) / (32 * kVecsPerLane);
+    const uint64_t rows_per_expert = static_cast<uint64_t>(L.num_ranks) * L.max_tokens;
+    for (int pair = blockIdx.x * kGroups + group; pair < L.num_local_experts * L.num_ranks;
+         pair += gridDim.x * kGroups) {
+      const int le = pair / L.num_ranks, dst = pair % L.num_ranks;
+      if (!s_active[dst]) continue;  // uniform over the group
+      const PeerRoute& route = a.c.routes[dst];
+      const int64_t lr = a.layout_range[pair];
+      const int begin = static_cast<int>(lr >> 32), n = static_cast<int>(lr & 0xffffffff);
+      for (int item = gwarp; item < n * parts; item += kGroupWarps) {
+        const int i = item / parts, p = item % parts;
+        const uint64_t row = le * rows_per_expert + begin + i;
+        const int t = __ldg(a.src_info + row), k = __ldg(a.src_slot + row);
+        const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + row * 2ull * L.hidden);
+        int4* d = reinterpret_cast<int4*>(route.combine_send + (static_cast<uint64_t>(t) * kMaxTopk + k) * L.combine_msg_bytes);
+        const int base = p * 32 * kVecsPerLane + lane;
+        int4 v[kVecsPerLane];
+#pragma unroll
+        for (int u = 0; u < kVecsPerLane; ++u)
+          if (base + u * 32 < vecs) v[u] = ldNc(src + base + u * 32);
+#pragma unroll
+        for (int u = 0; u < kVecsPerLane; ++u)
+          if (base + u * 32 < vecs) stNa(d + base + u * 32, v[u]);
+      }
+      // NOTES: the barrier orders the group's stores before the flag's system-scope release
+      // (cumulative): a reader that sees the flag sees the rows. Proxy posts follow the
+      // same barrier, and the flag's post comes after the rows' posts in the ring.
+      namedBarrier(1 + group, kGroupWarps * 32);
+      const int e = a.c.rank * L.num_local_experts + le;
+      if (route.proxy) {
+        for (int i = gtid; i < n; i += kGroupWarps * 32) {
+          const uint64_t row = le * rows_per_expert + begin + i;
+          const uint64_t off = (static_cast<uint64_t>(a.src_info[row]) * kMaxTopk + a.src_slot[row]) * L.combine_msg_bytes;
+          proxyPost(a.c.ring, kProxyData, dst, route.combine_send + off - a.c.ring.outbox, route.combine_remote + off,
+                    L.combine_msg_bytes);
+        }
+        namedBarrier(1 + group, kGroupWarps * 32);
+        if (gtid == 0) proxyPost(a.c.ring, kProxySignal, dst, 1, route.flag_remote + e * kSignalBytes, kSignalBytes);
+      } else if (gtid == 0) {
+        stReleaseSys(reinterpret_cast<int*>(route.flag_send + e * kSignalBytes), 1);
+      }
+    }
+    if (tid == 0) tracePoint(a.c, 1);
+  }
+
+  if (!(a.c.phases & kRecvPhase)) return;
   __shared__ int s_valid[kMaxTopk];
+  __shared__ float s_weight[kMaxTopk];
+  __shared__ const char* s_rows[kMaxTopk];
   for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
     if (tid < a.num_topk) {
-      int64_t e = a.topk_idx[static_cast<size_t>(t) * a.num_topk + tid];
+      const int64_t e = a.topk_idx[static_cast<size_t>(t) * a.num_topk + tid];
       int ok = 0;
       if (e >= 0 && e < L.num_experts) {
-        int r = static_cast<int>(e) / L.num_local_experts;
+        const int r = static_cast<int>(e) / L.num_local_experts;
+        const PeerRoute& route = a.c.routes[r];
         if (a.c.active[r]) {
-          ok = waitNonZero(flags + e, a.c.timeout_ns) != 0;
+          ok = waitNonZero(reinterpret_cast<const int*>(route.flag_recv + e * kSignalBytes), a.c.timeout_ns) != 0;
           if (!ok) atomicExch(a.c.active + r, 0);  // timed out: masked
         }
+        s_rows[tid] = route.combine_recv + (static_cast<uint64_t>(t) * kMaxTopk + tid) * L.combine_msg_bytes;
       }
       s_valid[tid] = ok;
+      s_weight[tid] = ok ? a.topk_weights[static_cast<size_t>(t) * a.num_topk + tid] : 0.0f;
     }
     __syncthreads();
-    const char* base = half + L.off_combine_x + static_cast<uint64_t>(t) * kMaxTopk * L.combine_msg_bytes;
-    for (int h = tid; h < L.hidden / 8; h += blockDim.x) {
+    if (tid == 0 && t == blockIdx.x) tracePoint(a.c, 2);
+    for (int h = tid; h < vecs; h += kThreads) {
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int k = 0; k < a.num_topk; ++k) {
-        if (!s_valid[k]) continue;
-        const float w = a.topk_weights[static_cast<size_t>(t) * a.num_topk + k];
-        int4 v = reinterpret_cast<const int4*>(base + k * L.combine_msg_bytes)[h];
-        const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-        for (int j = 0; j < 4; ++j) {
-          float2 f = __bfloat1622float2(b[j]);
-          acc[2 * j] += w * f.x;
-          acc[2 * j + 1] += w * f.y;
+      // Eight rows' loads in flight at a time (all of a top-8), within the register budget.
+      for (int k0 = 0; k0 < a.num_topk; k0 += 8) {
+        int4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (k0 + u < a.num_topk && s_valid[k0 + u]) v[u] = ldRecv(reinterpret_cast<const int4*>(s_rows[k0 + u]) + h);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (k0 + u < a.num_topk && s_valid[k0 + u]) {
+            const float w = s_weight[k0 + u];
+            const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const float2 f = __bfloat1622float2(b[j]);
+              acc[2 * j] += w * f.x;
+              acc[2 * j + 1] += w * f.y;
+            }
+          }
         }
       }
       int4 o;
       __nv_bfloat162* ob = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
       for (int j = 0; j < 4; ++j) ob[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
       reinterpret_cast<int4*>(static_cast<char*>(a.out) + static_cast<uint64_t>(t) * 2 * L.hidden)[h] = o;
     }
@@ -86,7 +137,10 @@ __global__ void __launch_bounds__(kWarps * 32) combineRecvKernel(CombineArgs a) 
   // NOTES: every expert raises its flag here, also those no token of this rank used, and a
   // flag that arrived after the clear would survive into a later round (which would then
   // read before its data came). So the last block first waits for every active expert's
-  // flag of this round; only then is no write of this round still on its way.
+  // flag of this round; only then is no write of this round still on its way. Blocks
+  // still reading flags are done by then (each counts itself finished after its tokens).
+  if (tid == 0) tracePoint(a.c, 3);
+  int* finished = a.scratch + 3 * L.num_experts;
   __shared__ bool s_last;
   if (tid == 0) {
     __threadfence();
@@ -94,30 +148,28 @@ __global__ void __launch_bounds__(kWarps * 32) combineRecvKernel(CombineArgs a) 
   }
   __syncthreads();
   if (!s_last) return;
-  for (int e = tid; e < L.num_experts; e += blockDim.x) {
-    int r = e / L.num_local_experts;
-    if (a.c.active[r] && !waitNonZero(flags + e, a.c.timeout_ns)) atomicExch(a.c.active + r, 0);
+  for (int e = tid; e < L.num_experts; e += kThreads) {
+    const int r = e / L.num_local_experts;
+    const int* flag = reinterpret_cast<const int*>(a.c.routes[r].flag_recv + e * kSignalBytes);
+    if (a.c.active[r] && !waitNonZero(flag, a.c.timeout_ns)) atomicExch(a.c.active + r, 0);
   }
   __syncthreads();
-  for (int e = tid; e < L.num_experts; e += blockDim.x) flags[e] = 0;
-  if (tid == 0) *finished = 0;
-}
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) MOELINK_THROW(what, " failed: ", cudaGetErrorString(e));
+  for (int e = tid; e < L.num_experts; e += kThreads)
+    *reinterpret_cast<int*>(a.c.routes[e / L.num_local_experts].flag_recv + e * kSignalBytes) = 0;
+  if (tid == 0) {
+    *finished = 0;
+    tracePoint(a.c, 4);
+  }
 }
 
 }  // namespace
 
-void combineSend(const CombineArgs& a, cudaStream_t stream) {
-  combineSendKernel<<<a.c.layout.num_local_experts * a.c.layout.num_ranks, kWarps * 32, 0, stream>>>(a);
-  check(cudaGetLastError(), "combine send launch");
-}
-
-void combineRecv(const CombineArgs& a, cudaStream_t stream) {
-  int blocks = a.num_tokens < 1 ? 1 : (a.num_tokens < a.c.num_sms ? a.num_tokens : a.c.num_sms);
-  combineRecvKernel<<<blocks, kWarps * 32, 0, stream>>>(a);
-  check(cudaGetLastError(), "combine recv launch");
+void combine(const CombineArgs& a, cudaStream_t stream) {
+  const size_t smem = a.c.layout.num_ranks * sizeof(int);
+  static std::atomic<size_t> smem_seen[64];
+  ensureSmem(reinterpret_cast<const void*>(combineKernel), smem, smem_seen, "cudaFuncSetAttribute(combine)");
+  combineKernel<<<a.c.num_sms, kThreads, smem, stream>>>(a);
+  check(cudaGetLastError(), "combine launch");
 }
 
 }  // namespace moelink::ep::kernels

@@ -1,8 +1,11 @@
-// Memory-model helpers shared by the EP kernels. Peers write into this GPU's memory over
-// NVLink, so every signal is a system-scope release/acquire pair.
+// Memory-model and copy helpers shared by the EP kernels. Peers write into this GPU's
+// memory over NVLink (and the CPU proxy into host memory that the GPU reads), so every
+// signal is a system-scope release/acquire pair.
 #pragma once
 
 #include <cstdint>
+
+#include "moelink/ep/kernels.h"
 
 namespace moelink::ep::kernels {
 
@@ -12,8 +15,18 @@ __device__ __forceinline__ int ldAcquireSys(const int* p) {
   return v;
 }
 
+__device__ __forceinline__ uint64_t ldAcquireSys64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void stReleaseSys(int* p, int v) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void stReleaseSys64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ int ldAcquireGpu(const int* p) {
@@ -22,19 +35,68 @@ __device__ __forceinline__ int ldAcquireGpu(const int* p) {
   return v;
 }
 
+__device__ __forceinline__ int atomicAddAcqRelGpu(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+// Read-only input (not written while the kernel runs): the non-coherent path, no L1 fill.
+__device__ __forceinline__ int4 ldNc(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Data a peer wrote (read after acquiring its signal): coherent, no L1 fill.
+__device__ __forceinline__ int4 ldRecv(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void stNa(int4* p, int4 v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+// Bulk copy (TMA) of `bytes` (a multiple of 16) from shared memory to global memory (a
+// peer's, through its mapping); returns once the writes are complete (visible to this
+// thread, whose later release then covers them).
+__device__ __forceinline__ void bulkStoreAndWait(void* dst, const void* smem_src, uint32_t bytes) {
+  const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(smem_src));
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// Makes this thread's generic-proxy writes to shared memory visible to bulk copies.
+__device__ __forceinline__ void fenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 __device__ __forceinline__ uint64_t globalTimerNs() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
 
-__device__ __forceinline__ int warpSum(int v) {
-  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+__device__ __forceinline__ void tracePoint(const Common& c, int point) {
+  if (c.trace != nullptr) c.trace[blockIdx.x * kTracePoints + point] = globalTimerNs();
 }
 
-__device__ __forceinline__ float warpMax(float v) {
-  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+// Barrier among `threads` threads (a multiple of 32) of the block; id 0 is __syncthreads.
+__device__ __forceinline__ void namedBarrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ int warpSum(int v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
@@ -46,6 +108,23 @@ __device__ __forceinline__ int waitNonZero(const int* p, int64_t timeout_ns) {
     if (timeout_ns > 0 && static_cast<int64_t>(globalTimerNs() - start) > timeout_ns) return 0;
   }
   return v;
+}
+
+// Posts one request to the CPU proxy. Everything the request covers must have been written
+// by this thread or ordered before this call by a barrier: the release store of `seq` makes
+// it visible to the proxy first.
+__device__ __forceinline__ void proxyPost(const ProxyRing& ring, int kind, int peer, uint64_t local,
+                                          uint64_t remote, uint64_t length) {
+  const unsigned long long ticket = atomicAdd(ring.tail, 1ull);
+  while (ticket - ldAcquireSys64(ring.head) >= ring.capacity) {  // full: the proxy drains it
+  }
+  ProxyEntry* e = ring.entries + ticket % ring.capacity;
+  e->kind = kind;
+  e->peer = peer;
+  e->local = local;
+  e->remote = remote;
+  e->length = length;
+  stReleaseSys64(&e->seq, ticket + 1);
 }
 
 }  // namespace moelink::ep::kernels

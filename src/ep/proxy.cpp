@@ -1,0 +1,143 @@
+#include "moelink/ep/proxy.h"
+
+#include <cuda_runtime_api.h>
+#include <glog/logging.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "moelink/common/error.h"
+#include "moelink/transfer/transfer_engine.h"
+
+namespace moelink::ep {
+
+namespace {
+
+constexpr transfer::SegmentId kInboxSegment = 0xE9000001u;
+constexpr uint64_t kRingCapacity = 1u << 16;
+constexpr size_t kMaxBatch = 512;
+
+void cudaCheck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) MOELINK_THROW("moelink EP proxy: ", what, " failed: ", cudaGetErrorString(e));
+}
+
+inline void cpuRelax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+}  // namespace
+
+EpProxy::EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int size, std::vector<int> peers,
+                 uint64_t inbox_bytes, uint64_t outbox_bytes, std::chrono::milliseconds timeout)
+    : rank_(rank), peers_(std::move(peers)), capacity_(kRingCapacity), timeout_(timeout) {
+  transfer::EngineOptions eo;
+  eo.rank = rank;
+  eo.world_size = size;
+  eo.timeout = timeout;
+  engine_ = std::make_unique<transfer::TransferEngine>(std::move(store), eo);
+  if (peers_.empty()) return;
+  inbox_bytes_ = inbox_bytes;
+  outbox_bytes_ = outbox_bytes;
+  inbox_host_ = static_cast<char*>(engine_->allocateSegment(kInboxSegment, inbox_bytes));
+  cudaCheck(cudaHostRegister(inbox_host_, inbox_bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
+            "cudaHostRegister(inbox)");
+  void* p = nullptr;
+  cudaCheck(cudaHostGetDevicePointer(&p, inbox_host_, 0), "cudaHostGetDevicePointer(inbox)");
+  inbox_dev_ = static_cast<char*>(p);
+  cudaCheck(cudaHostAlloc(reinterpret_cast<void**>(&outbox_host_), outbox_bytes,
+                          cudaHostAllocMapped | cudaHostAllocPortable),
+            "cudaHostAlloc(outbox)");
+  cudaCheck(cudaHostGetDevicePointer(&p, outbox_host_, 0), "cudaHostGetDevicePointer(outbox)");
+  outbox_dev_ = static_cast<char*>(p);
+  const size_t ring_bytes = capacity_ * sizeof(kernels::ProxyEntry) + 64;
+  cudaCheck(cudaHostAlloc(reinterpret_cast<void**>(&entries_host_), ring_bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+            "cudaHostAlloc(ring)");
+  std::memset(static_cast<void*>(entries_host_), 0, ring_bytes);
+  head_host_ = reinterpret_cast<uint64_t*>(entries_host_ + capacity_);
+  cudaCheck(cudaMalloc(reinterpret_cast<void**>(&tail_dev_), sizeof *tail_dev_), "cudaMalloc(ring tail)");
+  cudaCheck(cudaMemset(tail_dev_, 0, sizeof *tail_dev_), "cudaMemset(ring tail)");
+  cudaCheck(cudaHostGetDevicePointer(&p, entries_host_, 0), "cudaHostGetDevicePointer(ring)");
+  ring_.entries = static_cast<kernels::ProxyEntry*>(p);
+  ring_.head = reinterpret_cast<const uint64_t*>(ring_.entries + capacity_);
+  ring_.tail = tail_dev_;
+  ring_.capacity = capacity_;
+  ring_.outbox = outbox_dev_;
+  for (int peer : peers_) engine_->openSegment(peer, kInboxSegment);  // waits for the peer's inbox
+  thread_ = std::thread([this] { run(); });
+}
+
+EpProxy::~EpProxy() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+  if (tail_dev_) cudaFree(tail_dev_);
+  if (entries_host_) cudaFreeHost(entries_host_);
+  if (outbox_host_) cudaFreeHost(outbox_host_);
+  if (inbox_host_) cudaHostUnregister(inbox_host_);
+  engine_.reset();  // frees the inbox segment
+}
+
+void EpProxy::unlinkNames() { engine_->unlinkSharedNames(); }
+
+std::string EpProxy::transportTo(int peer) const { return engine_->transportOf(peer, kInboxSegment); }
+
+void EpProxy::run() {
+  uint64_t head = 0;
+  std::vector<transfer::TransferRequest> reqs;
+  std::vector<uint64_t> signals(kMaxBatch);
+  reqs.reserve(kMaxBatch);
+  auto idle_since = std::chrono::steady_clock::now();
+  while (!stop_.load(std::memory_order_relaxed)) {
+    reqs.clear();
+    size_t n = 0;
+    while (n < kMaxBatch) {
+      kernels::ProxyEntry& e = entries_host_[(head + n) % capacity_];
+      if (__atomic_load_n(&e.seq, __ATOMIC_ACQUIRE) != head + n + 1) break;
+      transfer::TransferRequest r;
+      r.op = transfer::Opcode::kWrite;
+      r.peer = e.peer;
+      r.segment = kInboxSegment;
+      r.offset = e.remote;
+      r.length = e.length;
+      const bool known = std::find(peers_.begin(), peers_.end(), e.peer) != peers_.end();
+      if (e.kind == kernels::kProxyData && known && e.local <= outbox_bytes_ && e.length <= outbox_bytes_ - e.local) {
+        r.local = outbox_host_ + e.local;
+      } else if (e.kind == kernels::kProxySignal && known && e.length == 8) {
+        signals[n] = e.local;
+        r.local = &signals[n];
+      } else {
+        LOG(ERROR) << "moelink EP proxy (rank " << rank_ << "): dropping a malformed request (kind " << e.kind
+                   << ", peer " << e.peer << ", length " << e.length << ")";
+        failures_.fetch_add(1);
+        ++n;
+        continue;
+      }
+      reqs.push_back(r);
+      ++n;
+    }
+    if (n == 0) {
+      // Spin while traffic is recent (the GPU waits on us), then back off to short sleeps.
+      if (std::chrono::steady_clock::now() - idle_since < std::chrono::milliseconds(2)) {
+        cpuRelax();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      continue;
+    }
+    if (!reqs.empty()) {
+      auto batch = engine_->submit(reqs);
+      // The signal values live in `signals` until the engine has applied them.
+      if (!batch->wait(timeout_) || batch->failed()) {
+        failures_.fetch_add(1);
+        LOG_EVERY_N(ERROR, 100) << "moelink EP proxy (rank " << rank_ << "): transfer failed: "
+                                << (batch->failed() ? batch->error() : std::string("timed out"));
+      }
+    }
+    head += n;
+    __atomic_store_n(head_host_, head, __ATOMIC_RELEASE);
+    idle_since = std::chrono::steady_clock::now();
+  }
+}
+
+}  // namespace moelink::ep
