@@ -6,6 +6,7 @@
 #include <torch/version.h>
 
 #include "moelink/backend/ep_backend.h"
+#include "moelink/ep/ibgda/probe.h"
 #ifdef MOELINK_WITH_CUDA
 #include "moelink/ep/ep_buffer.h"
 #endif
@@ -34,6 +35,21 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def_property_readonly("rank", &EpBackend::getRank)
       .def_property_readonly("size", &EpBackend::getSize)
       .def_property_readonly("store", &EpBackend::store);
+
+  m.def(
+      "ibgda_status",
+      [] {
+        auto r = moelink::ep::ibgda::probe();
+        py::dict d;
+        d["usable"] = r.usable;
+        d["reason"] = r.reason;
+        d["verbs_library"] = r.verbs_library;
+        d["devices"] = r.devices;
+        d["mlx5_devices"] = r.mlx5_devices;
+        d["gpudirect"] = r.gpudirect;
+        return d;
+      },
+      "What this machine offers for IBGDA (see moelink.ibgda_status).");
 
 #ifdef MOELINK_WITH_CUDA
   using moelink::ep::DispatchOutputs;

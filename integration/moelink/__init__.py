@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Buffer", "EventOverlap", "get_backend", "transport_of", "BACKEND_NAME"]
+__all__ = ["Buffer", "EventOverlap", "get_backend", "transport_of", "ibgda_status", "BACKEND_NAME"]
 
 BACKEND_NAME = "ep"
 
@@ -86,6 +86,15 @@ def get_backend(group=None) -> "_C.EpBackend":
 def transport_of(rank: int, group=None) -> str:
     """How this process reaches ``rank`` of ``group``: 'shm', 'tcp' or 'local'."""
     return get_backend(group).transport_of(rank)
+
+
+def ibgda_status() -> dict:
+    """What this machine offers for IBGDA (GPU-initiated RDMA on mlx5 NICs), probed at run time:
+    ``{"usable": bool, "reason": str, "verbs_library": bool, "devices": [...], "mlx5_devices": [...],
+    "gpudirect": bool}``. This build has no IBGDA data path, so ``usable`` is always False and the
+    EP buffer reaches peers on other hosts through the CPU proxy; ``reason`` names what is missing
+    first (no rdma-core, no RDMA device, no mlx5 device, or the data path itself)."""
+    return dict(_C.ibgda_status())
 
 
 from .buffer import Buffer, EventOverlap  # noqa: E402

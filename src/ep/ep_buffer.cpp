@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "moelink/backend/c10d_store.h"
+#include "moelink/ep/ibgda/probe.h"
 #include "moelink/ep/proxy.h"
 #include "moelink/transfer/metadata_store.h"
 #include "moelink/transfer/transfer_engine.h"
@@ -125,6 +126,11 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
       transports_[r] = "nvlink";
     }
   }
+  bool other_host = false;
+  for (int r = 0; r < size; ++r) other_host = other_host || hosts[r] != hosts[rank];
+  if (other_host)
+    TORCH_WARN_ONCE("moelink Buffer: ranks on other hosts are reached through the CPU proxy, not IBGDA (",
+                    ibgda::probe().reason, ")");
   if (any_proxy) {
     // Every rank takes part (the engines' rendezvous), also one without proxy peers.
     std::vector<int> mine_peers;

@@ -1,4 +1,4 @@
-"""The EP buffer on 2 and 4 GPUs (one process per GPU, NVLink; and the CPU-proxy path with
+"""The EP buffer on 2, 4 and 8 GPUs (one process per GPU, NVLink; and the CPU-proxy path with
 MOELINK_EP_RANKS_PER_HOST=2 on 4 GPUs), checked against pure-torch references of the same
 routing. Skipped without enough GPUs."""
 
@@ -18,7 +18,7 @@ def results(world):
     return run_group(world, run_cases, kwargs={"cases_mod": "cases_ep", "names": cases_ep.CASES}, timeout=900)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("case", cases_ep.CASES)
 def test_ep_buffer(world, case):
     if GPUS < world:

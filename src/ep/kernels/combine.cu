@@ -85,7 +85,10 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
   __shared__ int s_valid[kMaxTopk];
   __shared__ float s_weight[kMaxTopk];
   __shared__ const char* s_rows[kMaxTopk];
+  __shared__ int s_proxy;  // some row comes from a proxy source (host memory)
   for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+    if (tid == 0) s_proxy = 0;
+    __syncthreads();
     if (tid < a.num_topk) {
       const int64_t e = a.topk_idx[static_cast<size_t>(t) * a.num_topk + tid];
       int ok = 0;
@@ -97,6 +100,7 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
           if (!ok) atomicExch(a.c.active + r, 0);  // timed out: masked
         }
         s_rows[tid] = route.combine_recv + (static_cast<uint64_t>(t) * kMaxTopk + tid) * L.combine_msg_bytes;
+        if (ok && route.proxy) s_proxy = 1;
       }
       s_valid[tid] = ok;
       s_weight[tid] = ok ? a.topk_weights[static_cast<size_t>(t) * a.num_topk + tid] : 0.0f;
@@ -110,7 +114,9 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
         int4 v[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u)
-          if (k0 + u < a.num_topk && s_valid[k0 + u]) v[u] = ldRecv(reinterpret_cast<const int4*>(s_rows[k0 + u]) + h);
+          if (k0 + u < a.num_topk && s_valid[k0 + u])
+            v[u] = s_proxy ? ldRecvSys(reinterpret_cast<const int4*>(s_rows[k0 + u]) + h)
+                           : ldRecv(reinterpret_cast<const int4*>(s_rows[k0 + u]) + h);
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           if (k0 + u < a.num_topk && s_valid[k0 + u]) {
@@ -155,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
   }
   __syncthreads();
   for (int e = tid; e < L.num_experts; e += kThreads)
-    *reinterpret_cast<int*>(a.c.routes[e / L.num_local_experts].flag_recv + e * kSignalBytes) = 0;
+    resetSignal(reinterpret_cast<int*>(a.c.routes[e / L.num_local_experts].flag_recv + e * kSignalBytes));
   if (tid == 0) {
     *finished = 0;
     tracePoint(a.c, 4);

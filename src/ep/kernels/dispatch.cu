@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
         v = waitNonZero(count, a.c.timeout_ns);
         if (v == 0) atomicExch(a.c.active + s, 0);  // timed out: masked
       }
-      *count = 0;  // ready for the round after next
+      resetSignal(count);  // ready for the round after next
       s_n[s] = v ? -v - 1 : 0;
     }
     __syncthreads();
@@ -274,28 +274,36 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
       int s = 0;
       while (s_begin[s + 1] <= j) ++s;
       const int i = j - s_begin[s];
-      const char* msg = a.c.routes[s].dispatch_recv + (static_cast<uint64_t>(le) * L.max_tokens + i) * msg_bytes;
+      const PeerRoute& route = a.c.routes[s];
+      const char* msg = route.dispatch_recv + (static_cast<uint64_t>(le) * L.max_tokens + i) * msg_bytes;
       const uint64_t row = le * rows_per_expert + j;
       const int4* src = reinterpret_cast<const int4*>(msg + kMsgHeaderBytes);
       int4* data = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * (kFp8 ? 1ull : 2ull) * L.hidden);
       const int base = p * 32 * kRecvVecsPerLane + lane;
       int4 v[kRecvVecsPerLane];
+      if (!route.proxy) {
 #pragma unroll
-      for (int u = 0; u < kRecvVecsPerLane; ++u)
-        if (base + u * 32 < data_vecs) v[u] = ldRecv(src + base + u * 32);
+        for (int u = 0; u < kRecvVecsPerLane; ++u)
+          if (base + u * 32 < data_vecs) v[u] = ldRecv(src + base + u * 32);
+      } else {
+#pragma unroll
+        for (int u = 0; u < kRecvVecsPerLane; ++u)
+          if (base + u * 32 < data_vecs) v[u] = ldRecvSys(src + base + u * 32);
+      }
 #pragma unroll
       for (int u = 0; u < kRecvVecsPerLane; ++u)
         if (base + u * 32 < data_vecs) data[base + u * 32] = v[u];
       if (p == 0) {
         if (lane == 0) {
-          const int4 h = ldRecv(reinterpret_cast<const int4*>(msg));
+          const int4 h = route.proxy ? ldRecvSys(reinterpret_cast<const int4*>(msg))
+                                     : ldRecv(reinterpret_cast<const int4*>(msg));
           a.recv_src_info[row] = h.x;
           a.recv_src_slot[row] = h.y;
         }
         if (kFp8) {
           const float* ss = reinterpret_cast<const float*>(msg + kMsgHeaderBytes + L.hidden);
           float* ds = a.recv_scales + row * groups;
-          for (int g = lane; g < groups; g += 32) ds[g] = ss[g];
+          for (int g = lane; g < groups; g += 32) ds[g] = route.proxy ? *static_cast<const volatile float*>(ss + g) : ss[g];
         }
       }
     }

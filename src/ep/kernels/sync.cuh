@@ -60,6 +60,24 @@ __device__ __forceinline__ int4 ldRecv(const int4* p) {
   return v;
 }
 
+// The same for a proxy source's data in host memory (the inbox): volatile, so that no cached
+// copy from an earlier round can answer.
+__device__ __forceinline__ int4 ldRecvSys(const int4* p) {
+  int4 v;
+  asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+// Resets a signal (count or flag) for a later round: a system-scope store, so that it
+// reaches host memory (a proxy inbox) at once instead of lingering in a cache where it
+// could land after the next round's signal.
+__device__ __forceinline__ void resetSignal(int* p) {
+  asm volatile("st.relaxed.sys.global.s32 [%0], %1;" ::"l"(p), "r"(0) : "memory");
+}
+
 __device__ __forceinline__ void stNa(int4* p, int4 v) {
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)

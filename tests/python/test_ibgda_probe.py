@@ -1,0 +1,34 @@
+"""moelink.ibgda_status(): the run-time probe for IBGDA. It never claims the path is usable
+(the data path is not built) and names the first thing missing."""
+
+import os
+
+import pytest
+
+import moelink
+
+
+def test_status_is_consistent_and_says_why():
+    st = moelink.ibgda_status()
+    assert st["usable"] is False
+    assert isinstance(st["reason"], str) and st["reason"]
+    assert set(st["mlx5_devices"]) <= set(st["devices"])
+    if not st["verbs_library"]:
+        assert "not installed" in st["reason"]
+    elif not st["devices"]:
+        assert "no RDMA devices" in st["reason"]
+    elif not st["mlx5_devices"]:
+        assert "no mlx5 device" in st["reason"]
+    else:
+        assert "no IBGDA data path" in st["reason"]
+
+
+def test_devices_are_the_kernels():
+    """Every device libibverbs lists is one the kernel exposes under /sys/class/infiniband
+    (libibverbs leaves out devices without a user-space provider, so not the other way)."""
+    st = moelink.ibgda_status()
+    if not st["verbs_library"]:
+        pytest.skip("rdma-core's libibverbs is not installed")
+    sysfs = "/sys/class/infiniband"
+    on_sysfs = set(os.listdir(sysfs)) if os.path.isdir(sysfs) else set()
+    assert set(st["devices"]) <= on_sysfs, (st["devices"], sorted(on_sysfs))
