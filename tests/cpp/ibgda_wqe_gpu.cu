@@ -38,3 +38,12 @@ std::string buildWqesOnGpu(const std::vector<WqeCase>& cases, std::vector<unsign
   cudaFree(d_out);
   return err == cudaSuccess ? std::string() : std::string("CUDA error: ") + cudaGetErrorString(err);
 }
+
+// The queue protocol compiles for the GPU too (it runs on the host in ibgda_queue_test.cpp;
+// no GPU test of it has run yet).
+#include "moelink/ep/ibgda/queue.h"
+
+__global__ void ibgdaQueueCompileCheck(moelink::ep::ibgda::SendQueue sq, moelink::ep::ibgda::CompletionQueue cq) {
+  moelink::ep::ibgda::post(sq, 0, 0, 0, 0, 0, true);
+  moelink::ep::ibgda::poll(cq, sq);
+}
