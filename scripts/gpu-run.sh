@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU-machine batch: builds into build-dev, then runs the named stages, writing logs and plots
+# to $OUT (default ./gpu-out). Stages: gtest gtestall test proxy quick bench4 bench2
+# benchnotma benchp ctest. Env: ITERS, TRACE=1 (phase breakdown), BT/TT/PT (timeouts, s).
+# On the lent GPU machine (no apt), `.devdeps/unpack.sh` (from ../shared/tools/device-deps.sh)
+# provides glog, gflags, GTest and rdma-core headers; elsewhere they come from scripts/install.sh.
+[ -f .devdeps/unpack.sh ] && source .devdeps/unpack.sh
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+(python3 -c "import pytest" 2>/dev/null || pip install -q --no-index .devdeps/wheels/*.whl) >/dev/null 2>&1
+T0=$(date +%s)
+st() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+st build
+cmake -S . -B build-dev -G Ninja -DPython3_EXECUTABLE=$(which python3) > $OUT/cmake.log 2>&1 || { tail -30 $OUT/cmake.log; exit 1; }
+ninja -C build-dev > $OUT/build.log 2>&1 || { grep -E "error" -A5 $OUT/build.log | head -60; exit 1; }
+export PYTHONPATH=$PWD/integration
+for s in "$@"; do
+  case $s in
+    gtest) st gtest; timeout 120 ./build-dev/tests/cpp/moelink_cpp_tests --gtest_filter='Ibgda*' 2>&1 | tail -6 ;;
+    bench4) st bench4; timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters ${ITERS:-200} ${TRACE:+--trace} --out $OUT/ep4.png 2>&1 | tail -40 ;;
+    benchnotma) st benchnotma; MOELINK_EP_TMA=0 timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters ${ITERS:-200} ${TRACE:+--trace} --out $OUT/ep4-warpstores.png 2>&1 | tail -40 ;;
+    bench2) st bench2; timeout ${BT:-150} python3 examples/bench/ep.py --gpus 2 --iters ${ITERS:-200} --out $OUT/ep2.png 2>&1 | tail -12 ;;
+    benchp) st benchproxy; MOELINK_EP_RANKS_PER_HOST=2 timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters 50 --out $OUT/ep4proxy.png 2>&1 | tail -12 ;;
+    test) st test; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${TT:-400} python3 -m pytest -q test_ep_buffer.py > $OUT/test.log 2>&1; grep -E "Error|assert|passed|failed|FAILED" $OUT/test.log | grep -v "^frame" | head -30) ;;
+    proxy) st proxy; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${PT:-300} python3 -m pytest -q test_ep_buffer.py -k proxy > $OUT/proxy.log 2>&1; grep -E "Error|error|assert|passed|failed" $OUT/proxy.log | grep -v "^frame" | head -30) ;;
+    all) st all-tests; (cd tests/python && timeout ${AT:-500} python3 -m pytest -q . 2>&1 | tail -15) ;;
+    gtestall) st gtestall; timeout 150 ./build-dev/tests/cpp/moelink_cpp_tests > $OUT/gtest.log 2>&1; tail -4 $OUT/gtest.log; grep -E "FAILED|SKIPPED" $OUT/gtest.log | head ;;
+    quick) st quickstart; timeout 120 torchrun --nproc-per-node 4 examples/quickstart.py 2>&1 | grep -v "^W1\|OMP_NUM\|\*\*\*\*" | tail -12 ;;
+    ctest) st ctest; ctest --test-dir build-dev -j 8 2>&1 | tail -5 ;;
+  esac
+done
+st done
