@@ -52,6 +52,26 @@ int indexOf(const std::vector<bool>& row, int r) {
 
 int countOf(const std::vector<bool>& row) { return indexOf(row, static_cast<int>(row.size())); }
 
+// Dispatch's receive phase: where the packed outputs go.
+void setDispatchOutputs(kernels::DispatchArgs& a, const DispatchOutputs& out, bool use_fp8) {
+  a.recv_x = out.recv_x.data_ptr();
+  a.recv_scales = use_fp8 ? out.recv_scales.data_ptr<float>() : nullptr;
+  a.recv_src_info = out.src_info.data_ptr<int>();
+  a.recv_src_slot = out.src_slot.data_ptr<int>();
+  a.recv_count = out.recv_count.data_ptr<int>();
+  a.layout_range = out.layout_range.data_ptr<int64_t>();
+}
+
+// Combine's receive phase: the tokens' routing and weights, and the output.
+void setCombineReceive(kernels::CombineArgs& a, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+                       const at::Tensor& out) {
+  a.topk_idx = topk_idx.data_ptr<int64_t>();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.num_tokens = static_cast<int>(topk_idx.size(0));
+  a.num_topk = static_cast<int>(topk_idx.size(1));
+  a.out = out.data_ptr();
+}
+
 }  // namespace
 
 int64_t EpBuffer::sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts) {
@@ -128,9 +148,10 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   }
   bool other_host = false;
   for (int r = 0; r < size; ++r) other_host = other_host || hosts[r] != hosts[rank];
-  if (other_host)
+  if (other_host) {
     TORCH_WARN_ONCE("moelink Buffer: ranks on other hosts are reached through the CPU proxy, not IBGDA (",
                     ibgda::probe().reason, ")");
+  }
   if (any_proxy) {
     // Every rank takes part (the engines' rendezvous), also one without proxy peers.
     std::vector<int> mine_peers;
@@ -300,12 +321,7 @@ DispatchOutputs EpBuffer::dispatch(const at::Tensor& x, const at::Tensor& topk_i
   a.round_scale = round_scale;
   a.use_tma = use_tma_;
   a.scratch = scratch_;
-  a.recv_x = out.recv_x.data_ptr();
-  a.recv_scales = use_fp8 ? out.recv_scales.data_ptr<float>() : nullptr;
-  a.recv_src_info = out.src_info.data_ptr<int>();
-  a.recv_src_slot = out.src_slot.data_ptr<int>();
-  a.recv_count = out.recv_count.data_ptr<int>();
-  a.layout_range = out.layout_range.data_ptr<int64_t>();
+  setDispatchOutputs(a, out, use_fp8);
   kernels::dispatch(a, c10::cuda::getCurrentCUDAStream(device_).stream());
   return out;
 }
@@ -317,12 +333,7 @@ void EpBuffer::dispatchRecv(DispatchOutputs& out, bool use_fp8, int64_t timeout_
   a.c = common(static_cast<int>(out.half), timeout_us, active, kernels::kRecvPhase);
   a.use_fp8 = use_fp8;
   a.scratch = scratch_;
-  a.recv_x = out.recv_x.data_ptr();
-  a.recv_scales = use_fp8 ? out.recv_scales.data_ptr<float>() : nullptr;
-  a.recv_src_info = out.src_info.data_ptr<int>();
-  a.recv_src_slot = out.src_slot.data_ptr<int>();
-  a.recv_count = out.recv_count.data_ptr<int>();
-  a.layout_range = out.layout_range.data_ptr<int64_t>();
+  setDispatchOutputs(a, out, use_fp8);
   kernels::dispatch(a, c10::cuda::getCurrentCUDAStream(device_).stream());
 }
 
@@ -362,11 +373,7 @@ at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, co
   a.src_slot = h.src_slot.data_ptr<int>();
   a.layout_range = h.layout_range.data_ptr<int64_t>();
   a.scratch = scratch_;
-  a.topk_idx = topk_idx.data_ptr<int64_t>();
-  a.topk_weights = topk_weights.data_ptr<float>();
-  a.num_tokens = static_cast<int>(topk_idx.size(0));
-  a.num_topk = static_cast<int>(topk_idx.size(1));
-  a.out = result.data_ptr();
+  setCombineReceive(a, topk_idx, topk_weights, result);
   kernels::combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());
   return result;
 }
@@ -377,11 +384,7 @@ void EpBuffer::combineRecv(const at::Tensor& topk_idx, const at::Tensor& topk_we
   kernels::CombineArgs a;
   a.c = common(static_cast<int>(h.half), timeout_us, active, kernels::kRecvPhase);
   a.scratch = scratch_;
-  a.topk_idx = topk_idx.data_ptr<int64_t>();
-  a.topk_weights = topk_weights.data_ptr<float>();
-  a.num_tokens = static_cast<int>(topk_idx.size(0));
-  a.num_topk = static_cast<int>(topk_idx.size(1));
-  a.out = out.data_ptr();
+  setCombineReceive(a, topk_idx, topk_weights, out);
   kernels::combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());
 }
 

@@ -109,7 +109,6 @@ void EpProxy::run() {
       } else {
         LOG(ERROR) << "moelink EP proxy (rank " << rank_ << "): dropping a malformed request (kind " << e.kind
                    << ", peer " << e.peer << ", length " << e.length << ")";
-        failures_.fetch_add(1);
         ++n;
         continue;
       }
@@ -129,7 +128,6 @@ void EpProxy::run() {
       auto batch = engine_->submit(reqs);
       // The signal values live in `signals` until the engine has applied them.
       if (!batch->wait(timeout_) || batch->failed()) {
-        failures_.fetch_add(1);
         LOG_EVERY_N(ERROR, 100) << "moelink EP proxy (rank " << rank_ << "): transfer failed: "
                                 << (batch->failed() ? batch->error() : std::string("timed out"));
       }

@@ -49,8 +49,6 @@ class EpProxy {
   void unlinkNames();
   // The engine transport that carries this rank's requests to `peer` ("shm" or "tcp").
   std::string transportTo(int peer) const;
-  // Requests that failed (a peer gone, a bad request); the receivers then time out.
-  uint64_t failures() const { return failures_.load(); }
 
  private:
   void run();
@@ -70,7 +68,6 @@ class EpProxy {
   kernels::ProxyRing ring_;
   std::chrono::milliseconds timeout_;
   std::atomic<bool> stop_{false};
-  std::atomic<uint64_t> failures_{0};
   std::thread thread_;
 };
 

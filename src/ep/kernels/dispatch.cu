@@ -30,7 +30,6 @@ constexpr int kSenderWarps = kWarps - 1;  // the last warp counts and signals
 constexpr int kSendVecsPerLane = 4;       // a send chunk: 32 lanes x 4 x 16 B
 constexpr int kRecvVecsPerLane = 8;       // a receive chunk: 32 lanes x 8 x 16 B
 constexpr int kFinishTag = 1 << 24;
-constexpr int kMaxRecvSplit = 4;          // blocks sharing one local expert's copy       // finish counter value once an expert is complete
 constexpr float kFp8Max = 448.0f;
 
 __device__ __forceinline__ float halfWarpMax(float v) {
