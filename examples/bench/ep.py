@@ -74,7 +74,7 @@ def a2a_pipeline(x, idx, w, world, nccl):
 
 
 DISPATCH_POINTS = ["start", "1st token staged", "sends done", "experts counted", "counts seen", "end"]
-COMBINE_POINTS = ["start", "sends done", "flags seen", "tokens done", "flags cleared"]
+COMBINE_POINTS = ["start", "sends done", "flags seen", "tokens done"]
 
 
 def trace_breakdown(buf, fn, names, flush, barrier, iters=30):

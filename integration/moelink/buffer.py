@@ -194,6 +194,9 @@ class Buffer:
                 out: Optional[torch.Tensor] = None, timeout_us: int = -1,
                 active_ranks: Optional[torch.Tensor] = None):
         state = handle[-1]
+        if tuple(topk_idx.shape) != (state.num_tokens, state.num_topk):
+            raise ValueError(f"moelink combine: topk_idx must be the dispatch's [{state.num_tokens}, {state.num_topk}] "
+                             f"routing (the handle's), got {tuple(topk_idx.shape)}")
         if zero_copy and x.data_ptr() != self._combine_buffer(state).data_ptr():
             raise ValueError("zero_copy=True expects x to be the tensor from get_next_combine_buffer(handle)")
         if isinstance(state, host_ep.HostState):

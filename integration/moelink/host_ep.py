@@ -83,7 +83,8 @@ def dispatch(group, rank, world, max_tokens, hidden, num_experts, x, topk_idx, u
             begin += n
         recv_count[le] = begin
     state = HostState(recv_x=recv_x, recv_scales=recv_scales, recv_count=recv_count, src_info=src_info,
-                      src_slot=src_slot, layout_range=layout_range, half=0, send_counts=sc, recv_counts=rc)
+                      src_slot=src_slot, layout_range=layout_range, half=0, send_counts=sc, recv_counts=rc,
+                      num_tokens=t_count, num_topk=k)
     return state
 
 

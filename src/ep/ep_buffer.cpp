@@ -28,21 +28,24 @@ std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}
 uint64_t align(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 // Where things live in one half of a rank's proxy inbox, for `sources` proxy sources:
-// their dispatch columns, one combine_x region (rows from any proxy source), their count
-// columns, then the combine flags of every expert.
+// their dispatch rows and slot entries, one combine_x region (rows from any proxy source),
+// their count columns, then the combine flags.
 struct InboxLayout {
-  uint64_t off_combine = 0, off_count = 0, off_flag = 0, half = 0;
+  uint64_t off_index = 0, off_combine = 0, off_count = 0, off_flag = 0, half = 0;
   InboxLayout(const EpLayout& L, int sources) {
-    off_combine = align(sources * L.dispatch_col_bytes, 128);
+    off_index = align(sources * L.dispatch_col_bytes, 128);
+    off_combine = align(off_index + sources * L.index_col_bytes, 128);
     off_count = align(off_combine + L.combineRegionBytes(), 128);
-    off_flag = align(off_count + static_cast<uint64_t>(sources) * L.num_local_experts * kSignalBytes, 128);
-    half = align(off_flag + static_cast<uint64_t>(L.num_experts) * kSignalBytes, 4096);
+    off_flag = align(off_count + sources * L.countColBytes(), 128);
+    half = align(off_flag + L.flagRegionBytes(), 4096);
   }
 };
 
-// One half of a rank's outbox: per proxy peer, the dispatch column and combine_x region
-// that the peer's inbox receives from this rank.
-uint64_t outboxWindow(const EpLayout& L) { return align(L.dispatch_col_bytes + L.combineRegionBytes(), 128); }
+// One half of a rank's outbox: per proxy peer, the dispatch rows, slot entries and
+// combine_x region that the peer's inbox receives from this rank.
+uint64_t outboxWindow(const EpLayout& L) {
+  return align(L.dispatch_col_bytes + L.index_col_bytes + L.combineRegionBytes(), 128);
+}
 
 int indexOf(const std::vector<bool>& row, int r) {
   int i = 0;
@@ -184,7 +187,7 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
 
 void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy) {
   const EpLayout& L = layout_;
-  const uint64_t count_col = static_cast<uint64_t>(L.num_local_experts) * kSignalBytes;
+  const uint64_t count_col = L.countColBytes();
   std::vector<kernels::PeerRoute> routes(2 * size_);
   const InboxLayout in_me(L, countOf(proxy[rank_]));
   const uint64_t window = outboxWindow(L);
@@ -195,10 +198,12 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy) {
       if (!proxy[rank_][r]) {
         char* peer_half = peers_[r] + h * L.half_bytes;
         pr.dispatch_send = peer_half + L.off_dispatch_x + rank_ * L.dispatch_col_bytes;
+        pr.index_send = peer_half + L.off_dispatch_index + rank_ * L.index_col_bytes;
         pr.count_send = peer_half + L.off_dispatch_count + rank_ * count_col;
         pr.combine_send = peer_half + L.off_combine_x;
         pr.flag_send = peer_half + L.off_combine_flag;
         pr.dispatch_recv = my_half + L.off_dispatch_x + r * L.dispatch_col_bytes;
+        pr.index_recv = my_half + L.off_dispatch_index + r * L.index_col_bytes;
         pr.count_recv = my_half + L.off_dispatch_count + r * count_col;
         pr.combine_recv = my_half + L.off_combine_x;
         pr.flag_recv = my_half + L.off_combine_flag;
@@ -210,14 +215,17 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy) {
       const InboxLayout in_r(L, countOf(proxy[r]));
       char* ob = proxy_->outbox() + (static_cast<uint64_t>(h) * countOf(proxy[rank_]) + j) * window;
       pr.dispatch_send = ob;
-      pr.combine_send = ob + L.dispatch_col_bytes;
+      pr.index_send = ob + L.dispatch_col_bytes;
+      pr.combine_send = ob + L.dispatch_col_bytes + L.index_col_bytes;
       const uint64_t r_half = h * in_r.half;
       pr.dispatch_remote = r_half + jm * L.dispatch_col_bytes;
+      pr.index_remote = r_half + in_r.off_index + jm * L.index_col_bytes;
       pr.count_remote = r_half + in_r.off_count + jm * count_col;
       pr.combine_remote = r_half + in_r.off_combine;
       pr.flag_remote = r_half + in_r.off_flag;
       char* ib = proxy_->inbox() + h * in_me.half;
       pr.dispatch_recv = ib + j * L.dispatch_col_bytes;
+      pr.index_recv = ib + in_me.off_index + j * L.index_col_bytes;
       pr.count_recv = ib + in_me.off_count + j * count_col;
       pr.combine_recv = ib + in_me.off_combine;
       pr.flag_recv = ib + in_me.off_flag;
@@ -267,6 +275,7 @@ kernels::Common EpBuffer::common(int half, int64_t timeout_us, const std::option
   c.rank = rank_;
   c.half = half;
   c.routes = routes_dev_ + half * size_;
+  c.sent = reinterpret_cast<uint8_t*>(buffer_ + half * layout_.half_bytes + layout_.off_dispatch_sent);
   if (proxy_) c.ring = proxy_->ring();
   c.num_sms = num_sms_;
   c.phases = phases;
@@ -304,6 +313,8 @@ DispatchOutputs EpBuffer::dispatch(const at::Tensor& x, const at::Tensor& topk_i
   const int64_t rows = static_cast<int64_t>(L.num_ranks) * L.max_tokens;
   DispatchOutputs out;
   out.half = round_++ & 1;
+  out.num_tokens = x.size(0);
+  out.num_topk = topk_idx.size(1);
   out.recv_x = at::empty({L.num_local_experts, rows, L.hidden}, opts.dtype(use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
   if (use_fp8) out.recv_scales = at::empty({L.num_local_experts, rows, L.hidden / kHiddenAlign}, opts.dtype(at::kFloat));
   out.recv_count = at::empty({L.num_local_experts}, opts.dtype(at::kInt));
@@ -357,6 +368,9 @@ at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, co
                         topk_weights.device().index() == device_,
                     "moelink combine: topk_weights must be a contiguous float32 tensor on cuda:", device_,
                     " shaped like topk_idx");
+  TORCH_CHECK_VALUE(topk_idx.size(0) == h.num_tokens && topk_idx.size(1) == h.num_topk,
+                    "moelink combine: topk_idx must be the dispatch's [", h.num_tokens, ", ", h.num_topk,
+                    "] routing (the handle's), got ", topk_idx.sizes());
   c10::cuda::CUDAGuard guard(device_);
   // Everything is checked before the launch: once it runs, the peers expect this rank's receive.
   at::Tensor result = out.has_value() ? *out : at::empty({topk_idx.size(0), L.hidden}, x.options());
@@ -372,7 +386,6 @@ at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, co
   a.src_info = h.src_info.data_ptr<int>();
   a.src_slot = h.src_slot.data_ptr<int>();
   a.layout_range = h.layout_range.data_ptr<int64_t>();
-  a.scratch = scratch_;
   setCombineReceive(a, topk_idx, topk_weights, result);
   kernels::combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());
   return result;
@@ -383,7 +396,6 @@ void EpBuffer::combineRecv(const at::Tensor& topk_idx, const at::Tensor& topk_we
   c10::cuda::CUDAGuard guard(device_);
   kernels::CombineArgs a;
   a.c = common(static_cast<int>(h.half), timeout_us, active, kernels::kRecvPhase);
-  a.scratch = scratch_;
   setCombineReceive(a, topk_idx, topk_weights, out);
   kernels::combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());
 }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "moelink/common/error.h"
 #include "moelink/transfer/transfer_engine.h"
@@ -69,6 +70,17 @@ EpProxy::EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int s
 }
 
 EpProxy::~EpProxy() {
+  // Deliver what the GPU has posted before stopping: a peer may still wait for it (this
+  // rank can finish a round before its last rows reach the others). The buffer has
+  // synchronized the device, so the GPU's tail is final.
+  if (thread_.joinable() && tail_dev_) {
+    unsigned long long tail = 0;
+    if (cudaMemcpy(&tail, tail_dev_, sizeof tail, cudaMemcpyDeviceToHost) == cudaSuccess) {
+      const auto deadline = std::chrono::steady_clock::now() + timeout_;
+      while (__atomic_load_n(head_host_, __ATOMIC_ACQUIRE) < tail && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
   if (tail_dev_) cudaFree(tail_dev_);

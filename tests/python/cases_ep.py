@@ -149,6 +149,7 @@ def modes(rank, world):
     check_round(buf, rank, world, 64, 2048, 8, False, return_recv_hook=True)
     check_round(buf, rank, world, 64, 2048, 8, False, zero_copy=True)
     check_round(buf, rank, world, 33, 2048, 4, True, round_scale=True)
+    repeated_experts(rank, world)
 
 
 def two_rounds_in_flight(rank, world):
@@ -215,7 +216,57 @@ def bad_input_raises(rank, world):
         buf.dispatch(x, idx, MAX_TOKENS, 128)
     with pytest.raises(ValueError, match="multiple of 128"):
         moelink.Buffer(None, MAX_TOKENS, 2000, NUM_EXPERTS)
+    recv, _, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
+    with pytest.raises(ValueError, match="the dispatch's"):
+        buf.combine(recv, idx[:4].contiguous(), w[:4].contiguous(), handle)
+    buf.combine(recv, idx, w, handle)  # the refused call launched nothing; the round completes
     check_round(buf, rank, world, 8, 2048, 4, False)  # still works
+
+
+def _repeated_inputs(rank, rnd, tokens, hidden, device):
+    g = torch.Generator().manual_seed(31 * rank + rnd)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    a = torch.randint(0, NUM_EXPERTS, (tokens, 1), generator=g)
+    b = torch.randint(0, NUM_EXPERTS, (tokens, 1), generator=g)
+    idx = torch.cat([a, b, a, torch.full((tokens, 1), -1)], 1)  # expert a twice, -1 last
+    w = torch.rand(tokens, 4, generator=g)
+    return x.to(device), idx.to(device), w.to(device)
+
+
+def repeated_experts(rank, world, device="cuda"):
+    """A token that lists an expert twice takes two of its slots (one row on the wire to the
+    rank), and combine adds both weighted outputs; three rounds, so stale signals would show."""
+    if device == "cuda":
+        _setup(rank)
+    hidden, tokens, nle = 1024, 24, NUM_EXPERTS // world
+    buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
+    for rnd in range(3):
+        x, idx, w = _repeated_inputs(rank, rnd, tokens, hidden, device)
+        recv, count, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+        everyone = [_repeated_inputs(r, rnd, tokens, hidden, "cpu") for r in range(world)]
+        for le in range(nle):
+            e = rank * nle + le
+            assert int(count[le]) == sum(int((ir == e).sum()) for _, ir, _ in everyone), (le, int(count[le]))
+            for r, (xr, ir, _) in enumerate(everyone):
+                lr = int(layout_range[le, r])
+                begin, n = lr >> 32, lr & 0xFFFFFFFF
+                want = sorted(t for t, k in (ir == e).nonzero().tolist())
+                got = src_info[le, begin:begin + n].tolist()
+                assert sorted(got) == want, (le, r, got, want)
+                assert torch.equal(recv[le, begin:begin + n].cpu(), xr[got]), (le, r)
+        y = torch.empty_like(recv)
+        for le in range(nle):
+            y[le] = expert_fn(recv[le], rank * nle + le)
+        out = buf.combine(y, idx, w, handle)[0]
+        want = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
+        for k in range(4):
+            e = idx[:, k]
+            contrib = (x.float() * (0.125 * (e.clamp(min=0) + 1)).unsqueeze(1)).to(torch.bfloat16).float()
+            want += contrib * (w[:, k] * (e >= 0)).unsqueeze(1)
+        torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=5e-2)
 
 
 def timeout_masks_absent_rank(rank, world):
@@ -285,6 +336,12 @@ def host_path(rank, world):
     big = moelink.Buffer(None, MAX_TOKENS, 1024, NUM_EXPERTS)
     for use_fp8 in (False, True):
         check_round(big, rank, world, 33, 1024, 16, use_fp8, device="cpu")
+    repeated_experts(rank, world, device="cpu")
+    import pytest
+    x, idx, w = inputs(rank, 8, 256, 4, device="cpu")
+    recv, _, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
+    with pytest.raises(ValueError, match="the dispatch's"):
+        buf.combine(recv, idx[:4], w[:4], handle)
 
 
 CASES = ["routing_matrix", "modes", "two_rounds_in_flight", "cuda_graph", "bad_input_raises",

@@ -34,6 +34,7 @@ struct DispatchOutputs {
   at::Tensor src_slot;     // int32 [local, ranks*max_tokens]
   at::Tensor layout_range; // int64 [local, ranks]: (begin << 32) | count
   int64_t half = 0;
+  int64_t num_tokens = 0, num_topk = 0;  // the routing's shape (combine must match it)
 };
 
 class EpBuffer {

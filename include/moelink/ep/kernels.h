@@ -24,23 +24,26 @@ namespace moelink::ep::kernels {
 
 enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 
-// Scratch integers a buffer keeps for its kernels (zeroed once at allocation; every
-// kernel leaves them zero again).
-inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts + 4; }
+// Scratch integers a buffer keeps for dispatch (zeroed once at allocation; every dispatch
+// leaves them zero again): per global expert a slot counter, a finish counter and the
+// expected count.
+inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts; }
 
 struct PeerRoute {
   // Sends to the peer.
-  char* dispatch_send = nullptr;  // this rank's dispatch column at the peer
+  char* dispatch_send = nullptr;  // this rank's dispatch rows at the peer ([token])
+  char* index_send = nullptr;     // this rank's slot entries at the peer ([local expert][slot])
   char* count_send = nullptr;     // this rank's count column at the peer (8 B per local expert)
   char* combine_send = nullptr;   // the peer's combine_x region ([token][top-k] rows)
-  char* flag_send = nullptr;      // the peer's combine flags (8 B per global expert)
-  // For a proxy peer, the offsets in the peer's inbox segment that match the four above.
-  uint64_t dispatch_remote = 0, count_remote = 0, combine_remote = 0, flag_remote = 0;
+  char* flag_send = nullptr;      // the peer's combine flags ([token][top-k], 8 B each)
+  // For a proxy peer, the offsets in the peer's inbox segment that match the five above.
+  uint64_t dispatch_remote = 0, index_remote = 0, count_remote = 0, combine_remote = 0, flag_remote = 0;
   // Receives from the peer (in this rank's GPU buffer, or its inbox for a proxy peer).
-  char* dispatch_recv = nullptr;  // the peer's dispatch column here
+  char* dispatch_recv = nullptr;  // the peer's dispatch rows here
+  char* index_recv = nullptr;     // the peer's slot entries here
   char* count_recv = nullptr;     // the peer's count column here
   char* combine_recv = nullptr;   // the combine_x region where the peer's experts' rows land
-  char* flag_recv = nullptr;      // the combine flags region the peer's experts raise
+  char* flag_recv = nullptr;      // the combine flags the peer's experts raise
   int proxy = 0;
 };
 
@@ -70,6 +73,7 @@ struct Common {
   int rank = 0;
   int half = 0;
   const PeerRoute* routes = nullptr;  // device array [num_ranks] for this half
+  uint8_t* sent = nullptr;            // this half's dispatch_sent ([token][kMaxTopk], local)
   ProxyRing ring;
   int num_sms = 0;
   int phases = kSendPhase | kRecvPhase;
@@ -104,8 +108,9 @@ struct DispatchArgs {
   int64_t* layout_range = nullptr;  // [local, ranks]: (begin << 32) | count
 };
 
-// Send phase: every (token, top-k) goes to its expert's rank, then each expert's count.
-// Receive phase: waits for every source's count and packs the tokens per local expert.
+// Send phase: every token goes once to each rank holding one of its experts, with a slot
+// entry per (token, top-k), then each expert's count. Receive phase: waits for every
+// source's count and packs the tokens per local expert.
 void dispatch(const DispatchArgs& a, cudaStream_t stream);
 
 struct CombineArgs {
@@ -114,7 +119,6 @@ struct CombineArgs {
   const int* src_info = nullptr;
   const int* src_slot = nullptr;
   const int64_t* layout_range = nullptr;
-  int* scratch = nullptr;  // as in DispatchArgs
   // receive side
   const int64_t* topk_idx = nullptr;
   const float* topk_weights = nullptr;
@@ -123,8 +127,8 @@ struct CombineArgs {
   void* out = nullptr;  // bf16 [num_tokens, hidden]
 };
 
-// Send phase: every expert output goes back to its token's rank, then the expert's flag.
-// Receive phase: waits for the flags of each token's experts and writes the weighted sums.
+// Send phase: every expert output goes back to its token's rank, each row followed by its
+// flag. Receive phase: waits for the flags of each token's rows and writes the weighted sums.
 void combine(const CombineArgs& a, cudaStream_t stream);
 
 }  // namespace moelink::ep::kernels

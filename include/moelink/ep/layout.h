@@ -4,17 +4,23 @@
 // (NVLink: through CUDA IPC mappings). It holds two halves used by alternate rounds, so
 // that a round's dispatch can start while the previous round's buffers are still read.
 // One half:
-//   dispatch_x     [source rank][local expert][slot] messages of dispatch_msg_bytes: a
-//                  16-byte header {source token, top-k slot} then the payload (bf16 hidden,
-//                  or e4m3 hidden + float scales per 128 elements). A source's messages
-//                  form one contiguous column of dispatch_col_bytes.
+//   dispatch_x     [source rank][source token] rows of dispatch_msg_bytes: the token's
+//                  payload (bf16 hidden, or e4m3 hidden + float scales per 128 elements).
+//                  A token goes to a rank once, however many of the rank's experts it
+//                  selected (its top-k entries there share the row).
+//   dispatch_index [source rank][local expert][slot] int32: which row each slot holds,
+//                  as token * kMaxTopk + top-k slot. The sender claims slots per expert
+//                  (atomicAdd) and writes them along with the rows.
 //   dispatch_count [source rank][local expert], 8 bytes each (an int32 in the low half),
-//                  written by the source after its tokens: -n-1 for n tokens, so that 0
-//                  means "not arrived" (the receiver resets it to 0 after reading)
+//                  written by the source after the expert's slots and rows: -n-1 for n
+//                  tokens, so that 0 means "not arrived" (the receiver resets it to 0
+//                  after reading)
 //   combine_x      [token][top-k slot] bf16 hidden: expert outputs returning to the
 //                  token's rank
-//   combine_flag   [global expert], 8 bytes each: the expert's rank writes 1 when it has
-//                  sent everything for that expert
+//   combine_flag   [token][top-k slot], 8 bytes each: the expert's rank writes 1 after
+//                  the row (the token's rank resets it after reading)
+//   dispatch_sent  [token][top-k slot] bytes, local only: 1 where this rank's dispatch
+//                  sent the entry, so that its combine waits for exactly those rows
 // Signals are 8 bytes apart so that the CPU proxy can deliver each one as a single
 // 8-byte transfer-engine write (which the engine applies atomically, after the data).
 // No torch and no CUDA here; the kernels take these offsets as plain integers.
@@ -28,8 +34,8 @@ namespace moelink::ep {
 
 constexpr int kMaxTopk = 16;
 constexpr int kHiddenAlign = 128;  // FP8 scale group; hidden must be a multiple of it
-constexpr int kMsgHeaderBytes = 16;
-constexpr int kSignalBytes = 8;  // spacing of counts and flags
+constexpr int kSignalBytes = 8;    // spacing of counts and flags
+constexpr int kMaxTokensLimit = 1 << 24;  // slot entries pack token * kMaxTopk + k in an int32
 
 struct EpLayout {
   int num_ranks = 0;
@@ -39,16 +45,20 @@ struct EpLayout {
   int hidden = 0;
 
   uint64_t dispatch_msg_bytes = 0;
-  uint64_t dispatch_col_bytes = 0;  // one source's messages: local experts * max_tokens * msg
+  uint64_t dispatch_col_bytes = 0;  // one source's rows: max_tokens * msg
+  uint64_t index_col_bytes = 0;     // one source's slot entries: local experts * max_tokens * 4
   uint64_t combine_msg_bytes = 0;
-  uint64_t off_dispatch_x = 0, off_dispatch_count = 0, off_combine_x = 0, off_combine_flag = 0;
+  uint64_t off_dispatch_x = 0, off_dispatch_index = 0, off_dispatch_count = 0, off_combine_x = 0,
+           off_combine_flag = 0, off_dispatch_sent = 0;
   uint64_t half_bytes = 0;
 
   // Validates the sizes (throws moelink::Error naming the bad one) and lays out a half.
   static EpLayout make(int num_ranks, int num_experts, int max_tokens, int hidden);
   uint64_t totalBytes() const { return 2 * half_bytes; }
-  uint64_t combineRegionBytes() const { return static_cast<uint64_t>(max_tokens) * kMaxTopk * combine_msg_bytes; }
-  uint64_t fp8PayloadBytes() const { return static_cast<uint64_t>(hidden) + hidden / kHiddenAlign * 4; }
+  uint64_t entries() const { return static_cast<uint64_t>(max_tokens) * kMaxTopk; }  // (token, k) pairs
+  uint64_t combineRegionBytes() const { return entries() * combine_msg_bytes; }
+  uint64_t flagRegionBytes() const { return entries() * kSignalBytes; }
+  uint64_t countColBytes() const { return static_cast<uint64_t>(num_local_experts) * kSignalBytes; }
 };
 
 }  // namespace moelink::ep

@@ -1,12 +1,12 @@
 // Low-latency combine: expert outputs go straight back into their token's rank, one
-// region per (token, top-k slot); the token's rank waits for the experts' flags and
-// writes the weighted sum.
+// region and one flag per (token, top-k slot); the token's rank waits for the flags of its
+// token's rows and writes the weighted sum.
 //
-// One launch, one block of 32 warps per SM. Send phase: each half-block (16 warps) takes
-// (local expert, destination rank) pairs: the pair's rows are split into chunks over the
-// warps, then one thread raises the expert's flag at the destination. Receive phase: a
-// block per token waits for the flags of its experts, then every thread reduces one
-// 16-byte column over the top-k rows. The last block to finish clears the flags.
+// One launch, one block of 32 warps per SM. Send phase: a warp per received row (the
+// rows of every local expert spread over all SMs' warps): it copies the row to the
+// token's rank, then raises the row's flag there. Receive phase: a block per token waits
+// for the flags of the rows its dispatch sent (and resets them for the round after next),
+// then every thread reduces one 16-byte column over the top-k rows.
 #include <cuda_bf16.h>
 
 #include "moelink/ep/kernels.h"
@@ -19,9 +19,7 @@ namespace {
 
 constexpr int kWarps = 32;
 constexpr int kThreads = kWarps * 32;
-constexpr int kGroups = 2;  // send-phase groups per block
-constexpr int kGroupWarps = kWarps / kGroups;
-constexpr int kVecsPerLane = 8;  // a send chunk: 32 lanes x 8 x 16 B
+constexpr int kVecsPerLane = 8;  // a send batch: 32 lanes x 8 x 16 B
 
 __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
   const EpLayout& L = a.c.layout;
@@ -31,51 +29,53 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
   if (tid == 0) tracePoint(a.c, 0);
 
   if (a.c.phases & kSendPhase) {
-    // A snapshot, so that every thread of a group takes the same branch below (the mask
-    // may change while the kernel runs, when a receiver times out).
+    // A snapshot, so that every lane of a warp takes the same branch below (the mask may
+    // change while the kernel runs, when a receiver times out).
     for (int r = tid; r < L.num_ranks; r += kThreads) s_active[r] = a.c.active[r];
     __syncthreads();
-    const int group = warp / kGroupWarps, gwarp = warp % kGroupWarps, gtid = tid % (kGroupWarps * 32);
-    const int parts = (vecs + 32 * kVecsPerLane - 1) / (32 * kVecsPerLane);
+    // Item (w, pair): rows w, w + per_pair, ... of one (local expert, source) pair.
+    // Consecutive items go to the same warp of consecutive blocks, so that every SM sends a
+    // share of the rows.
+    const int warps_total = gridDim.x * kWarps;
+    const int pairs = L.num_local_experts * L.num_ranks;
+    const int per_pair = max(1, warps_total / pairs);
     const uint64_t rows_per_expert = static_cast<uint64_t>(L.num_ranks) * L.max_tokens;
-    for (int pair = blockIdx.x * kGroups + group; pair < L.num_local_experts * L.num_ranks;
-         pair += gridDim.x * kGroups) {
-      const int le = pair / L.num_ranks, dst = pair % L.num_ranks;
-      if (!s_active[dst]) continue;  // uniform over the group
-      const PeerRoute& route = a.c.routes[dst];
-      const int64_t lr = a.layout_range[pair];
+    for (int item = warp * gridDim.x + blockIdx.x; item < per_pair * pairs; item += warps_total) {
+      const int pair = item % pairs, w = item / pairs;
+      const int le = pair / L.num_ranks, s = pair % L.num_ranks;
+      if (!s_active[s]) continue;  // uniform over the warp
+      const int64_t lr = __ldg(a.layout_range + pair);  // (begin << 32) | n
       const int begin = static_cast<int>(lr >> 32), n = static_cast<int>(lr & 0xffffffff);
-      for (int item = gwarp; item < n * parts; item += kGroupWarps) {
-        const int i = item / parts, p = item % parts;
+      for (int i = w; i < n; i += per_pair) {
+        const PeerRoute& route = a.c.routes[s];
         const uint64_t row = le * rows_per_expert + begin + i;
-        const int t = __ldg(a.src_info + row), k = __ldg(a.src_slot + row);
+        const uint64_t entry = static_cast<uint64_t>(__ldg(a.src_info + row)) * kMaxTopk + __ldg(a.src_slot + row);
         const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + row * 2ull * L.hidden);
-        int4* d = reinterpret_cast<int4*>(route.combine_send + (static_cast<uint64_t>(t) * kMaxTopk + k) * L.combine_msg_bytes);
-        const int base = p * 32 * kVecsPerLane + lane;
-        int4 v[kVecsPerLane];
+        int4* d = reinterpret_cast<int4*>(route.combine_send + entry * L.combine_msg_bytes);
+        for (int base = lane; base < vecs; base += 32 * kVecsPerLane) {
+          int4 v[kVecsPerLane];
 #pragma unroll
-        for (int u = 0; u < kVecsPerLane; ++u)
-          if (base + u * 32 < vecs) v[u] = ldNc(src + base + u * 32);
+          for (int u = 0; u < kVecsPerLane; ++u)
+            if (base + u * 32 < vecs) v[u] = ldNc(src + base + u * 32);
 #pragma unroll
-        for (int u = 0; u < kVecsPerLane; ++u)
-          if (base + u * 32 < vecs) stNa(d + base + u * 32, v[u]);
-      }
-      // NOTES: the barrier orders the group's stores before the flag's system-scope release
-      // (cumulative): a reader that sees the flag sees the rows. Proxy posts follow the
-      // same barrier, and the flag's post comes after the rows' posts in the ring.
-      namedBarrier(1 + group, kGroupWarps * 32);
-      const int e = a.c.rank * L.num_local_experts + le;
-      if (route.proxy) {
-        for (int i = gtid; i < n; i += kGroupWarps * 32) {
-          const uint64_t row = le * rows_per_expert + begin + i;
-          const uint64_t off = (static_cast<uint64_t>(a.src_info[row]) * kMaxTopk + a.src_slot[row]) * L.combine_msg_bytes;
-          proxyPost(a.c.ring, kProxyData, dst, route.combine_send + off - a.c.ring.outbox, route.combine_remote + off,
-                    L.combine_msg_bytes);
+          for (int u = 0; u < kVecsPerLane; ++u)
+            if (base + u * 32 < vecs) stNa(d + base + u * 32, v[u]);
         }
-        namedBarrier(1 + group, kGroupWarps * 32);
-        if (gtid == 0) proxyPost(a.c.ring, kProxySignal, dst, 1, route.flag_remote + e * kSignalBytes, kSignalBytes);
-      } else if (gtid == 0) {
-        stReleaseSys(reinterpret_cast<int*>(route.flag_send + e * kSignalBytes), 1);
+        // NOTES: the warp barrier orders every lane's stores before lane 0's system-scope
+        // release of the flag (cumulative): a reader that sees the flag sees the row. For a
+        // proxy peer the row's post precedes the flag's in the ring, and the proxy delivers
+        // in ring order.
+        __syncwarp();
+        if (lane == 0) {
+          if (route.proxy) {
+            const uint64_t off = entry * L.combine_msg_bytes;
+            proxyPost(a.c.ring, kProxyData, s, route.combine_send + off - a.c.ring.outbox, route.combine_remote + off,
+                      L.combine_msg_bytes);
+            proxyPost(a.c.ring, kProxySignal, s, 1, route.flag_remote + entry * kSignalBytes, kSignalBytes);
+          } else {
+            stReleaseSys(reinterpret_cast<int*>(route.flag_send + entry * kSignalBytes), 1);
+          }
+        }
       }
     }
     if (tid == 0) tracePoint(a.c, 1);
@@ -91,15 +91,22 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
     __syncthreads();
     if (tid < a.num_topk) {
       const int64_t e = a.topk_idx[static_cast<size_t>(t) * a.num_topk + tid];
+      const uint64_t entry = static_cast<uint64_t>(t) * kMaxTopk + tid;
       int ok = 0;
-      if (e >= 0 && e < L.num_experts) {
+      // Only the rows this rank's dispatch sent come back (not those of inactive ranks, or
+      // of a repeated expert's overflow).
+      if (e >= 0 && e < L.num_experts && a.c.sent[entry]) {
         const int r = static_cast<int>(e) / L.num_local_experts;
         const PeerRoute& route = a.c.routes[r];
         if (a.c.active[r]) {
-          ok = waitNonZero(reinterpret_cast<const int*>(route.flag_recv + e * kSignalBytes), a.c.timeout_ns) != 0;
-          if (!ok) atomicExch(a.c.active + r, 0);  // timed out: masked
+          int* flag = reinterpret_cast<int*>(route.flag_recv + entry * kSignalBytes);
+          ok = waitNonZero(flag, a.c.timeout_ns) != 0;
+          if (ok)
+            resetSignal(flag);  // ready for the round after next
+          else
+            atomicExch(a.c.active + r, 0);  // timed out: masked
         }
-        s_rows[tid] = route.combine_recv + (static_cast<uint64_t>(t) * kMaxTopk + tid) * L.combine_msg_bytes;
+        s_rows[tid] = route.combine_recv + entry * L.combine_msg_bytes;
         if (ok && route.proxy) s_proxy = 1;
       }
       s_valid[tid] = ok;
@@ -139,33 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
     }
     __syncthreads();
   }
-  // The last block to finish clears the flags for the round after next.
-  // NOTES: every expert raises its flag here, also those no token of this rank used, and a
-  // flag that arrived after the clear would survive into a later round (which would then
-  // read before its data came). So the last block first waits for every active expert's
-  // flag of this round; only then is no write of this round still on its way. Blocks
-  // still reading flags are done by then (each counts itself finished after its tokens).
   if (tid == 0) tracePoint(a.c, 3);
-  int* finished = a.scratch + 3 * L.num_experts;
-  __shared__ bool s_last;
-  if (tid == 0) {
-    __threadfence();
-    s_last = atomicAdd(finished, 1) == static_cast<int>(gridDim.x) - 1;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  for (int e = tid; e < L.num_experts; e += kThreads) {
-    const int r = e / L.num_local_experts;
-    const int* flag = reinterpret_cast<const int*>(a.c.routes[r].flag_recv + e * kSignalBytes);
-    if (a.c.active[r] && !waitNonZero(flag, a.c.timeout_ns)) atomicExch(a.c.active + r, 0);
-  }
-  __syncthreads();
-  for (int e = tid; e < L.num_experts; e += kThreads)
-    resetSignal(reinterpret_cast<int*>(a.c.routes[e / L.num_local_experts].flag_recv + e * kSignalBytes));
-  if (tid == 0) {
-    *finished = 0;
-    tracePoint(a.c, 4);
-  }
 }
 
 }  // namespace

@@ -1,15 +1,16 @@
-// Low-latency dispatch: every (token, top-k) goes straight into its expert's rank's
-// receive slots; per-expert counts follow the tokens; the receiver packs per expert.
+// Low-latency dispatch: every token goes straight into the receive rows of each rank that
+// holds one of its experts (once per rank), with a slot entry per (token, top-k) naming
+// the row; per-expert counts follow; the receiver packs per expert.
 //
-// One launch, one block of 32 warps per SM. Send phase: warps 0..30 take the block's
-// tokens in turn: claim a slot per top-k entry, stage the token's message (header +
-// bf16, or e4m3 + scales) in shared memory, then write it to every destination: as one
-// bulk copy (TMA) per NVLink destination, issued by the entry's thread (use_tma), or with
-// the message split into chunks over the warps (proxy destinations, or use_tma off).
-// Each (token, top-k) then adds 1 to its expert's finish counter. Warp 31 meanwhile
-// counts the tokens of the experts this block accounts for; whichever addition
+// One launch, one block of 32 warps per SM. Send phase: the block first counts the tokens
+// of the experts it accounts for. Then it takes its tokens in turn: claim a slot per
+// top-k entry and write its entry, stage the token's payload (bf16, or e4m3 + scales) in
+// shared memory, then write it once to every destination rank: as one bulk copy (TMA)
+// per NVLink destination, issued by the thread of the rank's first top-k entry (use_tma),
+// or with the row split into chunks over the warps (proxy destinations, or use_tma off).
+// Each (token, top-k) then adds 1 to its expert's finish counter; whichever addition
 // completes an expert's counter sends its count. Receive phase: a block per local expert
-// waits for every source's count and copies the received messages into the packed
+// waits for every source's count and copies the rows the slots name into the packed
 // outputs.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -26,10 +27,9 @@ namespace {
 
 constexpr int kWarps = 32;
 constexpr int kThreads = kWarps * 32;
-constexpr int kSenderWarps = kWarps - 1;  // the last warp counts and signals
 constexpr int kSendVecsPerLane = 4;       // a send chunk: 32 lanes x 4 x 16 B
 constexpr int kRecvVecsPerLane = 8;       // a receive chunk: 32 lanes x 8 x 16 B
-constexpr int kFinishTag = 1 << 24;
+constexpr int kFinishTag = 1 << 30;  // above any expert's count (tokens * top-k < 2^30)
 constexpr float kFp8Max = 448.0f;
 
 __device__ __forceinline__ float halfWarpMax(float v) {
@@ -37,23 +37,21 @@ __device__ __forceinline__ float halfWarpMax(float v) {
   return v;
 }
 
-// Token t's message (header + payload) into shared memory, by the sender warps.
+// Token t's payload into shared memory, by all warps.
 template <bool kFp8>
-__device__ void stageToken(const DispatchArgs& a, int t, char* smem) {
+__device__ void stageToken(const DispatchArgs& a, int t, char* payload) {
   const EpLayout& L = a.c.layout;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  if (tid == 0) *reinterpret_cast<int4*>(smem) = make_int4(t, 0, 0, 0);
   const int4* row = reinterpret_cast<const int4*>(static_cast<const __nv_bfloat16*>(a.x) + static_cast<size_t>(t) * L.hidden);
-  char* payload = smem + kMsgHeaderBytes;
   if constexpr (!kFp8) {
     int4* dst = reinterpret_cast<int4*>(payload);
-    for (int i = tid; i < L.hidden / 8; i += kSenderWarps * 32) dst[i] = ldNc(row + i);
+    for (int i = tid; i < L.hidden / 8; i += kThreads) dst[i] = ldNc(row + i);
   } else {
     // Half a warp per 128-element group (8 elements per lane); every lane takes part in
     // the shuffles, also where the group count is odd.
     const int groups = L.hidden / kHiddenAlign;
     float* scales = reinterpret_cast<float*>(payload + L.hidden);
-    for (int g0 = warp * 2; g0 < groups; g0 += kSenderWarps * 2) {
+    for (int g0 = warp * 2; g0 < groups; g0 += kWarps * 2) {
       const int g = g0 + lane / 16, sub = lane % 16;
       const bool valid = g < groups;
       int4 raw = valid ? ldNc(row + g * 16 + sub) : make_int4(0, 0, 0, 0);
@@ -100,36 +98,45 @@ __device__ void signalCount(const DispatchArgs& a, int e) {
   const int r = e / L.num_local_experts, le = e % L.num_local_experts;
   if (a.c.active[r]) {
     const PeerRoute& route = a.c.routes[r];
-    const int v = -min(n, L.max_tokens) - 1;
-    if (route.proxy)
+    const int sent = min(n, L.max_tokens), v = -sent - 1;
+    if (route.proxy) {
+      // The slot entries first (the ring keeps the order), then the count.
+      const uint64_t off = static_cast<uint64_t>(le) * L.max_tokens * 4;
+      if (sent > 0)
+        proxyPost(a.c.ring, kProxyData, r, route.index_send + off - a.c.ring.outbox, route.index_remote + off,
+                  static_cast<uint64_t>(sent) * 4);
       proxyPost(a.c.ring, kProxySignal, r, static_cast<uint32_t>(v), route.count_remote + le * kSignalBytes,
                 kSignalBytes);
-    else
+    } else {
       stReleaseSys(reinterpret_cast<int*>(route.count_send + le * kSignalBytes), v);
+    }
   }
   finish[e] = 0;
   slot_counter[e] = 0;
   expected[e] = 0;
 }
 
-// Warp 31: counts the tokens of the experts this block accounts for and adds them to the
-// experts' finish counters. Each (token, top-k) entry adds 1 once it is out (or skipped),
-// the count adds tag - n: whichever addition completes the tag sends the count, so the
-// count leaves as soon as the expert's last message is out, without anyone polling.
+// Counts the tokens of the experts this block accounts for (e = blockIdx.x + j * grid) and
+// adds them to the experts' finish counters; all threads, before any send. Each (token,
+// top-k) entry adds 1 once it is out (or skipped), the count adds tag - n: whichever
+// addition completes the tag sends the count, so the count leaves as soon as the expert's
+// last row is out, without anyone polling. (Measured: counting in one warp alongside the
+// sends took until after the sends, its loads queued behind the block's NVLink traffic,
+// and the counts left late.)
 __device__ void countExperts(const DispatchArgs& a, int* s_counts, int nj) {
   const EpLayout& L = a.c.layout;
-  const int lane = threadIdx.x % 32;
+  const int tid = threadIdx.x;
   int* finish = a.scratch + L.num_experts;
   int* expected = a.scratch + 2 * L.num_experts;
-  for (int j = lane; j < nj; j += 32) s_counts[j] = 0;
-  __syncwarp();
+  for (int j = tid; j < nj; j += kThreads) s_counts[j] = 0;
+  __syncthreads();
   const int entries = a.num_tokens * a.num_topk;
-  constexpr int kUnroll = 8;  // loads in flight per lane
-  for (int i0 = 0; i0 < entries; i0 += 32 * kUnroll) {
+  constexpr int kUnroll = 4;  // loads in flight per thread
+  for (int i0 = 0; i0 < entries; i0 += kThreads * kUnroll) {
     int64_t e[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int i = i0 + u * 32 + lane;
+      const int i = i0 + u * kThreads + tid;
       e[u] = i < entries ? __ldg(a.topk_idx + i) : -1;
     }
 #pragma unroll
@@ -137,8 +144,10 @@ __device__ void countExperts(const DispatchArgs& a, int* s_counts, int nj) {
       if (e[u] >= 0 && e[u] < L.num_experts && (e[u] - blockIdx.x) % gridDim.x == 0)
         atomicAdd(s_counts + (e[u] - blockIdx.x) / gridDim.x, 1);
   }
-  __syncwarp();
-  for (int j = lane; j < nj; j += 32) {
+  __syncthreads();
+  // By the last warp: warp 0 goes on to claim the first token's slots meanwhile.
+  if (tid / 32 != kWarps - 1) return;
+  for (int j = tid % 32; j < nj; j += 32) {
     const int e = blockIdx.x + j * gridDim.x;
     const int n = s_counts[j];
     expected[e] = n;  // published by the release below
@@ -146,89 +155,101 @@ __device__ void countExperts(const DispatchArgs& a, int* s_counts, int nj) {
   }
 }
 
+// Whether top-k entry k is the first of the token's entries sent to its rank (the one
+// that carries the row there). s_dest: the destination rank per entry, -1 = not sent.
+__device__ __forceinline__ bool leadsRow(const int* s_dest, int k) {
+  if (s_dest[k] < 0) return false;
+  for (int j = 0; j < k; ++j)
+    if (s_dest[j] == s_dest[k]) return false;
+  return true;
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   extern __shared__ __align__(16) char smem[];
-  __shared__ int s_expert[kMaxTopk], s_slot[kMaxTopk];
+  __shared__ int s_expert[kMaxTopk], s_dest[kMaxTopk];
   const EpLayout& L = a.c.layout;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const uint64_t msg_bytes = L.dispatch_msg_bytes;
   const int payload = kFp8 ? L.hidden + L.hidden / kHiddenAlign * 4 : 2 * L.hidden;
-  const int msg_vecs = (kMsgHeaderBytes + payload + 15) / 16;
-  int* ints = reinterpret_cast<int*>(smem + msg_bytes);   // after the staged message
+  const int msg_vecs = (payload + 15) / 16;
+  int* ints = reinterpret_cast<int*>(smem + msg_bytes);   // after the staged row
   if (tid == 0) tracePoint(a.c, 0);
 
   if (a.c.phases & kSendPhase) {
-    if (warp == kSenderWarps) {
-      countExperts(a, ints, (L.num_experts - blockIdx.x + gridDim.x - 1) / gridDim.x);
-      if (lane == 0) tracePoint(a.c, 3);
-    } else {
+    // The first token's routing, loaded alongside the counting's loads.
+    const int64_t e_first = tid < a.num_topk && static_cast<int>(blockIdx.x) < a.num_tokens
+                                ? __ldg(a.topk_idx + static_cast<size_t>(blockIdx.x) * a.num_topk + tid)
+                                : -1;
+    countExperts(a, ints, (L.num_experts - blockIdx.x + gridDim.x - 1) / gridDim.x);
+    if (tid == 0) tracePoint(a.c, 3);
+    {
       int* slot_counter = a.scratch;
       int* finish = a.scratch + L.num_experts;
       const int chunks = (msg_vecs + 32 * kSendVecsPerLane - 1) / (32 * kSendVecsPerLane);
       for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
         if (tid < a.num_topk) {
-          const int64_t e = __ldg(a.topk_idx + static_cast<size_t>(t) * a.num_topk + tid);
+          // Claim the entry's slot at its expert and write the slot entry; the row follows.
+          const int64_t e = t == static_cast<int>(blockIdx.x) ? e_first
+                                                               : __ldg(a.topk_idx + static_cast<size_t>(t) * a.num_topk + tid);
+          const bool valid = e >= 0 && e < L.num_experts;
+          const int r = valid ? static_cast<int>(e) / L.num_local_experts : -1;
           int slot = -1;
-          if (e >= 0 && e < L.num_experts && a.c.active[e / L.num_local_experts]) slot = atomicAdd(slot_counter + e, 1);
-          s_expert[tid] = e >= 0 && e < L.num_experts ? static_cast<int>(e) : -1;
-          s_slot[tid] = slot;  // -1: not sent; >= max_tokens: a repeated expert overflowed
+          if (valid && a.c.active[r]) slot = atomicAdd(slot_counter + e, 1);
+          const bool sent = slot >= 0 && slot < L.max_tokens;  // a repeated expert may overflow
+          if (sent) {
+            const int le = static_cast<int>(e) % L.num_local_experts;
+            reinterpret_cast<int*>(a.c.routes[r].index_send)[static_cast<uint64_t>(le) * L.max_tokens + slot] =
+                t * kMaxTopk + tid;
+          }
+          a.c.sent[static_cast<uint64_t>(t) * kMaxTopk + tid] = sent;
+          s_expert[tid] = valid ? static_cast<int>(e) : -1;
+          s_dest[tid] = sent ? r : -1;
         }
         stageToken<kFp8>(a, t, smem);
         if (a.use_tma) fenceProxyAsyncShared();
-        namedBarrier(1, kSenderWarps * 32);
+        __syncthreads();
         if (tid == 0 && t == blockIdx.x) tracePoint(a.c, 1);
         const int4* src = reinterpret_cast<const int4*>(smem);
-        if (a.use_tma && tid < a.num_topk) {
-          // One bulk copy per destination, issued by the entry's thread; proxy peers'
-          // messages (host memory) go through the warps below.
-          const int e = s_expert[tid], slot = s_slot[tid];
-          if (slot >= 0 && slot < L.max_tokens && !a.c.routes[e / L.num_local_experts].proxy) {
-            const int le = e % L.num_local_experts;
-            char* dst = a.c.routes[e / L.num_local_experts].dispatch_send +
-                        (static_cast<uint64_t>(le) * L.max_tokens + slot) * msg_bytes;
-            int4 h = src[0];
-            h.y = tid;
-            stNa(reinterpret_cast<int4*>(dst), h);
-            bulkStoreAndWait(dst + kMsgHeaderBytes, smem + kMsgHeaderBytes, (msg_vecs - 1) * 16);
-          }
+        if (a.use_tma && tid < a.num_topk && leadsRow(s_dest, tid) && !a.c.routes[s_dest[tid]].proxy) {
+          // One bulk copy per NVLink (or local) destination; proxy destinations (host
+          // memory) go through the warps below.
+          bulkStoreAndWait(a.c.routes[s_dest[tid]].dispatch_send + t * msg_bytes, smem, msg_vecs * 16);
         }
-        for (int item = warp; item < a.num_topk * chunks; item += kSenderWarps) {
+        for (int item = warp; item < a.num_topk * chunks; item += kWarps) {
           const int k = item / chunks, c = item % chunks;
-          const int e = s_expert[k], slot = s_slot[k];
-          if (slot < 0 || slot >= L.max_tokens) continue;
-          const int r = e / L.num_local_experts, le = e % L.num_local_experts;
-          if (a.use_tma && !a.c.routes[r].proxy) continue;
-          int4* dst = reinterpret_cast<int4*>(a.c.routes[r].dispatch_send +
-                                              (static_cast<uint64_t>(le) * L.max_tokens + slot) * msg_bytes);
+          if (!leadsRow(s_dest, k)) continue;
+          const PeerRoute& route = a.c.routes[s_dest[k]];
+          if (a.use_tma && !route.proxy) continue;
+          int4* dst = reinterpret_cast<int4*>(route.dispatch_send + t * msg_bytes);
           const int base = c * 32 * kSendVecsPerLane + lane;
           int4 v[kSendVecsPerLane];
 #pragma unroll
           for (int u = 0; u < kSendVecsPerLane; ++u)
             if (base + u * 32 < msg_vecs) v[u] = src[base + u * 32];
-          if (base == 0) v[0].y = k;  // the header's top-k slot, for combine
 #pragma unroll
           for (int u = 0; u < kSendVecsPerLane; ++u)
             if (base + u * 32 < msg_vecs) stNa(dst + base + u * 32, v[u]);
         }
-        // NOTES: the barrier orders every warp's stores before the finish counter's
-        // release (and the proxy post's). The additions to a counter form one release
-        // sequence, so the thread that completes it has acquired every message of the
-        // expert, and its count store releases them at system scope: a receiver that sees
-        // the count sees the messages. The barrier also guards the staging buffer.
-        namedBarrier(1, kSenderWarps * 32);
-        if (tid < a.num_topk) {
-          const int e = s_expert[tid], slot = s_slot[tid];
-          if (e >= 0) {
-            const int r = e / L.num_local_experts, le = e % L.num_local_experts;
-            const PeerRoute& route = a.c.routes[r];
-            if (route.proxy && slot >= 0 && slot < L.max_tokens) {
-              const uint64_t off = (static_cast<uint64_t>(le) * L.max_tokens + slot) * msg_bytes;
-              proxyPost(a.c.ring, kProxyData, r, route.dispatch_send + off - a.c.ring.outbox,
-                        route.dispatch_remote + off, static_cast<uint64_t>(msg_vecs) * 16);
-            }
-            if (atomicAddAcqRelGpu(finish + e, 1) + 1 == kFinishTag) signalCount(a, e);
+        // NOTES: the barrier orders every warp's stores (rows and slot entries) before the
+        // finish counters' releases and the proxy posts. The additions to a counter form
+        // one release sequence, so the thread that completes it has acquired every row and
+        // entry of the expert, and its count store releases them at system scope: a
+        // receiver that sees the count sees them. The barrier also guards the staging
+        // buffer. A row shared by several entries is posted to the proxy (by the lead
+        // entry) before any of those entries adds to its counter (the warp barrier), so
+        // the row's ticket precedes every count that covers it.
+        __syncthreads();
+        if (warp == 0) {
+          const bool mine = tid < a.num_topk;
+          const int e = mine ? s_expert[tid] : -1;
+          if (mine && leadsRow(s_dest, tid) && a.c.routes[s_dest[tid]].proxy) {
+            const PeerRoute& route = a.c.routes[s_dest[tid]];
+            proxyPost(a.c.ring, kProxyData, s_dest[tid], route.dispatch_send + t * msg_bytes - a.c.ring.outbox,
+                      route.dispatch_remote + t * msg_bytes, static_cast<uint64_t>(msg_vecs) * 16);
           }
+          __syncwarp();
+          if (e >= 0 && atomicAddAcqRelGpu(finish + e, 1) + 1 == kFinishTag) signalCount(a, e);
         }
       }
       if (tid == 0) tracePoint(a.c, 2);
@@ -236,8 +257,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   }
 
   if (!(a.c.phases & kRecvPhase)) return;
+  // Receive phase: a block per local expert waits for every source's count, lays the
+  // sources' rows out one after the other and copies the rows the slots name. (Measured
+  // slower: packing each source as its count lands, with a block per (expert, source) and
+  // rows claimed by atomicAdd, which overlaps the packing with sends still in flight; two
+  // blocks per expert; loading the slot entries into shared memory first. The last two
+  // did not shorten it.)
   __syncthreads();
-  int* s_n = ints;                   // [num_ranks]
+  int* s_n = ints;                    // [num_ranks]
   int* s_begin = ints + L.num_ranks;  // [num_ranks + 1]
   const uint64_t rows_per_expert = static_cast<uint64_t>(L.num_ranks) * L.max_tokens;
   const int data_vecs = kFp8 ? L.hidden / 16 : L.hidden / 8;
@@ -255,8 +282,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
       s_n[s] = v ? -v - 1 : 0;
     }
     __syncthreads();
-    if (tid == 0 && le == blockIdx.x) tracePoint(a.c, 4);
     if (tid == 0) {
+      if (le == blockIdx.x) tracePoint(a.c, 4);
       int begin = 0;
       for (int s = 0; s < L.num_ranks; ++s) {
         s_begin[s] = begin;
@@ -274,9 +301,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
       while (s_begin[s + 1] <= j) ++s;
       const int i = j - s_begin[s];
       const PeerRoute& route = a.c.routes[s];
-      const char* msg = route.dispatch_recv + (static_cast<uint64_t>(le) * L.max_tokens + i) * msg_bytes;
+      const int entry = ldRelaxedSys(reinterpret_cast<const int*>(route.index_recv) + le * L.max_tokens + i);
+      const int t = entry / kMaxTopk;
+      const char* msg = route.dispatch_recv + t * msg_bytes;
       const uint64_t row = le * rows_per_expert + j;
-      const int4* src = reinterpret_cast<const int4*>(msg + kMsgHeaderBytes);
+      const int4* src = reinterpret_cast<const int4*>(msg);
       int4* data = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * (kFp8 ? 1ull : 2ull) * L.hidden);
       const int base = p * 32 * kRecvVecsPerLane + lane;
       int4 v[kRecvVecsPerLane];
@@ -294,13 +323,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
         if (base + u * 32 < data_vecs) data[base + u * 32] = v[u];
       if (p == 0) {
         if (lane == 0) {
-          const int4 h = route.proxy ? ldRecvSys(reinterpret_cast<const int4*>(msg))
-                                     : ldRecv(reinterpret_cast<const int4*>(msg));
-          a.recv_src_info[row] = h.x;
-          a.recv_src_slot[row] = h.y;
+          a.recv_src_info[row] = t;
+          a.recv_src_slot[row] = entry % kMaxTopk;
         }
         if (kFp8) {
-          const float* ss = reinterpret_cast<const float*>(msg + kMsgHeaderBytes + L.hidden);
+          const float* ss = reinterpret_cast<const float*>(msg + L.hidden);
           float* ds = a.recv_scales + row * groups;
           for (int g = lane; g < groups; g += 32) ds[g] = route.proxy ? *static_cast<const volatile float*>(ss + g) : ss[g];
         }
@@ -315,7 +342,7 @@ template <bool kFp8>
 void launch(const DispatchArgs& a, cudaStream_t stream) {
   const EpLayout& L = a.c.layout;
   const int grid = a.c.num_sms;
-  const int per_block = (L.num_experts + grid - 1) / grid;
+  const int per_block = (L.num_experts + grid - 1) / grid;  // experts warp 31 counts
   const int ints = per_block > 2 * L.num_ranks + 1 ? per_block : 2 * L.num_ranks + 1;
   const size_t smem = L.dispatch_msg_bytes + static_cast<size_t>(ints) * sizeof(int);
   static std::atomic<size_t> smem_seen[64];

@@ -15,6 +15,13 @@ __device__ __forceinline__ int ldAcquireSys(const int* p) {
   return v;
 }
 
+// A coherent read of an int a peer (or the CPU proxy) wrote, ordered by an earlier acquire.
+__device__ __forceinline__ int ldRelaxedSys(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ uint64_t ldAcquireSys64(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -100,11 +107,6 @@ __device__ __forceinline__ uint64_t globalTimerNs() {
 
 __device__ __forceinline__ void tracePoint(const Common& c, int point) {
   if (c.trace != nullptr) c.trace[blockIdx.x * kTracePoints + point] = globalTimerNs();
-}
-
-// Barrier among `threads` threads (a multiple of 32) of the block; id 0 is __syncthreads.
-__device__ __forceinline__ void namedBarrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Spins until *p != 0 (returns it) or the timeout passes (returns 0).
