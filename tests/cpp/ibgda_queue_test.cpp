@@ -1,7 +1,9 @@
 // The IBGDA send/completion queue protocol (include/moelink/ep/ibgda/queue.h) against an
 // emulated NIC: a thread that reads the doorbell record, executes the posted WQEs and writes
 // CQEs, decoding and encoding them with rdma-core's own mlx5dv.h structures (not ours), as an
-// mlx5 device would. Host threads play the GPU threads (the code is __host__ __device__).
+// mlx5 device would. Host threads play the GPU threads (the code is __host__ __device__), and,
+// where a GPU is present, GPU threads post and poll for real (ibgda_wqe_gpu.cu), with the
+// queues in mapped host memory that the emulated NIC reads.
 #include <infiniband/mlx5dv.h>
 
 #include <sched.h>
@@ -31,6 +33,16 @@ namespace {
 constexpr uint32_t kQpn = 0x1234;
 constexpr uint32_t kLkey = 0x1111, kRkey = 0x2222;
 
+// Where the NIC finds the queues: raw pointers, so that the same emulation serves the host
+// threads' queues (std::vector) and the GPU's (mapped host memory).
+struct NicView {
+  unsigned char* wqes = nullptr;
+  unsigned char* cqes = nullptr;
+  uint32_t* sq_dbr = nullptr;
+  uint32_t* cq_dbr = nullptr;
+  uint32_t sq_depth = 0, cq_depth = 0;
+};
+
 struct Queues {
   std::vector<unsigned char> wqes, cqes;
   alignas(64) uint32_t sq_dbr[2] = {0, 0};
@@ -50,12 +62,13 @@ struct Queues {
     cq.depth = cq_depth;
     cq.dbr = cq_dbr;
   }
+  NicView view() { return {wqes.data(), cqes.data(), sq_dbr, cq_dbr, sq.depth, cq.depth}; }
 };
 
 // Executes WQEs up to the doorbell record's send counter, like the NIC's send engine.
 class EmulatedNic {
  public:
-  explicit EmulatedNic(Queues& q) : q_(q), thread_([this] { run(); }) {}
+  explicit EmulatedNic(const NicView& q) : q_(q), thread_([this] { run(); }) {}
   ~EmulatedNic() {
     stop_ = true;
     thread_.join();
@@ -71,7 +84,7 @@ class EmulatedNic {
         sched_yield();
         continue;
       }
-      const auto* wqe = q_.wqes.data() + (sq_ci_ % q_.sq.depth) * kBasicBlockBytes;
+      const auto* wqe = q_.wqes + (sq_ci_ % q_.sq_depth) * kBasicBlockBytes;
       const auto* ctrl = reinterpret_cast<const mlx5_wqe_ctrl_seg*>(wqe);
       const auto* raddr = reinterpret_cast<const mlx5_wqe_raddr_seg*>(wqe + 16);
       const auto* data = reinterpret_cast<const mlx5_wqe_data_seg*>(wqe + 32);
@@ -86,14 +99,14 @@ class EmulatedNic {
                     be32toh(data->byte_count));
       if ((ctrl->fm_ce_se & MLX5_WQE_CTRL_CQ_UPDATE) || !keys) {
         // Room in the CQ: the consumer index the poller published in its doorbell record.
-        while (cq_pi_ - (be32toh(__atomic_load_n(&q_.cq_dbr[0], __ATOMIC_ACQUIRE)) & 0xffffff) >= q_.cq.depth &&
+        while (cq_pi_ - (be32toh(__atomic_load_n(&q_.cq_dbr[0], __ATOMIC_ACQUIRE)) & 0xffffff) >= q_.cq_depth &&
                !stop_.load(std::memory_order_relaxed)) {
           sched_yield();
         }
-        auto* cqe = reinterpret_cast<mlx5_cqe64*>(q_.cqes.data()) + (cq_pi_ % q_.cq.depth);
+        auto* cqe = reinterpret_cast<mlx5_cqe64*>(q_.cqes) + (cq_pi_ % q_.cq_depth);
         cqe->wqe_counter = htobe16(static_cast<uint16_t>(sq_ci_));
         const uint8_t op = keys ? MLX5_CQE_REQ : MLX5_CQE_REQ_ERR;
-        __atomic_store_n(&cqe->op_own, static_cast<uint8_t>(op << 4 | ((cq_pi_ / q_.cq.depth) & 1)), __ATOMIC_RELEASE);
+        __atomic_store_n(&cqe->op_own, static_cast<uint8_t>(op << 4 | ((cq_pi_ / q_.cq_depth) & 1)), __ATOMIC_RELEASE);
         ++cq_pi_;
       }
       ++sq_ci_;
@@ -101,7 +114,7 @@ class EmulatedNic {
     }
   }
 
-  Queues& q_;
+  NicView q_;
   uint64_t sq_ci_ = 0, cq_pi_ = 0;
   std::atomic<uint64_t> executed_{0};
   std::atomic<bool> stop_{false};
@@ -117,7 +130,7 @@ TEST(IbgdaQueue, ConcurrentPostersThroughWrappingQueues) {
   std::vector<unsigned char> src(kThreads * kPerThread * kBytes), dst(src.size(), 0);
   std::mt19937 rng(5);
   for (auto& b : src) b = static_cast<unsigned char>(rng());
-  EmulatedNic nic(q);
+  EmulatedNic nic(q.view());
   std::atomic<bool> stop{false};
   std::atomic<int> errors{0};
   std::thread poller([&] {
@@ -162,7 +175,7 @@ TEST(IbgdaQueue, ConcurrentPostersThroughWrappingQueues) {
 
 TEST(IbgdaQueue, ErrorCompletionIsReported) {
   Queues q(8, 4);
-  EmulatedNic nic(q);
+  EmulatedNic nic(q.view());
   std::vector<unsigned char> a(64, 7), b(64, 0);
   post(q.sq, reinterpret_cast<uint64_t>(a.data()), kLkey, reinterpret_cast<uint64_t>(b.data()), kRkey + 1, 64, true);
   int r = 0;
@@ -171,3 +184,36 @@ TEST(IbgdaQueue, ErrorCompletionIsReported) {
   EXPECT_EQ(r, -1) << "a bad rkey must come back as an error completion";
   EXPECT_EQ(b[0], 0) << "and nothing must be written";
 }
+
+#if defined(MOELINK_TEST_GPU_WQE)
+#include "ibgda_wqe_gpu.h"
+
+// 2048 GPU threads post 16384 signaled RDMA WRITEs through a 256-entry send queue while one GPU
+// thread polls a 64-entry completion queue: both wrap many times, posters wait for room, and
+// the NIC waits for the poller's consumer index.
+TEST(IbgdaQueue, GpuThreadsPostAndPollThroughWrappingQueues) {
+  GpuQueueRun run;
+  const std::string why = gpuQueueAlloc(run, /*sq_depth=*/256, /*cq_depth=*/64, /*bytes=*/16384 * 64);
+  if (!why.empty()) GTEST_SKIP() << why;
+  std::mt19937 rng(9);
+  for (size_t i = 0; i < run.bytes; ++i) run.src[i] = static_cast<unsigned char>(rng());
+  for (uint32_t i = 0; i < run.cq_depth; ++i)  // as the driver initializes a CQ
+    reinterpret_cast<mlx5_cqe64*>(run.cqes)[i].op_own = MLX5_CQE_INVALID << 4;
+  std::string err;
+  {
+    EmulatedNic nic(NicView{run.wqes, run.cqes, run.sq_dbr, run.cq_dbr, run.sq_depth, run.cq_depth});
+    err = gpuQueueRun(run, /*blocks=*/16, /*threads=*/128, /*per_thread=*/8, /*wqe_bytes=*/64, kQpn, kLkey, kRkey);
+    EXPECT_EQ(nic.error(), "");
+    EXPECT_EQ(nic.executed(), run.total);
+  }
+  ASSERT_EQ(err, "");
+  EXPECT_EQ(run.errors, 0) << "error completions, or the poller timed out";
+  EXPECT_EQ(run.completed, run.total);
+  EXPECT_EQ(0, std::memcmp(run.src, run.dst, run.bytes)) << "some write did not land";
+  uint64_t want;  // the doorbell register holds the last WQE's first 8 bytes
+  std::memcpy(&want, run.wqes + ((run.total - 1) % run.sq_depth) * kBasicBlockBytes, 8);
+  EXPECT_EQ(*run.doorbell, want);
+  EXPECT_EQ(be32toh(run.sq_dbr[MLX5_SND_DBR]), run.total & 0xffff);
+  gpuQueueFree(run);
+}
+#endif

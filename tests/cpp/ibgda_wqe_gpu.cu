@@ -2,6 +2,8 @@
 // encoders the kernels use; ibgda_wqe_test.cpp compares the bytes with rdma-core's.
 #include <cuda_runtime_api.h>
 
+#include <cstring>
+
 #include "ibgda_wqe_gpu.h"
 #include "moelink/ep/ibgda/wqe.h"
 
@@ -39,11 +41,101 @@ std::string buildWqesOnGpu(const std::vector<WqeCase>& cases, std::vector<unsign
   return err == cudaSuccess ? std::string() : std::string("CUDA error: ") + cudaGetErrorString(err);
 }
 
-// The queue protocol compiles for the GPU too (it runs on the host in ibgda_queue_test.cpp;
-// no GPU test of it has run yet).
+// The queue protocol run by GPU threads: posters, and one polling thread in block 0.
 #include "moelink/ep/ibgda/queue.h"
 
-__global__ void ibgdaQueueCompileCheck(moelink::ep::ibgda::SendQueue sq, moelink::ep::ibgda::CompletionQueue cq) {
-  moelink::ep::ibgda::post(sq, 0, 0, 0, 0, 0, true);
-  moelink::ep::ibgda::poll(cq, sq);
+namespace {
+
+using moelink::ep::ibgda::CompletionQueue;
+using moelink::ep::ibgda::SendQueue;
+
+__device__ uint64_t nowNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void queueKernel(SendQueue sq, CompletionQueue cq, const unsigned char* src, unsigned char* dst,
+                            int per_thread, uint32_t bytes, uint32_t lkey, uint32_t rkey, uint64_t total, int* errors) {
+  if (blockIdx.x == 0) {
+    if (threadIdx.x != 0) return;
+    const uint64_t start = nowNs();
+    while (moelink::ep::ibgda::loadAcquire(sq.completed) < total) {
+      if (moelink::ep::ibgda::poll(cq, sq) < 0) atomicAdd(errors, 1);
+      if (nowNs() - start > 60ull * 1000 * 1000 * 1000) {
+        atomicAdd(errors, 1000);
+        return;
+      }
+    }
+    return;
+  }
+  const uint64_t t = static_cast<uint64_t>(blockIdx.x - 1) * blockDim.x + threadIdx.x;
+  for (int i = 0; i < per_thread; ++i) {
+    const uint64_t off = (t * per_thread + i) * bytes;
+    moelink::ep::ibgda::post(sq, reinterpret_cast<uint64_t>(src + off), lkey, reinterpret_cast<uint64_t>(dst + off),
+                             rkey, bytes, true);
+  }
+}
+
+template <typename T>
+bool mapped(T*& p, size_t bytes) {
+  void* v = nullptr;
+  if (cudaHostAlloc(&v, bytes, cudaHostAllocMapped) != cudaSuccess) return false;
+  std::memset(v, 0, bytes);
+  p = static_cast<T*>(v);
+  return true;
+}
+
+}  // namespace
+
+std::string gpuQueueAlloc(GpuQueueRun& r, uint32_t sq_depth, uint32_t cq_depth, size_t bytes) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return "no CUDA device";
+  int uva = 0;
+  cudaDeviceGetAttribute(&uva, cudaDevAttrUnifiedAddressing, 0);
+  if (!uva) return "no unified addressing (mapped host memory would have other addresses on the GPU)";
+  r.sq_depth = sq_depth;
+  r.cq_depth = cq_depth;
+  r.bytes = bytes;
+  const bool ok = mapped(r.wqes, sq_depth * moelink::ep::ibgda::kBasicBlockBytes) &&
+                  mapped(r.cqes, cq_depth * moelink::ep::ibgda::kCqeBytes) && mapped(r.sq_dbr, 64) &&
+                  mapped(r.cq_dbr, 64) && mapped(r.doorbell, 64) && mapped(r.src, bytes) && mapped(r.dst, bytes) &&
+                  cudaMalloc(&r.counters, 64) == cudaSuccess && cudaMemset(r.counters, 0, 64) == cudaSuccess;
+  return ok ? std::string() : std::string("CUDA allocation failed: ") + cudaGetErrorString(cudaGetLastError());
+}
+
+std::string gpuQueueRun(GpuQueueRun& r, int blocks, int threads, int per_thread, uint32_t wqe_bytes, uint32_t qpn,
+                        uint32_t lkey, uint32_t rkey) {
+  auto* c = static_cast<uint64_t*>(r.counters);
+  SendQueue sq;
+  sq.wqes = r.wqes;
+  sq.depth = r.sq_depth;
+  sq.qpn = qpn;
+  sq.dbr = r.sq_dbr;
+  sq.doorbell = r.doorbell;
+  sq.tickets = c;
+  sq.ready = c + 1;
+  sq.completed = c + 2;
+  CompletionQueue cq;
+  cq.cqes = r.cqes;
+  cq.depth = r.cq_depth;
+  cq.dbr = r.cq_dbr;
+  r.total = static_cast<uint64_t>(blocks) * threads * per_thread;
+  if (r.total * wqe_bytes > r.bytes) return "payload buffers too small";
+  int* errors = reinterpret_cast<int*>(c + 3);
+  queueKernel<<<blocks + 1, threads>>>(sq, cq, r.src, r.dst, per_thread, wqe_bytes, lkey, rkey, r.total, errors);
+  cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) return std::string("CUDA error: ") + cudaGetErrorString(e);
+  cudaMemcpy(&r.completed, c + 2, sizeof r.completed, cudaMemcpyDeviceToHost);
+  cudaMemcpy(&r.errors, errors, sizeof r.errors, cudaMemcpyDeviceToHost);
+  return std::string();
+}
+
+void gpuQueueFree(GpuQueueRun& r) {
+  for (void* p : {static_cast<void*>(r.wqes), static_cast<void*>(r.cqes), static_cast<void*>(r.sq_dbr),
+                  static_cast<void*>(r.cq_dbr), static_cast<void*>(r.doorbell), static_cast<void*>(r.src),
+                  static_cast<void*>(r.dst)})
+    if (p) cudaFreeHost(p);
+  if (r.counters) cudaFree(r.counters);
+  r = GpuQueueRun{};
 }

@@ -15,3 +15,30 @@ struct WqeCase {
 
 // Two 64-byte blocks per case into `out`; returns "" or why it could not run (no GPU).
 std::string buildWqesOnGpu(const std::vector<WqeCase>& cases, std::vector<unsigned char>& out);
+
+// The IBGDA queue protocol driven by GPU threads (ibgda_queue_test.cpp plays the NIC). The
+// queues, doorbell records, doorbell word and payload live in mapped host memory (the same
+// addresses on the host and the GPU); the ticket counters in GPU memory.
+struct GpuQueueRun {
+  unsigned char* wqes = nullptr;
+  unsigned char* cqes = nullptr;
+  uint32_t* sq_dbr = nullptr;
+  uint32_t* cq_dbr = nullptr;
+  uint64_t* doorbell = nullptr;
+  unsigned char* src = nullptr;
+  unsigned char* dst = nullptr;
+  size_t bytes = 0;
+  uint32_t sq_depth = 0, cq_depth = 0;
+  void* counters = nullptr;  // GPU: tickets, ready, completed, errors
+  uint64_t total = 0;        // WQEs posted (set by gpuQueueRun)
+  uint64_t completed = 0;    // what the GPU's poller saw completed
+  int errors = 0;            // error completions, plus 1000 if the poller gave up
+};
+
+// "" or why not (no GPU).
+std::string gpuQueueAlloc(GpuQueueRun& r, uint32_t sq_depth, uint32_t cq_depth, size_t bytes);
+// blocks x threads GPU threads each post per_thread WRITEs of wqe_bytes (src -> dst, all
+// signaled) while one more block's thread polls; returns when the kernel has finished.
+std::string gpuQueueRun(GpuQueueRun& r, int blocks, int threads, int per_thread, uint32_t wqe_bytes, uint32_t qpn,
+                        uint32_t lkey, uint32_t rkey);
+void gpuQueueFree(GpuQueueRun& r);

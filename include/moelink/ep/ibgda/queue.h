@@ -2,9 +2,9 @@
 // drive them for IBGDA: posting RDMA WRITE WQEs, publishing them through the doorbell record
 // and the doorbell register, and polling completions.
 //
-// Like wqe.h these are __host__ __device__: the tests drive them from host threads against an
-// emulated NIC that reads the queues with rdma-core's own structure definitions
-// (tests/cpp/ibgda_queue_test.cpp). What is not here (docs/EP.md): creating the queue pair and
+// Like wqe.h these are __host__ __device__: the tests drive them from host threads, and from
+// GPU threads with the queues in mapped host memory, against an emulated NIC that reads the
+// queues with rdma-core's own structure definitions (tests/cpp/ibgda_queue_test.cpp). What is not here (docs/EP.md): creating the queue pair and
 // completion queue with their buffers in GPU memory (mlx5dv/DEVX), mapping the doorbell register
 // into the GPU, and exchanging keys; so the EP buffer does not use these yet.
 //
