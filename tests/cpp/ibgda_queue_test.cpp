@@ -74,6 +74,7 @@ class EmulatedNic {
     thread_.join();
   }
   uint64_t executed() const { return executed_.load(); }
+  uint64_t inlineWrites() const { return inline_writes_.load(); }
   std::string error() const { return error_; }
 
  private:
@@ -87,16 +88,29 @@ class EmulatedNic {
       const auto* wqe = q_.wqes + (sq_ci_ % q_.sq_depth) * kBasicBlockBytes;
       const auto* ctrl = reinterpret_cast<const mlx5_wqe_ctrl_seg*>(wqe);
       const auto* raddr = reinterpret_cast<const mlx5_wqe_raddr_seg*>(wqe + 16);
-      const auto* data = reinterpret_cast<const mlx5_wqe_data_seg*>(wqe + 32);
       const uint32_t opmod_idx_opcode = be32toh(ctrl->opmod_idx_opcode), qpn_ds = be32toh(ctrl->qpn_ds);
       bool ok = (opmod_idx_opcode & 0xff) == MLX5_OPCODE_RDMA_WRITE &&
                 ((opmod_idx_opcode >> 8) & 0xffff) == (sq_ci_ & 0xffff) && (qpn_ds >> 8) == kQpn &&
                 (qpn_ds & 0x3f) == 3;
+      // The third segment: a data segment (pointer, lkey) or inline data (MLX5_INLINE_SEG).
+      const uint32_t first = be32toh(*reinterpret_cast<const uint32_t*>(wqe + 32));
+      const bool is_inline = first & MLX5_INLINE_SEG;
+      const void* src = nullptr;
+      uint32_t len = 0;
+      bool keys = be32toh(raddr->rkey) == kRkey;
+      if (is_inline) {
+        len = first & ~MLX5_INLINE_SEG;
+        src = wqe + 32 + sizeof(mlx5_wqe_inl_data_seg);
+        ok = ok && len + sizeof(mlx5_wqe_inl_data_seg) <= 16;  // fits the one segment ds = 3 leaves
+        inline_writes_.fetch_add(1);
+      } else {
+        const auto* data = reinterpret_cast<const mlx5_wqe_data_seg*>(wqe + 32);
+        len = be32toh(data->byte_count);
+        src = reinterpret_cast<const void*>(be64toh(data->addr));
+        keys = keys && be32toh(data->lkey) == kLkey;
+      }
       if (!ok && error_.empty()) error_ = "malformed WQE at index " + std::to_string(sq_ci_);
-      const bool keys = be32toh(data->lkey) == kLkey && be32toh(raddr->rkey) == kRkey;
-      if (ok && keys)
-        std::memcpy(reinterpret_cast<void*>(be64toh(raddr->raddr)), reinterpret_cast<const void*>(be64toh(data->addr)),
-                    be32toh(data->byte_count));
+      if (ok && keys) std::memcpy(reinterpret_cast<void*>(be64toh(raddr->raddr)), src, len);
       if ((ctrl->fm_ce_se & MLX5_WQE_CTRL_CQ_UPDATE) || !keys) {
         // Room in the CQ: the consumer index the poller published in its doorbell record.
         while (cq_pi_ - (be32toh(__atomic_load_n(&q_.cq_dbr[0], __ATOMIC_ACQUIRE)) & 0xffffff) >= q_.cq_depth &&
@@ -116,7 +130,7 @@ class EmulatedNic {
 
   NicView q_;
   uint64_t sq_ci_ = 0, cq_pi_ = 0;
-  std::atomic<uint64_t> executed_{0};
+  std::atomic<uint64_t> executed_{0}, inline_writes_{0};
   std::atomic<bool> stop_{false};
   std::string error_;
   std::thread thread_;
@@ -128,6 +142,7 @@ TEST(IbgdaQueue, ConcurrentPostersThroughWrappingQueues) {
   constexpr int kThreads = 4, kPerThread = 1000, kBytes = 96;
   Queues q(/*sq_depth=*/64, /*cq_depth=*/16);  // both wrap many times
   std::vector<unsigned char> src(kThreads * kPerThread * kBytes), dst(src.size(), 0);
+  std::vector<uint64_t> flags(kThreads * kPerThread / 8, 0);  // an inline WRITE after every 8th
   std::mt19937 rng(5);
   for (auto& b : src) b = static_cast<unsigned char>(rng());
   EmulatedNic nic(q.view());
@@ -148,6 +163,11 @@ TEST(IbgdaQueue, ConcurrentPostersThroughWrappingQueues) {
         const size_t off = (static_cast<size_t>(t) * kPerThread + i) * kBytes;
         post(q.sq, reinterpret_cast<uint64_t>(src.data() + off), kLkey, reinterpret_cast<uint64_t>(dst.data() + off),
              kRkey, kBytes, r() % 4 == 0);  // every fourth signaled: completions cover unsignaled ones
+        if (i % 8 == 7) {
+          const size_t f = (static_cast<size_t>(t) * kPerThread + i) / 8;
+          postInline8(q.sq, reinterpret_cast<uint64_t>(&flags[f]), kRkey, 0x5eed000000000000ull + f, r() % 4 == 0,
+                      true);
+        }
       }
     });
   for (auto& p : posters) p.join();
@@ -166,6 +186,8 @@ TEST(IbgdaQueue, ConcurrentPostersThroughWrappingQueues) {
   EXPECT_EQ(nic.executed(), last + 1);
   EXPECT_EQ(q.completed, last + 1);
   EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size())) << "some write did not land";
+  EXPECT_EQ(nic.inlineWrites(), flags.size());
+  for (size_t f = 0; f < flags.size(); ++f) ASSERT_EQ(flags[f], 0x5eed000000000000ull + f) << "inline write " << f;
   // The doorbell register holds the last WQE's first 8 bytes, as the provider writes it.
   uint64_t want;
   std::memcpy(&want, q.wqes.data() + (last % q.sq.depth) * kBasicBlockBytes, 8);
@@ -188,9 +210,10 @@ TEST(IbgdaQueue, ErrorCompletionIsReported) {
 #if defined(MOELINK_TEST_GPU_WQE)
 #include "ibgda_wqe_gpu.h"
 
-// 2048 GPU threads post 16384 signaled RDMA WRITEs through a 256-entry send queue while one GPU
-// thread polls a 64-entry completion queue: both wrap many times, posters wait for room, and
-// the NIC waits for the poller's consumer index.
+// 2048 GPU threads post 16384 signaled RDMA WRITEs, each thread's eight followed by a fenced
+// inline WRITE of a flag, through a 256-entry send queue while one GPU thread polls a 64-entry
+// completion queue: both wrap many times, posters wait for room, and the NIC waits for the
+// poller's consumer index.
 TEST(IbgdaQueue, GpuThreadsPostAndPollThroughWrappingQueues) {
   GpuQueueRun run;
   const std::string why = gpuQueueAlloc(run, /*sq_depth=*/256, /*cq_depth=*/64, /*bytes=*/16384 * 64);
@@ -205,11 +228,14 @@ TEST(IbgdaQueue, GpuThreadsPostAndPollThroughWrappingQueues) {
     err = gpuQueueRun(run, /*blocks=*/16, /*threads=*/128, /*per_thread=*/8, /*wqe_bytes=*/64, kQpn, kLkey, kRkey);
     EXPECT_EQ(nic.error(), "");
     EXPECT_EQ(nic.executed(), run.total);
+    EXPECT_EQ(nic.inlineWrites(), run.total / 9);  // each thread: 8 WRITEs, then an inline one
   }
   ASSERT_EQ(err, "");
   EXPECT_EQ(run.errors, 0) << "error completions, or the poller timed out";
   EXPECT_EQ(run.completed, run.total);
-  EXPECT_EQ(0, std::memcmp(run.src, run.dst, run.bytes)) << "some write did not land";
+  EXPECT_EQ(0, std::memcmp(run.src, run.dst, run.total / 9 * 8 * 64)) << "some write did not land";
+  for (uint64_t t = 0; t < run.total / 9; ++t)
+    ASSERT_EQ(run.flags[t], 0x5eed000000000000ull + t) << "inline write of thread " << t;
   uint64_t want;  // the doorbell register holds the last WQE's first 8 bytes
   std::memcpy(&want, run.wqes + ((run.total - 1) % run.sq_depth) * kBasicBlockBytes, 8);
   EXPECT_EQ(*run.doorbell, want);

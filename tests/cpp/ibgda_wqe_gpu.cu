@@ -9,7 +9,7 @@
 
 namespace {
 
-__global__ void buildKernel(const WqeCase* cases, int n, unsigned char* out) {
+__global__ void buildKernel(const WqeCase* cases, int n, unsigned char* out, unsigned char* inline_out) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const WqeCase& c = cases[i];
@@ -19,25 +19,36 @@ __global__ void buildKernel(const WqeCase* cases, int n, unsigned char* out) {
   auto* ctrl = reinterpret_cast<moelink::ep::ibgda::CtrlSeg*>(w + moelink::ep::ibgda::kBasicBlockBytes);
   ctrl->dci_stream_channel_id = 0;
   moelink::ep::ibgda::setCtrlSeg(ctrl, c.pi, c.opcode, c.opmod, c.qpn, c.fm_ce_se, c.ds, c.signature, c.imm);
+  moelink::ep::ibgda::buildRdmaWriteInline8(inline_out + static_cast<size_t>(i) * 64, c.pi, c.qpn, c.signal, c.fence,
+                                            c.raddr, c.rkey, c.value);
 }
 
 }  // namespace
 
-std::string buildWqesOnGpu(const std::vector<WqeCase>& cases, std::vector<unsigned char>& out) {
+std::string buildWqesOnGpu(const std::vector<WqeCase>& cases, std::vector<unsigned char>& out,
+                           std::vector<unsigned char>& inline_out) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return "no CUDA device";
   const size_t bytes = cases.size() * 2 * moelink::ep::ibgda::kBasicBlockBytes;
   WqeCase* d_cases = nullptr;
   unsigned char* d_out = nullptr;
+  unsigned char* d_inline = nullptr;
+  const size_t inline_bytes = cases.size() * 64;
   cudaMalloc(&d_cases, cases.size() * sizeof(WqeCase));
   cudaMalloc(&d_out, bytes);
+  cudaMalloc(&d_inline, inline_bytes);
   cudaMemcpy(d_cases, cases.data(), cases.size() * sizeof(WqeCase), cudaMemcpyHostToDevice);
   cudaMemset(d_out, 0, bytes);
-  buildKernel<<<(static_cast<int>(cases.size()) + 127) / 128, 128>>>(d_cases, static_cast<int>(cases.size()), d_out);
+  cudaMemset(d_inline, 0xee, inline_bytes);  // every byte of the 48 must be written
+  buildKernel<<<(static_cast<int>(cases.size()) + 127) / 128, 128>>>(d_cases, static_cast<int>(cases.size()), d_out,
+                                                                    d_inline);
   out.assign(bytes, 0);
+  inline_out.assign(inline_bytes, 0);
   cudaError_t err = cudaMemcpy(out.data(), d_out, bytes, cudaMemcpyDeviceToHost);
+  if (err == cudaSuccess) err = cudaMemcpy(inline_out.data(), d_inline, inline_bytes, cudaMemcpyDeviceToHost);
   cudaFree(d_cases);
   cudaFree(d_out);
+  cudaFree(d_inline);
   return err == cudaSuccess ? std::string() : std::string("CUDA error: ") + cudaGetErrorString(err);
 }
 
@@ -56,7 +67,8 @@ __device__ uint64_t nowNs() {
 }
 
 __global__ void queueKernel(SendQueue sq, CompletionQueue cq, const unsigned char* src, unsigned char* dst,
-                            int per_thread, uint32_t bytes, uint32_t lkey, uint32_t rkey, uint64_t total, int* errors) {
+                            uint64_t* flags, int per_thread, uint32_t bytes, uint32_t lkey, uint32_t rkey, uint64_t total,
+                            int* errors) {
   if (blockIdx.x == 0) {
     if (threadIdx.x != 0) return;
     const uint64_t start = nowNs();
@@ -75,6 +87,8 @@ __global__ void queueKernel(SendQueue sq, CompletionQueue cq, const unsigned cha
     moelink::ep::ibgda::post(sq, reinterpret_cast<uint64_t>(src + off), lkey, reinterpret_cast<uint64_t>(dst + off),
                              rkey, bytes, true);
   }
+  moelink::ep::ibgda::postInline8(sq, reinterpret_cast<uint64_t>(flags + t), rkey, 0x5eed000000000000ull + t, true,
+                                  true);
 }
 
 template <typename T>
@@ -100,6 +114,7 @@ std::string gpuQueueAlloc(GpuQueueRun& r, uint32_t sq_depth, uint32_t cq_depth, 
   const bool ok = mapped(r.wqes, sq_depth * moelink::ep::ibgda::kBasicBlockBytes) &&
                   mapped(r.cqes, cq_depth * moelink::ep::ibgda::kCqeBytes) && mapped(r.sq_dbr, 64) &&
                   mapped(r.cq_dbr, 64) && mapped(r.doorbell, 64) && mapped(r.src, bytes) && mapped(r.dst, bytes) &&
+                  mapped(r.flags, bytes / 8) &&
                   cudaMalloc(&r.counters, 64) == cudaSuccess && cudaMemset(r.counters, 0, 64) == cudaSuccess;
   return ok ? std::string() : std::string("CUDA allocation failed: ") + cudaGetErrorString(cudaGetLastError());
 }
@@ -120,10 +135,12 @@ std::string gpuQueueRun(GpuQueueRun& r, int blocks, int threads, int per_thread,
   cq.cqes = r.cqes;
   cq.depth = r.cq_depth;
   cq.dbr = r.cq_dbr;
-  r.total = static_cast<uint64_t>(blocks) * threads * per_thread;
-  if (r.total * wqe_bytes > r.bytes) return "payload buffers too small";
+  const uint64_t posters = static_cast<uint64_t>(blocks) * threads;
+  r.total = posters * (per_thread + 1);
+  if (posters * per_thread * wqe_bytes > r.bytes || posters * 8 > r.bytes / 8) return "payload buffers too small";
   int* errors = reinterpret_cast<int*>(c + 3);
-  queueKernel<<<blocks + 1, threads>>>(sq, cq, r.src, r.dst, per_thread, wqe_bytes, lkey, rkey, r.total, errors);
+  queueKernel<<<blocks + 1, threads>>>(sq, cq, r.src, r.dst, r.flags, per_thread, wqe_bytes, lkey, rkey, r.total,
+                                       errors);
   cudaError_t e = cudaDeviceSynchronize();
   if (e != cudaSuccess) return std::string("CUDA error: ") + cudaGetErrorString(e);
   cudaMemcpy(&r.completed, c + 2, sizeof r.completed, cudaMemcpyDeviceToHost);
@@ -134,7 +151,7 @@ std::string gpuQueueRun(GpuQueueRun& r, int blocks, int threads, int per_thread,
 void gpuQueueFree(GpuQueueRun& r) {
   for (void* p : {static_cast<void*>(r.wqes), static_cast<void*>(r.cqes), static_cast<void*>(r.sq_dbr),
                   static_cast<void*>(r.cq_dbr), static_cast<void*>(r.doorbell), static_cast<void*>(r.src),
-                  static_cast<void*>(r.dst)})
+                  static_cast<void*>(r.dst), static_cast<void*>(r.flags)})
     if (p) cudaFreeHost(p);
   if (r.counters) cudaFree(r.counters);
   r = GpuQueueRun{};

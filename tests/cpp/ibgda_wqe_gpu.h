@@ -10,11 +10,14 @@ struct WqeCase {
   uint32_t qpn, rkey, lkey, length, imm;
   uint16_t pi;
   uint8_t opcode, opmod, fm_ce_se, ds, signature;
-  bool signal;
+  bool signal, fence;
+  uint64_t value;  // for the inline WRITE
 };
 
-// Two 64-byte blocks per case into `out`; returns "" or why it could not run (no GPU).
-std::string buildWqesOnGpu(const std::vector<WqeCase>& cases, std::vector<unsigned char>& out);
+// Two 64-byte blocks per case into `out` (an RDMA WRITE, a control segment) and one into
+// `inline_out` (an inline 8-byte WRITE); returns "" or why it could not run (no GPU).
+std::string buildWqesOnGpu(const std::vector<WqeCase>& cases, std::vector<unsigned char>& out,
+                           std::vector<unsigned char>& inline_out);
 
 // The IBGDA queue protocol driven by GPU threads (ibgda_queue_test.cpp plays the NIC). The
 // queues, doorbell records, doorbell word and payload live in mapped host memory (the same
@@ -27,6 +30,7 @@ struct GpuQueueRun {
   uint64_t* doorbell = nullptr;
   unsigned char* src = nullptr;
   unsigned char* dst = nullptr;
+  uint64_t* flags = nullptr;  // one per poster thread, written by its inline WRITE
   size_t bytes = 0;
   uint32_t sq_depth = 0, cq_depth = 0;
   void* counters = nullptr;  // GPU: tickets, ready, completed, errors
@@ -37,8 +41,9 @@ struct GpuQueueRun {
 
 // "" or why not (no GPU).
 std::string gpuQueueAlloc(GpuQueueRun& r, uint32_t sq_depth, uint32_t cq_depth, size_t bytes);
-// blocks x threads GPU threads each post per_thread WRITEs of wqe_bytes (src -> dst, all
-// signaled) while one more block's thread polls; returns when the kernel has finished.
+// blocks x threads GPU threads each post per_thread WRITEs of wqe_bytes (src -> dst), then an
+// inline WRITE of 0x5eed << 48 | thread into flags[thread] (fenced; all signaled), while one
+// more block's thread polls; returns when the kernel has finished. `total` counts every WQE.
 std::string gpuQueueRun(GpuQueueRun& r, int blocks, int threads, int per_thread, uint32_t wqe_bytes, uint32_t qpn,
                         uint32_t lkey, uint32_t rkey);
 void gpuQueueFree(GpuQueueRun& r);

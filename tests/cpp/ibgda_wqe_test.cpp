@@ -17,7 +17,27 @@ static_assert(sizeof(RaddrSeg) == sizeof(mlx5_wqe_raddr_seg), "raddr segment siz
 static_assert(sizeof(DataSeg) == sizeof(mlx5_wqe_data_seg), "data segment size");
 static_assert(kOpcodeRdmaWrite == MLX5_OPCODE_RDMA_WRITE && kOpcodeRdmaWriteImm == MLX5_OPCODE_RDMA_WRITE_IMM,
               "opcodes");
-static_assert(kCqUpdate == MLX5_WQE_CTRL_CQ_UPDATE, "CQ update flag");
+static_assert(kCqUpdate == MLX5_WQE_CTRL_CQ_UPDATE && kFence == MLX5_WQE_CTRL_FENCE, "control flags");
+static_assert(kInlineSeg == MLX5_INLINE_SEG && sizeof(mlx5_wqe_inl_data_seg) == 4, "inline segment");
+
+namespace {
+
+// An inline 8-byte RDMA WRITE as rdma-core's definitions compose it (the provider's own
+// inline sizing: ds counts 16-byte units of ctrl + raddr + align(header + data, 16)).
+void inlineWriteWant(unsigned char* want, uint16_t pi, uint32_t qpn, bool signal, bool fence, uint64_t raddr,
+                     uint32_t rkey, uint64_t value) {
+  const int inl = (sizeof(mlx5_wqe_inl_data_seg) + 8 + 15) / 16;
+  mlx5dv_set_ctrl_seg(reinterpret_cast<mlx5_wqe_ctrl_seg*>(want), pi, MLX5_OPCODE_RDMA_WRITE, 0, qpn,
+                      (signal ? MLX5_WQE_CTRL_CQ_UPDATE : 0) | (fence ? MLX5_WQE_CTRL_FENCE : 0), 2 + inl, 0, 0);
+  auto* r = reinterpret_cast<mlx5_wqe_raddr_seg*>(want + 16);
+  r->raddr = htobe64(raddr);
+  r->rkey = htobe32(rkey);
+  auto* seg = reinterpret_cast<mlx5_wqe_inl_data_seg*>(want + 32);
+  seg->byte_count = htobe32(8 | MLX5_INLINE_SEG);
+  std::memcpy(seg + 1, &value, 8);
+}
+
+}  // namespace
 
 TEST(IbgdaWqe, SegmentsMatchRdmaCore) {
   std::mt19937_64 rng(7);
@@ -63,6 +83,21 @@ TEST(IbgdaWqe, RdmaWriteWqeMatchesRdmaCoreComposition) {
   EXPECT_EQ(0, std::memcmp(want, got, sizeof want));
 }
 
+TEST(IbgdaWqe, InlineWriteMatchesRdmaCoreComposition) {
+  std::mt19937_64 rng(13);
+  for (int i = 0; i < 1000; ++i) {
+    const uint16_t pi = static_cast<uint16_t>(rng());
+    const uint32_t qpn = static_cast<uint32_t>(rng()) & 0xffffff, rkey = static_cast<uint32_t>(rng());
+    const uint64_t raddr = rng(), value = rng();
+    const bool signal = rng() & 1, fence = rng() & 1;
+    alignas(64) unsigned char want[64] = {0}, got[64];
+    std::memset(got, 0xee, sizeof got);  // the encoder must write every byte of the 48
+    inlineWriteWant(want, pi, qpn, signal, fence, raddr, rkey, value);
+    buildRdmaWriteInline8(got, pi, qpn, signal, fence, raddr, rkey, value);
+    ASSERT_EQ(0, std::memcmp(want, got, 48)) << "case " << i;
+  }
+}
+
 #if defined(MOELINK_TEST_GPU_WQE)
 #include "ibgda_wqe_gpu.h"
 
@@ -85,9 +120,11 @@ TEST(IbgdaWqe, GpuBuiltWqesMatchRdmaCore) {
     c.ds = static_cast<uint8_t>(rng() & 0x3f);
     c.signature = static_cast<uint8_t>(rng());
     c.signal = rng() & 1;
+    c.fence = rng() & 1;
+    c.value = rng();
   }
-  std::vector<unsigned char> got;
-  std::string why = buildWqesOnGpu(cases, got);
+  std::vector<unsigned char> got, inline_got;
+  std::string why = buildWqesOnGpu(cases, got, inline_got);
   if (!why.empty()) GTEST_SKIP() << why;
   for (size_t i = 0; i < cases.size(); ++i) {
     const WqeCase& c = cases[i];
@@ -102,6 +139,9 @@ TEST(IbgdaWqe, GpuBuiltWqesMatchRdmaCore) {
                         c.ds, c.signature, c.imm);
     ASSERT_EQ(0, std::memcmp(want, got.data() + i * 128, 48)) << "RDMA WRITE WQE, case " << i;
     ASSERT_EQ(0, std::memcmp(want + 64, got.data() + i * 128 + 64, 16)) << "control segment, case " << i;
+    alignas(64) unsigned char inl[64] = {0};
+    inlineWriteWant(inl, c.pi, c.qpn, c.signal, c.fence, c.raddr, c.rkey, c.value);
+    ASSERT_EQ(0, std::memcmp(inl, inline_got.data() + i * 64, 48)) << "inline WRITE WQE, case " << i;
   }
 }
 #endif

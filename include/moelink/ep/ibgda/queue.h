@@ -104,14 +104,13 @@ struct CompletionQueue {
   uint64_t consumer = 0;                // owned by the one polling thread
 };
 
-// Posts one RDMA WRITE of `length` bytes from (laddr, lkey) to (raddr, rkey); `signal` asks for
-// a completion. Returns the WQE's index.
-MOELINK_HD uint64_t post(const SendQueue& sq, uint64_t laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey,
-                         uint32_t length, bool signal) {
+// Posts one WQE that `build(wqe, index)` writes into its 64-byte slot. Returns its index.
+template <typename Build>
+MOELINK_HD uint64_t postWqe(const SendQueue& sq, Build build) {
   const uint64_t idx = atomicTicket(sq.tickets);
   while (idx - loadAcquire(sq.completed) >= sq.depth) spinPause();  // the slot holds an uncompleted WQE
   unsigned char* wqe = sq.wqes + (idx & (sq.depth - 1)) * kBasicBlockBytes;
-  buildRdmaWrite(wqe, static_cast<uint16_t>(idx), sq.qpn, signal, raddr, rkey, laddr, lkey, length);
+  build(wqe, idx);
   while (loadAcquire(sq.ready) != idx) spinPause();  // publish in index order
   fenceSystem();  // the WQE before the doorbell record
   storeVolatile32(sq.dbr + kSendDbr, toBig32(static_cast<uint32_t>(idx + 1) & 0xffff));
@@ -119,6 +118,24 @@ MOELINK_HD uint64_t post(const SendQueue& sq, uint64_t laddr, uint32_t lkey, uin
   storeVolatile64(sq.doorbell, *reinterpret_cast<const uint64_t*>(wqe));
   storeRelease(sq.ready, idx + 1);
   return idx;
+}
+
+// Posts one RDMA WRITE of `length` bytes from (laddr, lkey) to (raddr, rkey); `signal` asks for
+// a completion. Returns the WQE's index.
+MOELINK_HD uint64_t post(const SendQueue& sq, uint64_t laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey,
+                         uint32_t length, bool signal) {
+  return postWqe(sq, [&](unsigned char* wqe, uint64_t idx) {
+    buildRdmaWrite(wqe, static_cast<uint16_t>(idx), sq.qpn, signal, raddr, rkey, laddr, lkey, length);
+  });
+}
+
+// Posts an 8-byte WRITE of `value` carried in the WQE (a count or a flag), fenced behind the
+// earlier WQEs when `fence` is set. Returns the WQE's index.
+MOELINK_HD uint64_t postInline8(const SendQueue& sq, uint64_t raddr, uint32_t rkey, uint64_t value, bool signal,
+                                bool fence) {
+  return postWqe(sq, [&](unsigned char* wqe, uint64_t idx) {
+    buildRdmaWriteInline8(wqe, static_cast<uint16_t>(idx), sq.qpn, signal, fence, raddr, rkey, value);
+  });
 }
 
 // Polls one CQE. Returns 0 when none is new, 1 when one was consumed (`completed` advanced),

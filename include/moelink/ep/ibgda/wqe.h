@@ -2,11 +2,11 @@
 //
 // Only the encoders so far: the IBGDA path itself (queue pairs created with mlx5dv/DEVX,
 // work queue, completion queue and doorbell record in GPU memory, the doorbell ring) is not
-// built yet (docs/EP.md); queue.h posts these WQEs and polls completions. These functions are __host__ __device__: the same code runs on
-// the host and in GPU threads, and tests/cpp/ibgda_wqe_test.cpp compares both with
-// rdma-core's own mlx5dv.h definitions (mlx5dv_set_ctrl_seg, mlx5dv_set_data_seg,
-// struct mlx5_wqe_raddr_seg). All multi-byte
-// fields are big-endian on the wire.
+// built yet (docs/EP.md); queue.h posts these WQEs and polls completions. These functions
+// are __host__ __device__: the same code runs on the host and in GPU threads, and
+// tests/cpp/ibgda_wqe_test.cpp compares both with rdma-core's own mlx5dv.h definitions
+// (mlx5dv_set_ctrl_seg, mlx5dv_set_data_seg, struct mlx5_wqe_raddr_seg, struct
+// mlx5_wqe_inl_data_seg). All multi-byte fields are big-endian on the wire.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +22,8 @@ namespace moelink::ep::ibgda {
 constexpr uint8_t kOpcodeRdmaWrite = 0x08;     // MLX5_OPCODE_RDMA_WRITE
 constexpr uint8_t kOpcodeRdmaWriteImm = 0x09;  // MLX5_OPCODE_RDMA_WRITE_IMM
 constexpr uint8_t kCqUpdate = 2 << 2;          // MLX5_WQE_CTRL_CQ_UPDATE: signal a completion
+constexpr uint8_t kFence = 4 << 5;             // MLX5_WQE_CTRL_FENCE: start after the earlier WQEs completed
+constexpr uint32_t kInlineSeg = 0x80000000u;   // MLX5_INLINE_SEG: the data follows in the WQE
 constexpr int kSegmentBytes = 16;              // the "ds" unit
 constexpr int kBasicBlockBytes = 64;           // a WQEBB
 
@@ -96,6 +98,26 @@ MOELINK_HD void buildRdmaWrite(void* wqe, uint16_t pi, uint32_t qpn, bool signal
   setCtrlSeg(ctrl, pi, kOpcodeRdmaWrite, 0, qpn, signal ? kCqUpdate : 0, 3, 0, 0);
   setRaddrSeg(reinterpret_cast<RaddrSeg*>(base + kSegmentBytes), raddr, rkey);
   setDataSeg(reinterpret_cast<DataSeg*>(base + 2 * kSegmentBytes), length, lkey, laddr);
+}
+
+// One RDMA WRITE of an 8-byte value carried inline (a count or a flag): control, remote
+// address, the inline header (byte count | MLX5_INLINE_SEG) and the value's bytes as they
+// are in memory here, padded to ds = 3. With `fence` the NIC starts it only after every
+// earlier WQE of the queue has completed, so that the signal lands after the data it covers.
+MOELINK_HD void buildRdmaWriteInline8(void* wqe, uint16_t pi, uint32_t qpn, bool signal, bool fence, uint64_t raddr,
+                                      uint32_t rkey, uint64_t value) {
+  auto* base = static_cast<char*>(wqe);
+  CtrlSeg* ctrl = reinterpret_cast<CtrlSeg*>(base);
+  ctrl->dci_stream_channel_id = 0;
+  const uint8_t flags = static_cast<uint8_t>((signal ? kCqUpdate : 0) | (fence ? kFence : 0));
+  setCtrlSeg(ctrl, pi, kOpcodeRdmaWrite, 0, qpn, flags, 3, 0, 0);
+  setRaddrSeg(reinterpret_cast<RaddrSeg*>(base + kSegmentBytes), raddr, rkey);
+  // 4-byte stores: the value sits at offset 36, not 8-byte aligned.
+  auto* words = reinterpret_cast<uint32_t*>(base + 2 * kSegmentBytes);
+  words[0] = toBig32(kInlineSeg | 8u);
+  words[1] = static_cast<uint32_t>(value);
+  words[2] = static_cast<uint32_t>(value >> 32);
+  words[3] = 0;
 }
 
 }  // namespace moelink::ep::ibgda
