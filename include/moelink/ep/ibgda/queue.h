@@ -4,9 +4,10 @@
 //
 // Like wqe.h these are __host__ __device__: the tests drive them from host threads, and from
 // GPU threads with the queues in mapped host memory, against an emulated NIC that reads the
-// queues with rdma-core's own structure definitions (tests/cpp/ibgda_queue_test.cpp). What is not here (docs/EP.md): creating the queue pair and
-// completion queue with their buffers in GPU memory (mlx5dv/DEVX), mapping the doorbell register
-// into the GPU, and exchanging keys; so the EP buffer does not use these yet.
+// queues with rdma-core's own structure definitions (tests/cpp/ibgda_queue_test.cpp). What is
+// not here (docs/EP.md): creating the queue pair and completion queue with their buffers in GPU
+// memory (mlx5dv/DEVX), mapping the doorbell register into the GPU, and exchanging keys; so the
+// EP buffer does not use these yet.
 //
 // Protocol:
 // - post(): a thread takes a ticket (its WQE index), waits until the slot is free (fewer than
