@@ -62,9 +62,7 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def_readonly("src_info", &DispatchOutputs::src_info)
       .def_readonly("src_slot", &DispatchOutputs::src_slot)
       .def_readonly("layout_range", &DispatchOutputs::layout_range)
-      .def_readonly("half", &DispatchOutputs::half)
-      .def_readonly("num_tokens", &DispatchOutputs::num_tokens)
-      .def_readonly("num_topk", &DispatchOutputs::num_topk);
+      .def_readonly("half", &DispatchOutputs::half);
   py::class_<EpBuffer, std::shared_ptr<EpBuffer>>(m, "EpBuffer")
       .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const std::string&, int64_t, int64_t,
                     int64_t>(),

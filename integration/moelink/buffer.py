@@ -194,9 +194,6 @@ class Buffer:
                 out: Optional[torch.Tensor] = None, timeout_us: int = -1,
                 active_ranks: Optional[torch.Tensor] = None):
         state = handle[-1]
-        if tuple(topk_idx.shape) != (state.num_tokens, state.num_topk):
-            raise ValueError(f"moelink combine: topk_idx must be the dispatch's [{state.num_tokens}, {state.num_topk}] "
-                             f"routing (the handle's), got {tuple(topk_idx.shape)}")
         if zero_copy and x.data_ptr() != self._combine_buffer(state).data_ptr():
             raise ValueError("zero_copy=True expects x to be the tensor from get_next_combine_buffer(handle)")
         if isinstance(state, host_ep.HostState):
@@ -206,6 +203,9 @@ class Buffer:
                                  f"{self.hidden}] tensor, got {x.dtype} {tuple(x.shape)}")
             if topk_weights.shape != topk_idx.shape:
                 raise ValueError("moelink combine: topk_weights must be shaped like topk_idx")
+            if tuple(topk_idx.shape) != (state.num_tokens, state.num_topk):  # EpBuffer::combine checks the GPU path
+                raise ValueError(f"moelink combine: topk_idx must be the dispatch's [{state.num_tokens}, "
+                                 f"{state.num_topk}] routing (the handle's), got {tuple(topk_idx.shape)}")
             result = host_ep.combine(self.group, self.num_ranks, self.hidden, x, topk_idx, topk_weights, state, out)
             return result, self._event(False), _noop
         result = self._gpu().combine(x, topk_idx, topk_weights, state, out, timeout_us, active_ranks,
