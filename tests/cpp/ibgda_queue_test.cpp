@@ -207,8 +207,99 @@ TEST(IbgdaQueue, ErrorCompletionIsReported) {
   EXPECT_EQ(b[0], 0) << "and nothing must be written";
 }
 
+// The EP kernels' way: many threads share one QueuePair, nobody owns the completion queue
+// (a poster that finds the send queue half full polls it under the lock), and only every
+// eighth WQE asks for a completion. Host threads play the GPU threads.
+TEST(IbgdaQueue, SharedQueuePairPollsItself) {
+  constexpr int kThreads = 4, kPerThread = 1000, kBytes = 96;
+  Queues q(/*sq_depth=*/64, /*cq_depth=*/16);  // >= 64 / 8 + 2, as queue.h asks
+  QueuePair qp;
+  qp.sq = q.sq;
+  qp.cq = q.cq;
+  qp.signal_mask = 7;
+  std::vector<unsigned char> src(kThreads * kPerThread * kBytes), dst(src.size(), 0);
+  std::vector<uint64_t> flags(kThreads, 0);
+  std::mt19937 rng(6);
+  for (auto& b : src) b = static_cast<unsigned char>(rng());
+  EmulatedNic nic(q.view());
+  std::atomic<int> dropped{0};
+  std::vector<std::thread> posters;
+  for (int t = 0; t < kThreads; ++t)
+    posters.emplace_back([&, t] {
+      for (int i = 0; i < kPerThread; ++i) {
+        const size_t off = (static_cast<size_t>(t) * kPerThread + i) * kBytes;
+        dropped += !postQp(&qp, reinterpret_cast<uint64_t>(src.data() + off), kLkey,
+                           reinterpret_cast<uint64_t>(dst.data() + off), kRkey, kBytes);
+      }
+      dropped += !postInlineQp(&qp, reinterpret_cast<uint64_t>(&flags[t]), kRkey, 0x5eed000000000000ull + t);
+    });
+  for (auto& p : posters) p.join();
+  const uint64_t total = kThreads * (kPerThread + 1);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (nic.executed() < total && std::chrono::steady_clock::now() < deadline) sched_yield();
+  EXPECT_EQ(nic.error(), "");
+  EXPECT_EQ(dropped.load(), 0);
+  EXPECT_EQ(qp.error, 0);
+  ASSERT_EQ(nic.executed(), total);
+  // Completions arrived for signaled WQEs only: what the posters' polls saw is a multiple of 8.
+  EXPECT_EQ(q.completed % 8, 0u);
+  EXPECT_GE(q.completed + 64, total) << "the posters must have polled as the queue filled";
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size())) << "some write did not land";
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(flags[t], 0x5eed000000000000ull + t);
+}
+
+// A queue pair whose completion queue reports an error drops later posts instead of waiting
+// forever for room (the receivers' timeouts then mask the peer).
+TEST(IbgdaQueue, FailedQueuePairDropsPostsInsteadOfWaiting) {
+  Queues q(16, 8);
+  QueuePair qp;
+  qp.sq = q.sq;
+  qp.cq = q.cq;
+  qp.signal_mask = 3;
+  EmulatedNic nic(q.view());
+  std::vector<unsigned char> a(64, 7), b(64, 0);
+  int dropped = 0;
+  // A bad rkey: the NIC answers with an error completion (and keeps that WQE uncompleted).
+  dropped += !postQp(&qp, reinterpret_cast<uint64_t>(a.data()), kLkey, reinterpret_cast<uint64_t>(b.data()), kRkey + 1, 64);
+  for (int i = 0; i < 200; ++i)
+    dropped += !postQp(&qp, reinterpret_cast<uint64_t>(a.data()), kLkey, reinterpret_cast<uint64_t>(b.data()), kRkey, 64);
+  EXPECT_EQ(qp.error, 1);
+  EXPECT_GT(dropped, 0);
+  EXPECT_EQ(q.ready, q.tickets) << "every ticket passed its turn on";
+}
+
 #if defined(MOELINK_TEST_GPU_WQE)
 #include "ibgda_wqe_gpu.h"
+
+// The EP kernels' way on the GPU: 2048 threads share one QueuePair through a 256-entry send
+// queue, every 16th WQE signaled, the posters polling the 64-entry completion queue themselves.
+TEST(IbgdaQueue, GpuThreadsShareAQueuePair) {
+  GpuQueueRun run;
+  const std::string why = gpuQueueAlloc(run, /*sq_depth=*/256, /*cq_depth=*/64, /*bytes=*/16384 * 64);
+  if (!why.empty()) GTEST_SKIP() << why;
+  std::mt19937 rng(10);
+  for (size_t i = 0; i < run.bytes; ++i) run.src[i] = static_cast<unsigned char>(rng());
+  for (uint32_t i = 0; i < run.cq_depth; ++i)
+    reinterpret_cast<mlx5_cqe64*>(run.cqes)[i].op_own = MLX5_CQE_INVALID << 4;
+  std::string err;
+  {
+    EmulatedNic nic(NicView{run.wqes, run.cqes, run.sq_dbr, run.cq_dbr, run.sq_depth, run.cq_depth});
+    err = gpuQueuePairRun(run, /*blocks=*/16, /*threads=*/128, /*per_thread=*/8, /*wqe_bytes=*/64, kQpn, kLkey, kRkey,
+                          /*signal_mask=*/15);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (err.empty() && nic.executed() < run.total && std::chrono::steady_clock::now() < deadline) sched_yield();
+    EXPECT_EQ(nic.error(), "");
+    EXPECT_EQ(nic.executed(), run.total);
+  }
+  ASSERT_EQ(err, "");
+  EXPECT_EQ(run.errors, 0) << "dropped posts or an error completion";
+  EXPECT_EQ(run.completed % 16, 0u);
+  EXPECT_GE(run.completed + 256, run.total);
+  EXPECT_EQ(0, std::memcmp(run.src, run.dst, run.total / 9 * 8 * 64)) << "some write did not land";
+  for (uint64_t t = 0; t < run.total / 9; ++t)
+    ASSERT_EQ(run.flags[t], 0x5eed000000000000ull + t) << "inline write of thread " << t;
+  gpuQueueFree(run);
+}
 
 // 2048 GPU threads post 16384 signaled RDMA WRITEs, each thread's eight followed by a fenced
 // inline WRITE of a flag, through a 256-entry send queue while one GPU thread polls a 64-entry

@@ -91,6 +91,22 @@ __global__ void queueKernel(SendQueue sq, CompletionQueue cq, const unsigned cha
                                   true);
 }
 
+// The same through one shared QueuePair (what the EP kernels use): no poller thread, the
+// posters poll the completion queue themselves, every (signal_mask + 1)-th WQE signaled.
+__global__ void queuePairKernel(moelink::ep::ibgda::QueuePair* qp, const unsigned char* src, unsigned char* dst,
+                                uint64_t* flags, int per_thread, uint32_t bytes, uint32_t lkey, uint32_t rkey,
+                                int* dropped) {
+  const uint64_t t = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int i = 0; i < per_thread; ++i) {
+    const uint64_t off = (t * per_thread + i) * bytes;
+    if (!moelink::ep::ibgda::postQp(qp, reinterpret_cast<uint64_t>(src + off), lkey,
+                                    reinterpret_cast<uint64_t>(dst + off), rkey, bytes))
+      atomicAdd(dropped, 1);
+  }
+  if (!moelink::ep::ibgda::postInlineQp(qp, reinterpret_cast<uint64_t>(flags + t), rkey, 0x5eed000000000000ull + t))
+    atomicAdd(dropped, 1);
+}
+
 template <typename T>
 bool mapped(T*& p, size_t bytes) {
   void* v = nullptr;
@@ -145,6 +161,40 @@ std::string gpuQueueRun(GpuQueueRun& r, int blocks, int threads, int per_thread,
   if (e != cudaSuccess) return std::string("CUDA error: ") + cudaGetErrorString(e);
   cudaMemcpy(&r.completed, c + 2, sizeof r.completed, cudaMemcpyDeviceToHost);
   cudaMemcpy(&r.errors, errors, sizeof r.errors, cudaMemcpyDeviceToHost);
+  return std::string();
+}
+
+std::string gpuQueuePairRun(GpuQueueRun& r, int blocks, int threads, int per_thread, uint32_t wqe_bytes, uint32_t qpn,
+                            uint32_t lkey, uint32_t rkey, uint32_t signal_mask) {
+  auto* c = static_cast<uint64_t*>(r.counters);
+  moelink::ep::ibgda::QueuePair qp;
+  qp.sq.wqes = r.wqes;
+  qp.sq.depth = r.sq_depth;
+  qp.sq.qpn = qpn;
+  qp.sq.dbr = r.sq_dbr;
+  qp.sq.doorbell = r.doorbell;
+  qp.sq.tickets = c;
+  qp.sq.ready = c + 1;
+  qp.sq.completed = c + 2;
+  qp.cq.cqes = r.cqes;
+  qp.cq.depth = r.cq_depth;
+  qp.cq.dbr = r.cq_dbr;
+  qp.signal_mask = signal_mask;
+  const uint64_t posters = static_cast<uint64_t>(blocks) * threads;
+  r.total = posters * (per_thread + 1);
+  if (posters * per_thread * wqe_bytes > r.bytes || posters * 8 > r.bytes / 8) return "payload buffers too small";
+  int* dropped = reinterpret_cast<int*>(c + 3);
+  moelink::ep::ibgda::QueuePair* dev = nullptr;
+  if (cudaMalloc(&dev, sizeof qp) != cudaSuccess || cudaMemcpy(dev, &qp, sizeof qp, cudaMemcpyHostToDevice) != cudaSuccess)
+    return "CUDA allocation failed";
+  queuePairKernel<<<blocks, threads>>>(dev, r.src, r.dst, r.flags, per_thread, wqe_bytes, lkey, rkey, dropped);
+  cudaError_t e = cudaDeviceSynchronize();
+  if (e == cudaSuccess) e = cudaMemcpy(&qp, dev, sizeof qp, cudaMemcpyDeviceToHost);
+  cudaFree(dev);
+  if (e != cudaSuccess) return std::string("CUDA error: ") + cudaGetErrorString(e);
+  cudaMemcpy(&r.completed, c + 2, sizeof r.completed, cudaMemcpyDeviceToHost);
+  cudaMemcpy(&r.errors, dropped, sizeof r.errors, cudaMemcpyDeviceToHost);
+  r.errors += qp.error ? 1000 : 0;
   return std::string();
 }
 

@@ -46,4 +46,10 @@ std::string gpuQueueAlloc(GpuQueueRun& r, uint32_t sq_depth, uint32_t cq_depth, 
 // more block's thread polls; returns when the kernel has finished. `total` counts every WQE.
 std::string gpuQueueRun(GpuQueueRun& r, int blocks, int threads, int per_thread, uint32_t wqe_bytes, uint32_t qpn,
                         uint32_t lkey, uint32_t rkey);
+// The same through one QueuePair (postQp / postInlineQp): no poller, the posters poll the
+// completion queue themselves; every (signal_mask + 1)-th WQE signaled. `errors`: posts
+// dropped, plus 1000 if the queue pair saw an error completion; `completed` is what the
+// posters' polls saw (the unsignaled tail is not counted).
+std::string gpuQueuePairRun(GpuQueueRun& r, int blocks, int threads, int per_thread, uint32_t wqe_bytes, uint32_t qpn,
+                            uint32_t lkey, uint32_t rkey, uint32_t signal_mask);
 void gpuQueueFree(GpuQueueRun& r);

@@ -4,10 +4,9 @@
 //
 // Like wqe.h these are __host__ __device__: the tests drive them from host threads, and from
 // GPU threads with the queues in mapped host memory, against an emulated NIC that reads the
-// queues with rdma-core's own structure definitions (tests/cpp/ibgda_queue_test.cpp). What is
-// not here (docs/EP.md): creating the queue pair and completion queue with their buffers in GPU
-// memory (mlx5dv/DEVX), mapping the doorbell register into the GPU, and exchanging keys; so the
-// EP buffer does not use these yet.
+// queues with rdma-core's own structure definitions (tests/cpp/ibgda_queue_test.cpp). The EP
+// kernels post through QueuePair (postQp / postInlineQp), whose queues come from the NIC
+// (src/ep/ibgda/: rdma-core's mlx5 provider, or the emulated NIC).
 //
 // Protocol:
 // - post(): a thread takes a ticket (its WQE index), waits until the slot is free (fewer than
@@ -25,6 +24,9 @@
 #include <cstdint>
 #if !defined(__CUDACC__)
 #include <sched.h>
+#endif
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
 #endif
 
 #include "moelink/ep/ibgda/wqe.h"
@@ -158,6 +160,115 @@ MOELINK_HD int poll(CompletionQueue& cq, const SendQueue& sq) {
   const uint64_t idx = done + static_cast<uint16_t>(wqe_counter - static_cast<uint16_t>(done));
   if (idx + 1 > done) storeRelease(sq.completed, idx + 1);
   return 1;
+}
+
+// ---- One queue pair shared by many posting threads (the EP kernels) ----
+//
+// Every WQE whose index has all of `signal_mask`'s bits set asks for a completion (selective
+// signaling: a completion covers every WQE before it). Nobody owns the completion queue:
+// a thread that finds the send queue more than half full polls it, if it gets `lock`. A
+// completion with an error marks the queue pair failed (`error`): later posts are dropped
+// instead of waiting for room that will never come, and the receivers' timeouts mask the
+// peer. The completion queue holds at least depth / (signal_mask + 1) + 2 entries, so it
+// cannot overflow (polls start at half full).
+struct QueuePair {
+  SendQueue sq;
+  CompletionQueue cq;
+  uint32_t signal_mask = 63;
+  int lock = 0;
+  int error = 0;
+};
+
+MOELINK_HD int loadAcquire32(const int* p) {
+#if defined(__CUDA_ARCH__)
+  int v;
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#endif
+}
+
+MOELINK_HD bool tryLock(int* p) {
+#if defined(__CUDA_ARCH__)
+  const bool got = atomicCAS(p, 0, 1) == 0;
+  if (got) __threadfence();  // acquire what the previous holder wrote
+  return got;
+#else
+  int expected = 0;
+  return __atomic_compare_exchange_n(p, &expected, 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+#endif
+}
+
+MOELINK_HD void unlock(int* p) {
+#if defined(__CUDA_ARCH__)
+  __threadfence();
+  atomicExch(p, 0);
+#else
+  __atomic_store_n(p, 0, __ATOMIC_RELEASE);
+#endif
+}
+
+// Consumes the completions that are there, if this thread gets the lock.
+MOELINK_HD void tryPoll(QueuePair* qp) {
+  if (!tryLock(&qp->lock)) return;
+  int r;
+  while ((r = poll(qp->cq, qp->sq)) == 1) {
+  }
+  if (r < 0) {
+#if defined(__CUDA_ARCH__)
+    atomicExch(&qp->error, 1);
+#else
+    __atomic_store_n(&qp->error, 1, __ATOMIC_RELEASE);
+#endif
+  }
+  unlock(&qp->lock);
+}
+
+// postWqe() for a shared queue pair: polls the completion queue when the send queue is more
+// than half full, and drops the WQE once the queue pair has failed (the turn is still passed
+// on, so that the WQEs after it are not held up). Returns whether the WQE was posted.
+template <typename Build>
+MOELINK_HD bool postWqeQp(QueuePair* qp, Build build) {
+  const SendQueue& sq = qp->sq;
+  const uint64_t idx = atomicTicket(sq.tickets);
+  bool failed = false;
+  while (idx - loadAcquire(sq.completed) >= sq.depth / 2) {
+    if ((failed = loadAcquire32(&qp->error) != 0)) break;
+    tryPoll(qp);
+    if (idx - loadAcquire(sq.completed) < sq.depth) break;  // room already, go on polling only while full
+    spinPause();
+  }
+  if (!failed) {
+    unsigned char* wqe = sq.wqes + (idx & (sq.depth - 1)) * kBasicBlockBytes;
+    build(wqe, idx, (static_cast<uint32_t>(idx) & qp->signal_mask) == qp->signal_mask);
+  }
+  while (loadAcquire(sq.ready) != idx) spinPause();  // publish in index order
+  if (!failed) {
+    fenceSystem();
+    storeVolatile32(sq.dbr + kSendDbr, toBig32(static_cast<uint32_t>(idx + 1) & 0xffff));
+    fenceSystem();
+    storeVolatile64(sq.doorbell, *reinterpret_cast<const uint64_t*>(sq.wqes + (idx & (sq.depth - 1)) * kBasicBlockBytes));
+  }
+  storeRelease(sq.ready, idx + 1);
+  return !failed;
+}
+
+// An RDMA WRITE of `length` bytes from (laddr, lkey) to (raddr, rkey) on a shared queue pair.
+MOELINK_HD bool postQp(QueuePair* qp, uint64_t laddr, uint32_t lkey, uint64_t raddr, uint32_t rkey,
+                       uint32_t length) {
+  const uint32_t qpn = qp->sq.qpn;
+  return postWqeQp(qp, [&](unsigned char* wqe, uint64_t idx, bool signal) {
+    buildRdmaWrite(wqe, static_cast<uint16_t>(idx), qpn, signal, raddr, rkey, laddr, lkey, length);
+  });
+}
+
+// An 8-byte WRITE carried inline and fenced behind the earlier WQEs (a count or a flag).
+MOELINK_HD bool postInlineQp(QueuePair* qp, uint64_t raddr, uint32_t rkey, uint64_t value) {
+  const uint32_t qpn = qp->sq.qpn;
+  return postWqeQp(qp, [&](unsigned char* wqe, uint64_t idx, bool signal) {
+    buildRdmaWriteInline8(wqe, static_cast<uint16_t>(idx), qpn, signal, true, raddr, rkey, value);
+  });
 }
 
 }  // namespace moelink::ep::ibgda
