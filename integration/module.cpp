@@ -47,6 +47,7 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
         d["devices"] = r.devices;
         d["mlx5_devices"] = r.mlx5_devices;
         d["gpudirect"] = r.gpudirect;
+        d["plugin"] = r.plugin;
         return d;
       },
       "What this machine offers for IBGDA (see moelink.ibgda_status).");

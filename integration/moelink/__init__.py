@@ -91,9 +91,11 @@ def transport_of(rank: int, group=None) -> str:
 def ibgda_status() -> dict:
     """What this machine offers for IBGDA (GPU-initiated RDMA on mlx5 NICs), probed at run time:
     ``{"usable": bool, "reason": str, "verbs_library": bool, "devices": [...], "mlx5_devices": [...],
-    "gpudirect": bool}``. This build has no IBGDA data path, so ``usable`` is always False and the
-    EP buffer reaches peers on other hosts through the CPU proxy; ``reason`` names what is missing
-    first (no rdma-core, no RDMA device, no mlx5 device, or the data path itself)."""
+    "gpudirect": bool, "plugin": bool}``. ``usable``: an mlx5 device is there and the IBGDA plugin
+    (moelink_ibgda.so, built where rdma-core's headers were found) loads, so the EP buffer will try
+    IBGDA for peers on other hosts (whether GPU memory registers shows only then); otherwise they
+    take the CPU proxy and ``reason`` names what is missing first (no rdma-core, no RDMA device, no
+    mlx5 device, or the plugin)."""
     return dict(_C.ibgda_status())
 
 

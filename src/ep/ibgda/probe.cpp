@@ -3,6 +3,8 @@
 #include <dlfcn.h>
 #include <sys/stat.h>
 
+#include <cstdlib>
+
 namespace moelink::ep::ibgda {
 
 namespace {
@@ -26,6 +28,16 @@ std::string join(const std::vector<std::string>& v) {
 }
 
 }  // namespace
+
+std::string pluginPath() {
+  const char* env = std::getenv("MOELINK_IBGDA_PLUGIN");
+  if (env && *env) return env;
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&pluginPath), &info) == 0 || info.dli_fname == nullptr) return "moelink_ibgda.so";
+  std::string self = info.dli_fname;
+  const auto slash = self.rfind('/');
+  return (slash == std::string::npos ? std::string(".") : self.substr(0, slash)) + "/moelink_ibgda.so";
+}
 
 ProbeResult probe() {
   ProbeResult r;
@@ -59,10 +71,22 @@ ProbeResult probe() {
     r.reason = "no RDMA devices (ibv_get_device_list lists none)";
   else if (r.mlx5_devices.empty())
     r.reason = "no mlx5 device among " + join(r.devices) + (mlx5 ? "" : " (libmlx5.so.1 not installed)");
-  else
-    r.reason = "mlx5 devices " + join(r.mlx5_devices) + (r.gpudirect ? " with" : " without") +
-               " nvidia_peermem, but this build has no IBGDA data path (queue pairs in GPU memory, GPU "
-               "doorbells): peers on other hosts use the CPU proxy";
+  else {
+    const std::string path = pluginPath();
+    void* plugin = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    const char* why = plugin ? nullptr : dlerror();
+    r.plugin = plugin != nullptr;
+    if (plugin) dlclose(plugin);
+    r.usable = r.plugin;
+    const std::string devs = "mlx5 devices " + join(r.mlx5_devices) +
+                             (r.gpudirect ? " (nvidia_peermem loaded)" : " (nvidia_peermem not loaded: GPU memory "
+                                                                       "is registered through dma-buf)");
+    if (r.plugin)
+      r.reason = devs + ": the EP buffer uses IBGDA for peers on other hosts (MOELINK_EP_IBGDA=off: the CPU proxy)";
+    else
+      r.reason = devs + ", but the IBGDA plugin does not load (" + path + ": " + (why ? why : "?") +
+                 "; built without rdma-core headers?): peers on other hosts use the CPU proxy";
+  }
   return r;
 }
 

@@ -1,8 +1,7 @@
 // mlx5 work-queue entries as a GPU thread builds them for IBGDA (GPU-initiated RDMA).
 //
-// Only the encoders so far: the IBGDA path itself (queue pairs created with mlx5dv/DEVX,
-// work queue, completion queue and doorbell record in GPU memory, the doorbell ring) is not
-// built yet (docs/EP.md); queue.h posts these WQEs and polls completions. These functions
+// queue.h posts these WQEs and polls completions; nic.h gives the queues (rdma-core's mlx5
+// provider through the plugin, or the emulated NIC; docs/EP.md). These functions
 // are __host__ __device__: the same code runs on the host and in GPU threads, and
 // tests/cpp/ibgda_wqe_test.cpp compares both with rdma-core's own mlx5dv.h definitions
 // (mlx5dv_set_ctrl_seg, mlx5dv_set_data_seg, struct mlx5_wqe_raddr_seg, struct

@@ -1,0 +1,95 @@
+// The NIC side of IBGDA, as the EP buffer sees it: memory registration, one RC queue pair per
+// peer, and the queues' memory for the GPU threads that post on them (queue.h).
+//
+// Two implementations:
+// - the mlx5 NIC through rdma-core (src/ep/ibgda/verbs_nic.cpp), built as its own shared
+//   object `moelink_ibgda.so` next to the Python module and loaded with dlopen, so that the
+//   module itself never needs libibverbs: without rdma-core or an mlx5 device, opening fails
+//   with the reason, and peers on other hosts take the CPU proxy;
+// - an emulated NIC (emulated_nic.cpp) that executes the WRITEs it reads from the same queues
+//   with CUDA copies into the peers' buffers (CUDA IPC mappings), for testing the GPU side of
+//   IBGDA where no RDMA NIC is present (MOELINK_EP_IBGDA=emulate, ranks of one host).
+//
+// Queues: the send queue, the completion queue and both doorbell records live in pinned host
+// memory mapped into the GPU (rdma-core's mlx5 provider allocates them through a parent
+// domain's allocator); the doorbell register (UAR) is mapped into the GPU as I/O memory. GPU
+// threads write WQEs over PCIe and the NIC reads them from host memory.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moelink/ep/ibgda/queue.h"
+
+namespace moelink::ep::ibgda {
+
+struct MemoryKeys {
+  uint32_t lkey = 0;
+  uint32_t rkey = 0;
+};
+
+class Nic {
+ public:
+  virtual ~Nic() = default;
+  // "emulated", or the device and port ("mlx5_0:1").
+  virtual std::string name() const = 0;
+  // Registers [ptr, ptr + bytes) of GPU memory for local reads and remote writes.
+  virtual MemoryKeys registerMemory(void* ptr, size_t bytes) = 0;
+  // Creates the queue pair to `peer`; returns this end's address for the peer (opaque bytes).
+  virtual std::vector<uint8_t> createQueuePair(int peer) = 0;
+  // Connects the queue pair to the peer's end (its createQueuePair() bytes) and returns the
+  // queues for the GPU: device addresses, `tickets`, `ready` and `completed` left unset.
+  virtual QueuePair connect(int peer, const std::vector<uint8_t>& remote) = 0;
+  // Called after the kernels that post on the queues are done (the buffer is going away):
+  // lets what is posted reach the peers, as far as the NIC can tell.
+  virtual void drain() {}
+};
+
+// Opens the mlx5 NIC that MOELINK_IBGDA_DEVICE names ("mlx5_0" or "mlx5_0:1"), else the
+// first mlx5 device with an active port (not necessarily the one nearest the GPU: a host with
+// several NICs should name it). Returns nullptr and the reason when the plugin, rdma-core, a
+// device or a way to register GPU memory (dma-buf or nvidia_peermem) is missing.
+std::unique_ptr<Nic> openVerbsNic(int cuda_device, std::string* why_not);
+
+// Translates a WRITE's remote key and address to where this process reaches it (the peer's
+// CUDA IPC mapping); nullptr when the key is unknown or the range outside its registration.
+using RemoteResolver = std::function<void*(uint32_t rkey, uint64_t addr, uint64_t bytes)>;
+
+// The emulated NIC: `rkey_base + rank` is the rank's remote key.
+std::unique_ptr<Nic> makeEmulatedNic(int cuda_device, int rank, RemoteResolver resolve);
+constexpr uint32_t kEmulatedKeyBase = 0xe0000000u;
+
+// Allocation of the queue-pair bookkeeping the posting GPU threads share (`tickets`, `ready`,
+// `completed`): zeroed device memory, 3 counters per queue pair on their own lines.
+constexpr size_t kCounterStride = 128;
+
+}  // namespace moelink::ep::ibgda
+
+// The C entry points of moelink_ibgda.so (verbs_nic.cpp); C so that nothing of the C++
+// runtime crosses the dlopen boundary (the Python module links its own libstdc++).
+extern "C" {
+struct moelink_ibgda_queues {
+  unsigned char* wqes;     // device addresses
+  uint32_t sq_depth;
+  uint32_t qpn;
+  uint32_t* sq_dbr;
+  uint64_t* doorbell;
+  unsigned char* cqes;
+  uint32_t cq_depth;
+  uint32_t* cq_dbr;
+};
+// Each returns 0 on success, else writes a message into err (errlen bytes).
+typedef int (*moelink_ibgda_open_fn)(const char* device, int cuda_device, void** ctx, char* name, size_t namelen,
+                                     char* err, size_t errlen);
+typedef int (*moelink_ibgda_reg_fn)(void* ctx, void* ptr, size_t bytes, uint32_t* lkey, uint32_t* rkey, char* err,
+                                    size_t errlen);
+typedef int (*moelink_ibgda_create_qp_fn)(void* ctx, int peer, unsigned char* addr, size_t* addrlen, char* err,
+                                          size_t errlen);
+typedef int (*moelink_ibgda_connect_fn)(void* ctx, int peer, const unsigned char* addr, size_t addrlen,
+                                        struct moelink_ibgda_queues* out, char* err, size_t errlen);
+typedef void (*moelink_ibgda_close_fn)(void* ctx);
+}
