@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU-machine batch: builds into build-dev, then runs the named stages, writing logs and plots
-# to $OUT (default ./gpu-out). Stages: gtest gtestall test proxy quick bench4 bench2
-# benchnotma benchp ctest. Env: ITERS, TRACE=1 (phase breakdown), BT/TT/PT (timeouts, s).
+# to $OUT (default ./gpu-out). Stages: gtest gtestall test proxy ibgda quick bench4 bench2
+# benchnotma benchp benchi ctest. Env: ITERS, TRACE=1 (phase breakdown), BT/TT/PT (timeouts, s).
 # On the lent GPU machine (no apt), `.devdeps/unpack.sh` (from ../shared/tools/device-deps.sh)
 # provides glog, gflags, GTest and rdma-core headers; elsewhere they come from scripts/install.sh.
 [ -f .devdeps/unpack.sh ] && source .devdeps/unpack.sh
@@ -21,7 +21,9 @@ for s in "$@"; do
     benchnotma) st benchnotma; MOELINK_EP_TMA=0 timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters ${ITERS:-200} ${TRACE:+--trace} --out $OUT/ep4-warpstores.png 2>&1 | tail -40 ;;
     bench2) st bench2; timeout ${BT:-150} python3 examples/bench/ep.py --gpus 2 --iters ${ITERS:-200} --out $OUT/ep2.png 2>&1 | tail -12 ;;
     benchp) st benchproxy; MOELINK_EP_RANKS_PER_HOST=2 timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters 50 --out $OUT/ep4proxy.png 2>&1 | tail -12 ;;
-    test) st test; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${TT:-400} python3 -m pytest -q test_ep_buffer.py > $OUT/test.log 2>&1; grep -E "Error|assert|passed|failed|FAILED" $OUT/test.log | grep -v "^frame" | head -30) ;;
+    test) st test; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${TT:-400} python3 -m pytest -q test_ep_buffer.py -k 'not ibgda' > $OUT/test.log 2>&1; grep -E "Error|assert|passed|failed|FAILED" $OUT/test.log | grep -v "^frame" | head -30) ;;
+    ibgda) st ibgda; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${IT:-300} python3 -m pytest -q test_ep_buffer.py -k ibgda > $OUT/ibgda.log 2>&1; grep -E "Error|error|assert|passed|failed" $OUT/ibgda.log | grep -v "^frame" | head -30) ;;
+    benchi) st benchibgda; MOELINK_EP_RANKS_PER_HOST=2 MOELINK_EP_IBGDA=emulate timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters 20 --out $OUT/ep4ibgda.png 2>&1 | tail -12 ;;
     proxy) st proxy; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${PT:-300} python3 -m pytest -q test_ep_buffer.py -k proxy > $OUT/proxy.log 2>&1; grep -E "Error|error|assert|passed|failed" $OUT/proxy.log | grep -v "^frame" | head -30) ;;
     all) st all-tests; (cd tests/python && timeout ${AT:-500} python3 -m pytest -q . 2>&1 | tail -15) ;;
     gtestall) st gtestall; timeout 150 ./build-dev/tests/cpp/moelink_cpp_tests > $OUT/gtest.log 2>&1; tail -4 $OUT/gtest.log; grep -E "FAILED|SKIPPED" $OUT/gtest.log | head ;;

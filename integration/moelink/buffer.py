@@ -9,11 +9,14 @@ Every rank of an "ep" group creates one with the same arguments (a collective ca
 
 GPU warps write straight into the peers' buffers: over NVLink through CUDA IPC mappings
 within a host. A peer on another host (or, with ``MOELINK_EP_RANKS_PER_HOST=n``, on another
-"virtual host": ranks [0, n), [n, 2n), ...) takes the CPU-proxy path: the GPU writes into
-mapped host memory and a proxy thread carries the bytes over moelink's transfer engine (shm
-or tcp). Paths per peer: ``buf.transport_of(rank)`` ('local', 'nvlink' or 'proxy'). The
-GPU-initiated RDMA path (IBGDA) is not part of the buffer yet: see docs/EP.md. The GPU buffer
-is created with the Buffer when CUDA is usable (on the current device). CPU tensors take
+"virtual host": ranks [0, n), [n, 2n), ...) is reached by IBGDA when both ends have an mlx5
+NIC it can use (GPU threads post RDMA WRITEs on a queue pair per peer and ring its doorbell;
+``MOELINK_EP_IBGDA=off`` turns it off, ``=emulate`` uses an emulated NIC for testing on one
+host), else by the CPU-proxy path: the GPU writes into mapped host memory and a proxy thread
+carries the bytes over moelink's transfer engine (shm or tcp). Paths per peer:
+``buf.transport_of(rank)`` ('local', 'nvlink', 'ibgda' or 'proxy'); docs/EP.md says which of
+them ran on hardware. The GPU buffer is created with the Buffer when CUDA is usable (on the
+current device). CPU tensors take
 a host implementation with the same results and layout (``host_ep.py``: torch ops and
 all_to_all_single over the group), for machines without GPUs; ``timeout_us`` and
 ``active_ranks`` apply to the GPU path only (the host path has the group's timeout).
@@ -115,7 +118,7 @@ class Buffer:
         return self._impl
 
     def transport_of(self, rank: int) -> str:
-        """'local', 'nvlink' or 'proxy' (GPU buffer); without one, the CPU path's transport."""
+        """'local', 'nvlink', 'ibgda' or 'proxy' (GPU buffer); without one, the CPU path's transport."""
         if self._impl is not None:
             return self._impl.transport_of(rank)
         from . import transport_of

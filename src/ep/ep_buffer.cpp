@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "moelink/backend/c10d_store.h"
+#include "moelink/ep/ibgda/nic.h"
 #include "moelink/ep/ibgda/probe.h"
 #include "moelink/ep/proxy.h"
 #include "moelink/transfer/metadata_store.h"
@@ -77,6 +78,24 @@ void setCombineReceive(kernels::CombineArgs& a, const at::Tensor& topk_idx, cons
 
 }  // namespace
 
+// What the emulated NIC needs to carry a WRITE: every IBGDA peer's CUDA IPC mapping and the
+// address range and key it published.
+struct EpBuffer::EmulatedRemotes {
+  struct Peer {
+    char* map = nullptr;
+    uint64_t base = 0, bytes = 0;
+  };
+  std::vector<Peer> peers;
+  explicit EmulatedRemotes(int size) : peers(size) {}
+  void* resolve(uint32_t rkey, uint64_t addr, uint64_t bytes) const {
+    const uint64_t r = rkey - ibgda::kEmulatedKeyBase;
+    if (r >= peers.size() || peers[r].map == nullptr) return nullptr;
+    const Peer& p = peers[r];
+    if (addr < p.base || addr + bytes > p.base + p.bytes) return nullptr;
+    return p.map + (addr - p.base);
+  }
+};
+
 int64_t EpBuffer::sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts) {
   return static_cast<int64_t>(EpLayout::make(static_cast<int>(num_ranks), static_cast<int>(num_experts),
                                              static_cast<int>(max_tokens), static_cast<int>(hidden))
@@ -105,8 +124,9 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   TORCH_CHECK_VALUE(rph >= 0, "moelink Buffer: MOELINK_EP_RANKS_PER_HOST must be a positive integer, got ", rph_env);
   cudaCheck(cudaGetDevice(&device_), "cudaGetDevice");
   cudaCheck(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_), "SM count");
-  cudaCheck(cudaMalloc(&buffer_, layout_.totalBytes()), "cudaMalloc(buffer)");
-  cudaCheck(cudaMemset(buffer_, 0, layout_.totalBytes()), "cudaMemset(buffer)");
+  buffer_bytes_ = align(layout_.totalBytes(), 2u << 20);
+  cudaCheck(cudaMalloc(&buffer_, buffer_bytes_), "cudaMalloc(buffer)");
+  cudaCheck(cudaMemset(buffer_, 0, buffer_bytes_), "cudaMemset(buffer)");
   int scratch = kernels::scratchInts(layout_);
   cudaCheck(cudaMalloc(&scratch_, scratch * sizeof(int)), "cudaMalloc(scratch)");
   cudaCheck(cudaMemset(scratch_, 0, scratch * sizeof(int)), "cudaMemset(scratch)");
@@ -122,14 +142,70 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
     auto h = store->get(key + "/host/" + std::to_string(r));
     hosts[r] = std::string(h.begin(), h.end());
   }
-  // proxy[a][b]: a and b are different ranks on different (possibly virtual) hosts.
+  // proxy[a][b]: a and b are different ranks on different (possibly virtual) hosts; such a
+  // pair takes IBGDA instead (ibgda[a][b]) when both ends have a NIC for it.
   std::vector<std::vector<bool>> proxy(size, std::vector<bool>(size, false));
-  bool any_proxy = false;
   for (int a = 0; a < size; ++a)
-    for (int b = 0; b < size; ++b) {
-      proxy[a][b] = a != b && (hosts[a] != hosts[b] || (rph > 0 && a / rph != b / rph));
-      any_proxy = any_proxy || proxy[a][b];
+    for (int b = 0; b < size; ++b) proxy[a][b] = a != b && (hosts[a] != hosts[b] || (rph > 0 && a / rph != b / rph));
+  // MOELINK_EP_IBGDA: auto (default: the mlx5 NIC when there is one), off, or emulate (the
+  // emulated NIC, for testing the GPU side of IBGDA on one host).
+  const char* ib_env = std::getenv("MOELINK_EP_IBGDA");
+  const std::string ib_mode = ib_env && *ib_env ? ib_env : "auto";
+  TORCH_CHECK_VALUE(ib_mode == "auto" || ib_mode == "off" || ib_mode == "emulate",
+                    "moelink Buffer: MOELINK_EP_IBGDA must be auto, off or emulate, got ", ib_mode);
+  bool cross = false;
+  for (int r = 0; r < size; ++r) cross = cross || proxy[rank][r];
+  std::string ib_why = ib_mode == "off" ? "MOELINK_EP_IBGDA=off" : "";
+  if (cross && ib_mode == "emulate") {
+    for (int r = 0; r < size; ++r)
+      TORCH_CHECK_VALUE(hosts[r] == hosts[rank], "moelink Buffer: MOELINK_EP_IBGDA=emulate needs every rank on one "
+                        "host (the emulated NIC writes through CUDA IPC), but rank ", r, " is on another");
+    emulated_ = std::make_shared<EmulatedRemotes>(size);
+    auto remotes = emulated_;
+    nic_ = ibgda::makeEmulatedNic(device_, rank, [remotes](uint32_t rkey, uint64_t addr, uint64_t bytes) {
+      return remotes->resolve(rkey, addr, bytes);
+    });
+  } else if (cross && ib_mode == "auto") {
+    nic_ = ibgda::openVerbsNic(device_, &ib_why);
+  }
+  if (nic_) {
+    // Registering GPU memory is what most often fails (no dma-buf support, no
+    // nvidia_peermem): try it before telling the peers, so that this rank falls back to
+    // the proxy instead of failing the buffer.
+    try {
+      buffer_rkey_ = nic_->registerMemory(buffer_, buffer_bytes_).rkey;
+    } catch (const std::exception& e) {
+      ib_why = e.what();
+      nic_.reset();
+      emulated_.reset();
     }
+  }
+  // Collective: a pair takes IBGDA only if both ends can.
+  store->set(key + "/ibgda_ok/" + std::to_string(rank), bytesOf(nic_ ? "1" : "0"));
+  std::vector<std::vector<bool>> ibgda(size, std::vector<bool>(size, false));
+  {
+    std::vector<bool> ok(size);
+    for (int r = 0; r < size; ++r) {
+      auto v = store->get(key + "/ibgda_ok/" + std::to_string(r));
+      ok[r] = v.size() == 1 && v[0] == '1';
+    }
+    for (int a = 0; a < size; ++a)
+      for (int b = 0; b < size; ++b)
+        if (proxy[a][b] && ok[a] && ok[b]) {
+          ibgda[a][b] = true;
+          proxy[a][b] = false;
+        }
+    for (int r = 0; r < size; ++r)
+      if (proxy[rank][r] && !ok[r] && ib_why.empty()) ib_why = "rank " + std::to_string(r) + " has no IBGDA NIC";
+  }
+  bool any_proxy = false, any_ibgda = false;
+  for (int a = 0; a < size; ++a)
+    for (int b = 0; b < size; ++b) any_proxy = any_proxy || proxy[a][b];
+  for (int r = 0; r < size; ++r) any_ibgda = any_ibgda || ibgda[rank][r];
+  if (!any_ibgda) {  // no peer could take it up
+    nic_.reset();
+    emulated_.reset();
+  }
   peers_.assign(size, nullptr);
   transports_.assign(size, "");
   for (int r = 0; r < size; ++r) {
@@ -139,6 +215,8 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
     } else if (proxy[rank][r]) {
       transports_[r] = "proxy";
     } else {
+      transports_[r] = ibgda[rank][r] ? "ibgda" : "nvlink";
+      if (ibgda[rank][r] && !emulated_) continue;  // only the emulated NIC writes through CUDA IPC
       auto b = store->get(key + "/ipc/" + std::to_string(r));
       TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t), "moelink Buffer: bad IPC handle from rank ", r);
       cudaIpcMemHandle_t ph;
@@ -146,14 +224,22 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
       void* p = nullptr;
       cudaCheck(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
       peers_[r] = static_cast<char*>(p);
-      transports_[r] = "nvlink";
     }
   }
-  bool other_host = false;
-  for (int r = 0; r < size; ++r) other_host = other_host || hosts[r] != hosts[rank];
-  if (other_host) {
+  bool other_host_proxy = false;
+  for (int r = 0; r < size; ++r) other_host_proxy = other_host_proxy || (hosts[r] != hosts[rank] && proxy[rank][r]);
+  if (other_host_proxy) {
     TORCH_WARN_ONCE("moelink Buffer: ranks on other hosts are reached through the CPU proxy, not IBGDA (",
-                    ibgda::probe().reason, ")");
+                    ib_why.empty() ? ibgda::probe().reason : ib_why, ")");
+  }
+  if (any_ibgda) {
+    try {
+      setupIbgda(store, key, ibgda);
+    } catch (const c10::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "moelink Buffer: could not set up IBGDA: ", e.what());
+    }
   }
   if (any_proxy) {
     // Every rank takes part (the engines' rendezvous), also one without proxy peers.
@@ -171,7 +257,7 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
       TORCH_CHECK(false, "moelink Buffer: could not set up the CPU proxy path: ", e.what());
     }
   }
-  buildRoutes(proxy);
+  buildRoutes(proxy, ibgda);
   active_ = at::ones({size}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
   cudaCheck(cudaDeviceSynchronize(), "buffer setup");
   // Every rank has mapped every peer before anyone writes (the store doubles as barrier).
@@ -185,7 +271,49 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   if (proxy_) proxy_->unlinkNames();  // every peer has opened its segments by now
 }
 
-void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy) {
+void EpBuffer::setupIbgda(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
+                          const std::vector<std::vector<bool>>& ibgda) {
+  for (int r = 0; r < size_; ++r)
+    if (ibgda[rank_][r]) ibgda_peers_.push_back(r);
+  const int n = static_cast<int>(ibgda_peers_.size());
+  staging_bytes_ = align(2ull * n * outboxWindow(layout_), 2u << 20);
+  cudaCheck(cudaMalloc(&staging_, staging_bytes_), "cudaMalloc(IBGDA staging)");
+  cudaCheck(cudaMemset(staging_, 0, staging_bytes_), "cudaMemset(IBGDA staging)");
+  staging_lkey_ = nic_->registerMemory(staging_, staging_bytes_).lkey;
+  const std::string me = std::to_string(rank_);
+  {
+    const uint64_t rec[3] = {reinterpret_cast<uint64_t>(buffer_), buffer_bytes_, buffer_rkey_};
+    store->set(key + "/ibgda/mr/" + me, std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(rec),
+                                                             reinterpret_cast<const uint8_t*>(rec) + sizeof rec));
+  }
+  for (int r : ibgda_peers_) store->set(key + "/ibgda/qp/" + me + "/" + std::to_string(r), nic_->createQueuePair(r));
+  remote_.assign(size_, RemoteBuffer{});
+  for (int r : ibgda_peers_) {
+    auto v = store->get(key + "/ibgda/mr/" + std::to_string(r));
+    TORCH_CHECK(v.size() == 3 * sizeof(uint64_t), "moelink Buffer: bad IBGDA buffer record from rank ", r);
+    uint64_t rec[3];
+    std::memcpy(rec, v.data(), sizeof rec);
+    remote_[r] = {rec[0], rec[1], static_cast<uint32_t>(rec[2])};
+    if (emulated_) emulated_->peers[r] = {peers_[r], rec[0], rec[1]};
+  }
+  std::vector<ibgda::QueuePair> qps;
+  for (int r : ibgda_peers_)
+    qps.push_back(nic_->connect(r, store->get(key + "/ibgda/qp/" + std::to_string(r) + "/" + me)));
+  // The posting threads' counters, zeroed, each on its own line.
+  cudaCheck(cudaMalloc(&qp_counters_, 3ull * n * ibgda::kCounterStride), "cudaMalloc(IBGDA counters)");
+  cudaCheck(cudaMemset(qp_counters_, 0, 3ull * n * ibgda::kCounterStride), "cudaMemset(IBGDA counters)");
+  for (int j = 0; j < n; ++j) {
+    char* c = qp_counters_ + 3ull * j * ibgda::kCounterStride;
+    qps[j].sq.tickets = reinterpret_cast<uint64_t*>(c);
+    qps[j].sq.ready = reinterpret_cast<uint64_t*>(c + ibgda::kCounterStride);
+    qps[j].sq.completed = reinterpret_cast<uint64_t*>(c + 2 * ibgda::kCounterStride);
+  }
+  cudaCheck(cudaMalloc(&qps_dev_, n * sizeof(ibgda::QueuePair)), "cudaMalloc(IBGDA queue pairs)");
+  cudaCheck(cudaMemcpy(qps_dev_, qps.data(), n * sizeof(ibgda::QueuePair), cudaMemcpyHostToDevice),
+            "IBGDA queue pairs copy");
+}
+
+void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const std::vector<std::vector<bool>>& ibgda) {
   const EpLayout& L = layout_;
   const uint64_t count_col = L.countColBytes();
   std::vector<kernels::PeerRoute> routes(2 * size_);
@@ -195,6 +323,30 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy) {
     char* my_half = buffer_ + h * L.half_bytes;
     for (int r = 0; r < size_; ++r) {
       kernels::PeerRoute& pr = routes[h * size_ + r];
+      if (ibgda[rank_][r]) {
+        // Receives land in this rank's own buffer, as from an NVLink peer; sends go into this
+        // rank's staging window for (half, peer) and are posted as WRITEs to the peer's buffer.
+        pr.dispatch_recv = my_half + L.off_dispatch_x + r * L.dispatch_col_bytes;
+        pr.index_recv = my_half + L.off_dispatch_index + r * L.index_col_bytes;
+        pr.count_recv = my_half + L.off_dispatch_count + r * count_col;
+        pr.combine_recv = my_half + L.off_combine_x;
+        pr.flag_recv = my_half + L.off_combine_flag;
+        const int j = indexOf(ibgda[rank_], r);
+        char* st = staging_ + (static_cast<uint64_t>(h) * ibgda_peers_.size() + j) * window;
+        pr.dispatch_send = st;
+        pr.index_send = st + L.dispatch_col_bytes;
+        pr.combine_send = st + L.dispatch_col_bytes + L.index_col_bytes;
+        const uint64_t rb = remote_[r].base + h * L.half_bytes;
+        pr.dispatch_remote = rb + L.off_dispatch_x + rank_ * L.dispatch_col_bytes;
+        pr.index_remote = rb + L.off_dispatch_index + rank_ * L.index_col_bytes;
+        pr.count_remote = rb + L.off_dispatch_count + rank_ * count_col;
+        pr.combine_remote = rb + L.off_combine_x;
+        pr.flag_remote = rb + L.off_combine_flag;
+        pr.qp = qps_dev_ + j;
+        pr.lkey = staging_lkey_;
+        pr.rkey = remote_[r].rkey;
+        continue;
+      }
       if (!proxy[rank_][r]) {
         char* peer_half = peers_[r] + h * L.half_bytes;
         pr.dispatch_send = peer_half + L.off_dispatch_x + rank_ * L.dispatch_col_bytes;
@@ -238,9 +390,14 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy) {
 
 EpBuffer::~EpBuffer() {
   cudaDeviceSynchronize();
+  if (nic_) nic_->drain();
   proxy_.reset();
+  nic_.reset();  // before the memory it registered
   for (int r = 0; r < size_; ++r)
-    if (transports_[r] == "nvlink" && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
+    if (r != rank_ && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
+  cudaFree(qps_dev_);
+  cudaFree(qp_counters_);
+  cudaFree(staging_);
   cudaFree(routes_dev_);
   cudaFree(scratch_);
   cudaFree(buffer_);
@@ -277,6 +434,7 @@ kernels::Common EpBuffer::common(int half, int64_t timeout_us, const std::option
   c.routes = routes_dev_ + half * size_;
   c.sent = reinterpret_cast<uint8_t*>(buffer_ + half * layout_.half_bytes + layout_.off_dispatch_sent);
   if (proxy_) c.ring = proxy_->ring();
+  c.ibgda = !ibgda_peers_.empty();
   c.num_sms = num_sms_;
   c.phases = phases;
   c.trace = trace_.defined() ? reinterpret_cast<uint64_t*>(trace_.data_ptr<int64_t>()) : nullptr;

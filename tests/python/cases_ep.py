@@ -45,6 +45,11 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
     if kw.get("return_recv_hook"):
         hook()
     event.current_stream_wait()
+    if dev == "cuda":
+        # Wait in cudaDeviceSynchronize, not inside a pageable copy (.cpu()): with the emulated
+        # NIC, whose thread issues CUDA copies, a thread blocked in such a copy holds up those
+        # copies while the kernel still waits for them (see docs/EP.md).
+        torch.cuda.synchronize()
     src_info, layout_range = handle[0].cpu(), handle[1].cpu()
     data, scales = recv if use_fp8 else (recv, None)
     everyone = [inputs(r, tokens, hidden, topk, device=dev) for r in range(world)]
@@ -98,6 +103,8 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
     if kw.get("return_recv_hook"):
         hook()
     event.current_stream_wait()
+    if dev == "cuda":
+        torch.cuda.synchronize()
     want = torch.zeros(tokens, hidden, dtype=torch.float32, device=dev)
     bound = torch.zeros_like(want)
     for k in range(topk):
@@ -164,12 +171,13 @@ def two_rounds_in_flight(rank, world):
     for x, idx, w, recv, count, handle in rounds:  # combine both after both dispatches
         y = recv.clone()
         outs.append((buf.combine(y, idx, w, handle)[0], x, idx, w))
+    torch.cuda.synchronize()
     for out, x, idx, w in outs:
         want = (w * (idx >= 0)).sum(1, keepdim=True) * x.float()  # identity experts
         torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=4e-2)
 
 
-def cuda_graph(rank, world):
+def cuda_graph(rank, world, capture_error_mode="global"):
     _setup(rank)
     hidden = 2048
     buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
@@ -187,7 +195,7 @@ def cuda_graph(rank, world):
     torch.cuda.current_stream().wait_stream(s)
     dist.barrier()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         out = step()
     dist.barrier()
     for i in range(3):
@@ -290,18 +298,20 @@ def timeout_masks_absent_rank(rank, world):
     dist.barrier()
 
 
-def proxy_path(rank, world, ranks_per_host=2, transport="shm"):
-    """Run with MOELINK_EP_RANKS_PER_HOST=2: ranks of the other half are proxy peers (GPU
-    writes into mapped host memory, a CPU proxy carries them over the transfer engine)."""
-    _setup(rank)
-    for hidden, cases in ((2048, [(t, k, f) for k in (1, 8) for t in (1, 17, 128) for f in (False, True)]),
-                          (4096, [(128, 16, True), (64, 8, False)])):
+SMALL_CASES = [(t, k, f) for k in (1, 8) for t in (1, 17, 128) for f in (False, True)]
+
+
+def _cross_host_rounds(rank, world, rph, cross, sizes, check_peer=None):
+    """Rounds over buffers whose peers in other (virtual) hosts of `rph` ranks are reached by
+    `cross` ('proxy' or 'ibgda'): each (hidden, cases) of `sizes`, plus hook and zero-copy
+    with async_finish at hidden 2048."""
+    for hidden, cases in sizes:
         buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
         for r in range(world):
-            want = "local" if r == rank else ("nvlink" if r // ranks_per_host == rank // ranks_per_host else "proxy")
+            want = "local" if r == rank else ("nvlink" if r // rph == rank // rph else cross)
             assert buf.transport_of(r) == want, (r, buf.transport_of(r), want)
-            if want == "proxy":
-                assert buf._impl.proxy_transport_of(r) == transport, buf._impl.proxy_transport_of(r)
+            if check_peer is not None:
+                check_peer(buf, r, want)
         for tokens, topk, use_fp8 in cases:
             check_round(buf, rank, world, tokens, hidden, topk, use_fp8)
         if hidden == 2048:
@@ -310,6 +320,19 @@ def proxy_path(rank, world, ranks_per_host=2, transport="shm"):
         del buf
         torch.cuda.synchronize()
         dist.barrier()
+
+
+def proxy_path(rank, world, ranks_per_host=2, transport="shm"):
+    """Run with MOELINK_EP_RANKS_PER_HOST=2: ranks of the other half are proxy peers (GPU
+    writes into mapped host memory, a CPU proxy carries them over the transfer engine)."""
+    _setup(rank)
+
+    def engine_transport(buf, r, want):
+        if want == "proxy":
+            assert buf._impl.proxy_transport_of(r) == transport, buf._impl.proxy_transport_of(r)
+
+    _cross_host_rounds(rank, world, ranks_per_host, "proxy",
+                       ((2048, SMALL_CASES), (4096, [(128, 16, True), (64, 8, False)])), engine_transport)
     two_rounds_in_flight(rank, world)
 
 
@@ -322,6 +345,22 @@ def proxy_path_tcp(rank, world):
             assert buf._impl.proxy_transport_of(r) == "tcp", buf._impl.proxy_transport_of(r)
     for tokens, topk, use_fp8 in ((17, 8, True), (128, 8, False)):
         check_round(buf, rank, world, tokens, 2048, topk, use_fp8)
+
+
+def ibgda_emulated(rank, world):
+    """Run with MOELINK_EP_RANKS_PER_HOST=world/2 and MOELINK_EP_IBGDA=emulate: ranks of the
+    other half are IBGDA peers. The kernels post RDMA WRITE WQEs on a queue pair per peer, ring
+    its doorbell and poll its completions, and the emulated NIC (a host thread reading the
+    queues) carries the WRITEs into the peer's GPU buffer: everything of IBGDA but the NIC."""
+    _setup(rank)
+    _cross_host_rounds(rank, world, world // 2, "ibgda",
+                       ((2048, SMALL_CASES), (7168, [(128, 8, True), (128, 16, False)])))
+    two_rounds_in_flight(rank, world)
+    repeated_experts(rank, world)
+    # The emulated NIC's thread issues CUDA copies; in the default (global) capture mode such a
+    # call from another thread invalidates the capture (docs/EP.md). A real NIC makes none.
+    cuda_graph(rank, world, capture_error_mode="thread_local")
+    timeout_masks_absent_rank(rank, world)
 
 
 def host_path(rank, world):

@@ -1,6 +1,6 @@
-"""The EP buffer on 2, 4 and 8 GPUs (one process per GPU, NVLink; and the CPU-proxy path with
-MOELINK_EP_RANKS_PER_HOST=2 on 4 GPUs), checked against pure-torch references of the same
-routing. Skipped without enough GPUs."""
+"""The EP buffer on 2, 4 and 8 GPUs (one process per GPU, NVLink; the CPU-proxy path with
+MOELINK_EP_RANKS_PER_HOST=2 on 4 GPUs; IBGDA through the emulated NIC on 2 and 4 GPUs),
+checked against pure-torch references of the same routing. Skipped without enough GPUs."""
 
 import functools
 
@@ -55,4 +55,21 @@ def test_ep_warp_store_path(case):
     if GPUS < 2:
         pytest.skip(f"needs 2 GPUs, found {GPUS}")
     failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(warp_store_results()) if res[case]]
+    assert not failures, "\n".join(failures)
+
+
+@functools.lru_cache(maxsize=None)
+def ibgda_results(world):
+    env = {"MOELINK_EP_RANKS_PER_HOST": str(world // 2), "MOELINK_EP_IBGDA": "emulate"}
+    return run_group(world, run_cases, kwargs={"cases_mod": "cases_ep", "names": ["ibgda_emulated"]}, env=env,
+                     timeout=900)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_ibgda_emulated(world):
+    """IBGDA between the two halves of the group (virtual hosts), the NIC emulated."""
+    if GPUS < world:
+        pytest.skip(f"needs {world} GPUs, found {GPUS}")
+    failures = [f"rank {r}:\n{res['ibgda_emulated']}" for r, res in enumerate(ibgda_results(world))
+                if res["ibgda_emulated"]]
     assert not failures, "\n".join(failures)

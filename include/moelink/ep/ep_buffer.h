@@ -7,8 +7,9 @@
 // IPC mapping), "proxy" (another host, or another virtual host under
 // MOELINK_EP_RANKS_PER_HOST=n, which groups ranks [0, n), [n, 2n), ... into hosts: GPU
 // writes into mapped host memory carried by a CPU proxy over the transfer engine; see
-// proxy.h). IBGDA is not wired into the buffer (see docs/EP.md), so other hosts always
-// take the proxy path.
+// proxy.h), "ibgda" (another host, both ends with an mlx5 NIC that IBGDA can use, or the
+// emulated NIC under MOELINK_EP_IBGDA=emulate: GPU threads post RDMA WRITEs on a queue pair
+// per peer; see ibgda/nic.h). MOELINK_EP_IBGDA=off keeps other hosts on the proxy.
 #pragma once
 
 #include <memory>
@@ -25,6 +26,9 @@
 namespace moelink::ep {
 
 class EpProxy;
+namespace ibgda {
+class Nic;
+}
 
 struct DispatchOutputs {
   at::Tensor recv_x;       // bf16 or e4m3 [local, ranks*max_tokens, hidden]
@@ -72,15 +76,37 @@ class EpBuffer {
 
  private:
   kernels::Common common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active_ranks, int phases) const;
-  void buildRoutes(const std::vector<std::vector<bool>>& proxy);
+  // proxy[a][b] / ibgda[a][b]: how rank a reaches rank b (neither: CUDA IPC).
+  void buildRoutes(const std::vector<std::vector<bool>>& proxy, const std::vector<std::vector<bool>>& ibgda);
+  void setupIbgda(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
+                  const std::vector<std::vector<bool>>& ibgda);
 
   int rank_, size_, device_;
   EpLayout layout_;
   char* buffer_ = nullptr;
+  uint64_t buffer_bytes_ = 0;  // the layout's size, rounded up to 2 MiB (registrable as a dma-buf)
   int* scratch_ = nullptr;
   std::vector<char*> peers_;           // NVLink peers' buffers (IPC mappings), own buffer
   kernels::PeerRoute* routes_dev_ = nullptr;  // [2][size]
   std::unique_ptr<EpProxy> proxy_;
+  // IBGDA: the NIC, this rank's staging area ([half][peer] windows, registered), the queue
+  // pairs (device memory, one per IBGDA peer, with their posting counters) and what the
+  // peers published of their buffers.
+  struct RemoteBuffer {
+    uint64_t base = 0, bytes = 0;
+    uint32_t rkey = 0;
+  };
+  struct EmulatedRemotes;
+  std::unique_ptr<ibgda::Nic> nic_;
+  std::shared_ptr<EmulatedRemotes> emulated_;
+  std::vector<int> ibgda_peers_;
+  std::vector<RemoteBuffer> remote_;
+  char* staging_ = nullptr;
+  uint64_t staging_bytes_ = 0;
+  uint32_t staging_lkey_ = 0;
+  uint32_t buffer_rkey_ = 0;
+  ibgda::QueuePair* qps_dev_ = nullptr;
+  char* qp_counters_ = nullptr;
   std::vector<std::string> transports_;
   at::Tensor active_;
   int num_sms_ = 0;

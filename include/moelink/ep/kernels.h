@@ -11,13 +11,17 @@
 // buffer creation: for the local rank and NVLink peers the pointers are into the peers'
 // GPU buffers (CUDA IPC mappings); for a proxy peer they are into this rank's host-mapped
 // outbox (sends) and inbox (receives), and every send is also posted to the proxy ring
-// (see ProxyRing) for the CPU proxy to carry over the transfer engine.
+// (see ProxyRing) for the CPU proxy to carry over the transfer engine; for an IBGDA peer
+// the sends go into this rank's staging area (GPU memory registered with the NIC) and are
+// posted as RDMA WRITEs on the peer's queue pair (ibgda/queue.h), which land in the peer's
+// GPU buffer, so receives read this rank's own buffer as for NVLink peers.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "moelink/ep/ibgda/queue.h"
 #include "moelink/ep/layout.h"
 
 namespace moelink::ep::kernels {
@@ -36,7 +40,8 @@ struct PeerRoute {
   char* count_send = nullptr;     // this rank's count column at the peer (8 B per local expert)
   char* combine_send = nullptr;   // the peer's combine_x region ([token][top-k] rows)
   char* flag_send = nullptr;      // the peer's combine flags ([token][top-k], 8 B each)
-  // For a proxy peer, the offsets in the peer's inbox segment that match the five above.
+  // For a proxy peer, the offsets in the peer's inbox segment that match the five above; for
+  // an IBGDA peer, their addresses in the peer's GPU buffer (as its NIC registration names them).
   uint64_t dispatch_remote = 0, index_remote = 0, count_remote = 0, combine_remote = 0, flag_remote = 0;
   // Receives from the peer (in this rank's GPU buffer, or its inbox for a proxy peer).
   char* dispatch_recv = nullptr;  // the peer's dispatch rows here
@@ -45,6 +50,10 @@ struct PeerRoute {
   char* combine_recv = nullptr;   // the combine_x region where the peer's experts' rows land
   char* flag_recv = nullptr;      // the combine flags the peer's experts raise
   int proxy = 0;
+  // IBGDA: the queue pair to the peer (device memory), the key of this rank's staging area
+  // and the key of the peer's buffer.
+  ibgda::QueuePair* qp = nullptr;
+  uint32_t lkey = 0, rkey = 0;
 };
 
 // One request for the CPU proxy, in host-mapped memory. `seq` is written last (ticket + 1).
@@ -75,6 +84,7 @@ struct Common {
   const PeerRoute* routes = nullptr;  // device array [num_ranks] for this half
   uint8_t* sent = nullptr;            // this half's dispatch_sent ([token][kMaxTopk], local)
   ProxyRing ring;
+  bool ibgda = false;  // some route has a queue pair (selects the kernels with IBGDA posts)
   int num_sms = 0;
   int phases = kSendPhase | kRecvPhase;
   // int32 [num_ranks] on the GPU: 1 = active. A receiver that waits on a source longer

@@ -21,6 +21,7 @@ constexpr int kWarps = 32;
 constexpr int kThreads = kWarps * 32;
 constexpr int kVecsPerLane = 8;  // a send batch: 32 lanes x 8 x 16 B
 
+template <bool kIbgda>  // some peer is reached through IBGDA
 __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
   const EpLayout& L = a.c.layout;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -72,6 +73,10 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
             proxyPost(a.c.ring, kProxyData, s, route.combine_send + off - a.c.ring.outbox, route.combine_remote + off,
                       L.combine_msg_bytes);
             proxyPost(a.c.ring, kProxySignal, s, 1, route.flag_remote + entry * kSignalBytes, kSignalBytes);
+          } else if (kIbgda && route.qp != nullptr) {
+            const uint64_t off = entry * L.combine_msg_bytes;
+            ibgdaPostData(route, route.combine_send + off, route.combine_remote + off, L.combine_msg_bytes);
+            ibgdaPostSignal(route, route.flag_remote + entry * kSignalBytes, 1);
           } else {
             stReleaseSys(reinterpret_cast<int*>(route.flag_send + entry * kSignalBytes), 1);
           }
@@ -154,8 +159,14 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
 void combine(const CombineArgs& a, cudaStream_t stream) {
   const size_t smem = a.c.layout.num_ranks * sizeof(int);
   static std::atomic<size_t> smem_seen[64];
-  ensureSmem(reinterpret_cast<const void*>(combineKernel), smem, smem_seen, "cudaFuncSetAttribute(combine)");
-  combineKernel<<<a.c.num_sms, kThreads, smem, stream>>>(a);
+  if (a.c.ibgda) {
+    static std::atomic<size_t> smem_seen_ibgda[64];
+    ensureSmem(reinterpret_cast<const void*>(combineKernel<true>), smem, smem_seen_ibgda, "cudaFuncSetAttribute(combine)");
+    combineKernel<true><<<a.c.num_sms, kThreads, smem, stream>>>(a);
+  } else {
+    ensureSmem(reinterpret_cast<const void*>(combineKernel<false>), smem, smem_seen, "cudaFuncSetAttribute(combine)");
+    combineKernel<false><<<a.c.num_sms, kThreads, smem, stream>>>(a);
+  }
   check(cudaGetLastError(), "combine launch");
 }
 

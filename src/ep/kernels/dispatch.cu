@@ -89,6 +89,8 @@ __device__ void stageToken(const DispatchArgs& a, int t, char* payload) {
 
 // Expert e is complete (its finish counter reached the tag, seen through an acquiring
 // RMW): sends its count to the expert's rank and resets e's counters for the next round.
+// kIbgda: some peer is reached through IBGDA (the launch without it has no IBGDA code).
+template <bool kIbgda>
 __device__ void signalCount(const DispatchArgs& a, int e) {
   const EpLayout& L = a.c.layout;
   int* slot_counter = a.scratch;
@@ -107,6 +109,11 @@ __device__ void signalCount(const DispatchArgs& a, int e) {
                   static_cast<uint64_t>(sent) * 4);
       proxyPost(a.c.ring, kProxySignal, r, static_cast<uint32_t>(v), route.count_remote + le * kSignalBytes,
                 kSignalBytes);
+    } else if (kIbgda && route.qp != nullptr) {
+      // The same over the peer's queue pair: the entries' WRITE, then the count fenced behind it.
+      const uint64_t off = static_cast<uint64_t>(le) * L.max_tokens * 4;
+      if (sent > 0) ibgdaPostData(route, route.index_send + off, route.index_remote + off, static_cast<uint64_t>(sent) * 4);
+      ibgdaPostSignal(route, route.count_remote + le * kSignalBytes, v);
     } else {
       stReleaseSys(reinterpret_cast<int*>(route.count_send + le * kSignalBytes), v);
     }
@@ -123,6 +130,7 @@ __device__ void signalCount(const DispatchArgs& a, int e) {
 // last row is out, without anyone polling. (Measured: counting in one warp alongside the
 // sends took until after the sends, its loads queued behind the block's NVLink traffic,
 // and the counts left late.)
+template <bool kIbgda>
 __device__ void countExperts(const DispatchArgs& a, int* s_counts, int nj) {
   const EpLayout& L = a.c.layout;
   const int tid = threadIdx.x;
@@ -151,7 +159,7 @@ __device__ void countExperts(const DispatchArgs& a, int* s_counts, int nj) {
     const int e = blockIdx.x + j * gridDim.x;
     const int n = s_counts[j];
     expected[e] = n;  // published by the release below
-    if (atomicAddAcqRelGpu(finish + e, kFinishTag - n) + kFinishTag - n == kFinishTag) signalCount(a, e);
+    if (atomicAddAcqRelGpu(finish + e, kFinishTag - n) + kFinishTag - n == kFinishTag) signalCount<kIbgda>(a, e);
   }
 }
 
@@ -164,7 +172,7 @@ __device__ __forceinline__ bool leadsRow(const int* s_dest, int k) {
   return true;
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kIbgda>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   extern __shared__ __align__(16) char smem[];
   __shared__ int s_expert[kMaxTopk], s_dest[kMaxTopk];
@@ -181,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
     const int64_t e_first = tid < a.num_topk && static_cast<int>(blockIdx.x) < a.num_tokens
                                 ? __ldg(a.topk_idx + static_cast<size_t>(blockIdx.x) * a.num_topk + tid)
                                 : -1;
-    countExperts(a, ints, (L.num_experts - blockIdx.x + gridDim.x - 1) / gridDim.x);
+    countExperts<kIbgda>(a, ints, (L.num_experts - blockIdx.x + gridDim.x - 1) / gridDim.x);
     if (tid == 0) tracePoint(a.c, 3);
     {
       int* slot_counter = a.scratch;
@@ -236,9 +244,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
         // one release sequence, so the thread that completes it has acquired every row and
         // entry of the expert, and its count store releases them at system scope: a
         // receiver that sees the count sees them. The barrier also guards the staging
-        // buffer. A row shared by several entries is posted to the proxy (by the lead
-        // entry) before any of those entries adds to its counter (the warp barrier), so
-        // the row's ticket precedes every count that covers it.
+        // buffer. A row shared by several entries is posted to the proxy or the queue pair
+        // (by the lead entry) before any of those entries adds to its counter (the warp
+        // barrier), so the row's ticket (WQE index) precedes every count that covers it.
         __syncthreads();
         if (warp == 0) {
           const bool mine = tid < a.num_topk;
@@ -247,9 +255,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
             const PeerRoute& route = a.c.routes[s_dest[tid]];
             proxyPost(a.c.ring, kProxyData, s_dest[tid], route.dispatch_send + t * msg_bytes - a.c.ring.outbox,
                       route.dispatch_remote + t * msg_bytes, static_cast<uint64_t>(msg_vecs) * 16);
+          } else if (kIbgda && mine && leadsRow(s_dest, tid) && a.c.routes[s_dest[tid]].qp != nullptr) {
+            const PeerRoute& route = a.c.routes[s_dest[tid]];
+            ibgdaPostData(route, route.dispatch_send + t * msg_bytes, route.dispatch_remote + t * msg_bytes,
+                          static_cast<uint64_t>(msg_vecs) * 16);
           }
           __syncwarp();
-          if (e >= 0 && atomicAddAcqRelGpu(finish + e, 1) + 1 == kFinishTag) signalCount(a, e);
+          if (e >= 0 && atomicAddAcqRelGpu(finish + e, 1) + 1 == kFinishTag) signalCount<kIbgda>(a, e);
         }
       }
       if (tid == 0) tracePoint(a.c, 2);
@@ -338,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   if (tid == 0) tracePoint(a.c, 5);
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kIbgda>
 void launch(const DispatchArgs& a, cudaStream_t stream) {
   const EpLayout& L = a.c.layout;
   const int grid = a.c.num_sms;
@@ -346,8 +358,8 @@ void launch(const DispatchArgs& a, cudaStream_t stream) {
   const int ints = per_block > 2 * L.num_ranks + 1 ? per_block : 2 * L.num_ranks + 1;
   const size_t smem = L.dispatch_msg_bytes + static_cast<size_t>(ints) * sizeof(int);
   static std::atomic<size_t> smem_seen[64];
-  ensureSmem(reinterpret_cast<const void*>(dispatchKernel<kFp8>), smem, smem_seen, "cudaFuncSetAttribute(dispatch)");
-  dispatchKernel<kFp8><<<grid, kThreads, smem, stream>>>(a);
+  ensureSmem(reinterpret_cast<const void*>(dispatchKernel<kFp8, kIbgda>), smem, smem_seen, "cudaFuncSetAttribute(dispatch)");
+  dispatchKernel<kFp8, kIbgda><<<grid, kThreads, smem, stream>>>(a);
   check(cudaGetLastError(), "dispatch launch");
 }
 
@@ -355,9 +367,9 @@ void launch(const DispatchArgs& a, cudaStream_t stream) {
 
 void dispatch(const DispatchArgs& a, cudaStream_t stream) {
   if (a.use_fp8)
-    launch<true>(a, stream);
+    a.c.ibgda ? launch<true, true>(a, stream) : launch<true, false>(a, stream);
   else
-    launch<false>(a, stream);
+    a.c.ibgda ? launch<false, true>(a, stream) : launch<false, false>(a, stream);
 }
 
 }  // namespace moelink::ep::kernels

@@ -136,4 +136,20 @@ __device__ __forceinline__ void proxyPost(const ProxyRing& ring, int kind, int p
   stReleaseSys64(&e->seq, ticket + 1);
 }
 
+// IBGDA: `bytes` from this rank's staging area (`local`, inside the registered range) to
+// `remote` in the peer's buffer, as one RDMA WRITE on the peer's queue pair. Everything the
+// WRITE covers must have been written by this thread or ordered before this call by a
+// barrier (the post's system-scope fence then makes it visible to the NIC).
+static __device__ __noinline__ void ibgdaPostData(const PeerRoute& route, const void* local, uint64_t remote,
+                                              uint64_t bytes) {
+  ibgda::postQp(route.qp, reinterpret_cast<uint64_t>(local), route.lkey, remote, route.rkey,
+                static_cast<uint32_t>(bytes));
+}
+
+// IBGDA: an 8-byte signal (count or flag) written inline, fenced behind the WRITEs posted
+// before it on the queue pair.
+static __device__ __noinline__ void ibgdaPostSignal(const PeerRoute& route, uint64_t remote, int value) {
+  ibgda::postInlineQp(route.qp, remote, route.rkey, static_cast<uint32_t>(value));
+}
+
 }  // namespace moelink::ep::kernels
