@@ -92,7 +92,9 @@ class EmulatedNic final : public Nic {
     const char* trace = std::getenv("MOELINK_EP_IBGDA_TRACE");
     for (auto& q : qps_)
       if (q->failed || !q->why.empty() || (trace && *trace))
-        std::fprintf(stderr, "moelink emulated NIC (rank %u): queue pair to rank %d: %llu WQEs executed, %llu CQEs%s%s\n",
+        std::fprintf(stderr,
+                     "moelink emulated NIC (rank %u): queue pair to rank %d: %llu WQEs executed, "
+                     "%llu CQEs%s%s\n",
                      key_ - kEmulatedKeyBase, q->peer, static_cast<unsigned long long>(q->sq_ci),
                      static_cast<unsigned long long>(q->cq_pi), q->failed ? ", FAILED: " : "", q->why.c_str());
   }
@@ -243,8 +245,9 @@ class EmulatedNic final : public Nic {
       }
       if (!ok && !q.failed) {
         q.failed = true;
-        q.why = "WQE " + std::to_string(q.sq_ci) + (dst == nullptr && src != nullptr ? ": remote key/address not registered"
-                                                                                    : ": malformed, or local key/address");
+        const bool remote = dst == nullptr && src != nullptr;
+        q.why = "WQE " + std::to_string(q.sq_ci) +
+                (remote ? ": remote key/address not registered" : ": malformed, or local key/address");
       }
       if (!ok || (fm_ce_se & kCqUpdate)) done.push_back({static_cast<uint16_t>(q.sq_ci), !ok});
       ++q.sq_ci;

@@ -155,6 +155,69 @@ void closeCtx(Ctx* c) {
   delete c;
 }
 
+// A CQ and an RC queue pair on the parent domain (queue memory from pdAlloc).
+bool makeQp(Ctx* c, Qp* q, char* err, size_t errlen) {
+  ibv_cq_init_attr_ex ca{};
+  ca.cqe = kCqDepth;
+  ca.comp_mask = IBV_CQ_INIT_ATTR_MASK_PD;
+  ca.parent_domain = c->parent;
+  ibv_cq_ex* cq = ibv_create_cq_ex(c->ctx, &ca);
+  if (cq == nullptr) {
+    fail(err, errlen, "ibv_create_cq_ex failed (errno %d: %s)", errno, std::strerror(errno));
+    return false;
+  }
+  q->cq = ibv_cq_ex_to_cq(cq);
+  ibv_qp_init_attr_ex qa{};
+  qa.qp_type = IBV_QPT_RC;
+  qa.send_cq = q->cq;
+  qa.recv_cq = q->cq;
+  qa.cap.max_send_wr = kSqDepth;
+  qa.cap.max_recv_wr = 1;
+  qa.cap.max_send_sge = 1;
+  qa.cap.max_recv_sge = 1;
+  qa.cap.max_inline_data = 16;
+  qa.comp_mask = IBV_QP_INIT_ATTR_PD;
+  qa.pd = c->parent;
+  q->qp = ibv_create_qp_ex(c->ctx, &qa);
+  if (q->qp == nullptr) {
+    ibv_destroy_cq(q->cq);
+    q->cq = nullptr;
+    fail(err, errlen, "ibv_create_qp_ex failed (errno %d: %s)", errno, std::strerror(errno));
+    return false;
+  }
+  return true;
+}
+
+// Maps the page of a doorbell register into the GPU (once per page) and returns the
+// register's GPU address, or nullptr. An unprivileged process needs the NVIDIA driver's
+// PeerMappingOverride=1 for this (the GPU writes to the NIC's BAR), as NVSHMEM's IBGDA does.
+uint64_t* mapDoorbell(Ctx* c, void* reg, char* err, size_t errlen) {
+  const size_t page = pageSize();
+  void* uar = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(reg) & ~(page - 1));
+  bool mapped = false;
+  for (void* p : c->uar_pages) mapped = mapped || p == uar;
+  if (!mapped) {
+    const cudaError_t e = cudaHostRegister(uar, page, cudaHostRegisterIoMemory | cudaHostRegisterMapped);
+    if (e != cudaSuccess && e != cudaErrorHostMemoryAlreadyRegistered) {
+      cudaGetLastError();
+      fail(err, errlen,
+           "the GPU cannot map the NIC's doorbell page (cudaHostRegister as I/O memory: %s; unprivileged "
+           "processes need the NVIDIA driver option NVreg_RegistryDwords=\"PeerMappingOverride=1;\")",
+           cudaGetErrorString(e));
+      return nullptr;
+    }
+    c->uar_pages.push_back(uar);
+  }
+  void* uar_dev = nullptr;
+  if (cudaHostGetDevicePointer(&uar_dev, uar, 0) != cudaSuccess) {
+    cudaGetLastError();
+    fail(err, errlen, "cudaHostGetDevicePointer(doorbell page) failed");
+    return nullptr;
+  }
+  return reinterpret_cast<uint64_t*>(static_cast<char*>(uar_dev) +
+                                     (reinterpret_cast<uintptr_t>(reg) - reinterpret_cast<uintptr_t>(uar)));
+}
+
 }  // namespace
 
 extern "C" {
@@ -235,6 +298,31 @@ __attribute__((visibility("default"))) int moelink_ibgda_open(const char* want, 
     closeCtx(c);
     return -1;
   }
+  // What the ranks agree on must hold: a queue pair whose queues the GPU reaches and whose
+  // doorbell page it can map. Try one now (and drop it), so that a host where that fails
+  // falls back to the proxy instead of failing the buffer.
+  {
+    Qp probe;
+    char why[400] = {0};
+    bool ok = makeQp(c, &probe, why, sizeof why);
+    if (ok) {
+      mlx5dv_qp dq{};
+      mlx5dv_obj obj{};
+      obj.qp.in = probe.qp;
+      obj.qp.out = &dq;
+      ok = mlx5dv_init_obj(&obj, MLX5DV_OBJ_QP) == 0 && deviceOf<unsigned char>(c, dq.sq.buf) != nullptr &&
+           deviceOf<uint32_t>(c, dq.dbrec) != nullptr;
+      if (!ok) std::snprintf(why, sizeof why, "the provider did not place the queues in the parent domain's memory");
+      ok = ok && mapDoorbell(c, dq.bf.reg, why, sizeof why) != nullptr;
+      ibv_destroy_qp(probe.qp);
+      ibv_destroy_cq(probe.cq);
+    }
+    if (!ok) {
+      fail(err, errlen, "%s: %s", name, why);
+      closeCtx(c);
+      return -1;
+    }
+  }
   *out = c;
   return 0;
 }
@@ -250,9 +338,10 @@ __attribute__((visibility("default"))) int moelink_ibgda_reg(void* ctx, void* pt
   cudaDriverEntryPointQueryResult q{};
   const size_t page = pageSize();
   const auto addr = reinterpret_cast<uintptr_t>(ptr);
-  if (addr % page == 0 && cudaGetDriverEntryPointByVersion("cuMemGetHandleForAddressRange", &fn, 11070, cudaEnableDefault, &q) ==
-                              cudaSuccess &&
-      fn != nullptr && q == cudaDriverEntryPointSuccess) {
+  const bool have_fn = cudaGetDriverEntryPointByVersion("cuMemGetHandleForAddressRange", &fn, 11070,
+                                                       cudaEnableDefault, &q) == cudaSuccess &&
+                       fn != nullptr && q == cudaDriverEntryPointSuccess;
+  if (addr % page == 0 && have_fn) {
     int fd = -1;
     const size_t len = (bytes + page - 1) / page * page;
     if (reinterpret_cast<GetHandle>(fn)(&fd, static_cast<CUdeviceptr>(addr), len,
@@ -283,33 +372,7 @@ __attribute__((visibility("default"))) int moelink_ibgda_create_qp(void* ctx, in
   }
   Qp q;
   q.peer = peer;
-  ibv_cq_init_attr_ex ca{};
-  ca.cqe = kCqDepth;
-  ca.comp_mask = IBV_CQ_INIT_ATTR_MASK_PD;
-  ca.parent_domain = c->parent;
-  ibv_cq_ex* cq = ibv_create_cq_ex(c->ctx, &ca);
-  if (cq == nullptr) {
-    fail(err, errlen, "ibv_create_cq_ex failed (errno %d: %s)", errno, std::strerror(errno));
-    return -1;
-  }
-  q.cq = ibv_cq_ex_to_cq(cq);
-  ibv_qp_init_attr_ex qa{};
-  qa.qp_type = IBV_QPT_RC;
-  qa.send_cq = q.cq;
-  qa.recv_cq = q.cq;
-  qa.cap.max_send_wr = kSqDepth;
-  qa.cap.max_recv_wr = 1;
-  qa.cap.max_send_sge = 1;
-  qa.cap.max_recv_sge = 1;
-  qa.cap.max_inline_data = 16;
-  qa.comp_mask = IBV_QP_INIT_ATTR_PD;
-  qa.pd = c->parent;
-  q.qp = ibv_create_qp_ex(c->ctx, &qa);
-  if (q.qp == nullptr) {
-    ibv_destroy_cq(q.cq);
-    fail(err, errlen, "ibv_create_qp_ex failed (errno %d: %s)", errno, std::strerror(errno));
-    return -1;
-  }
+  if (!makeQp(c, &q, err, errlen)) return -1;
   std::random_device rd;
   q.psn = rd() & 0xffffff;
   c->qps.push_back(q);
@@ -394,37 +457,21 @@ __attribute__((visibility("default"))) int moelink_ibgda_connect(void* ctx, int 
     fail(err, errlen, "mlx5dv_init_obj failed");
     return -1;
   }
-  if (dq.sq.stride != static_cast<uint32_t>(moelink::ep::ibgda::kBasicBlockBytes) || (dq.sq.wqe_cnt & (dq.sq.wqe_cnt - 1)) != 0 || dc.cqe_size != 64 ||
-      (dc.cqe_cnt & (dc.cqe_cnt - 1)) != 0 || dq.bf.reg == nullptr) {
+  const auto pow2 = [](uint32_t v) { return v != 0 && (v & (v - 1)) == 0; };
+  if (dq.sq.stride != static_cast<uint32_t>(moelink::ep::ibgda::kBasicBlockBytes) || !pow2(dq.sq.wqe_cnt) ||
+      dc.cqe_size != static_cast<uint32_t>(moelink::ep::ibgda::kCqeBytes) || !pow2(dc.cqe_cnt) ||
+      dc.cqe_cnt < dq.sq.wqe_cnt / 64 + 2 || dq.bf.reg == nullptr) {
     fail(err, errlen, "unexpected queue shapes (SQ stride %u, %u WQEs, CQE size %u, %u CQEs)", dq.sq.stride,
          dq.sq.wqe_cnt, dc.cqe_size, dc.cqe_cnt);
     return -1;
   }
-  // The doorbell register's page, mapped into the GPU once.
-  const size_t page = pageSize();
-  void* uar = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(dq.bf.reg) & ~(page - 1));
-  bool mapped = false;
-  for (void* p : c->uar_pages) mapped = mapped || p == uar;
-  if (!mapped) {
-    const cudaError_t e = cudaHostRegister(uar, page, cudaHostRegisterIoMemory | cudaHostRegisterMapped);
-    if (e != cudaSuccess && e != cudaErrorHostMemoryAlreadyRegistered) {
-      fail(err, errlen, "mapping the doorbell page into the GPU (cudaHostRegister, I/O memory) failed: %s",
-           cudaGetErrorString(e));
-      return -1;
-    }
-    c->uar_pages.push_back(uar);
-  }
-  void* uar_dev = nullptr;
-  if (cudaHostGetDevicePointer(&uar_dev, uar, 0) != cudaSuccess) {
-    fail(err, errlen, "cudaHostGetDevicePointer(doorbell page) failed");
-    return -1;
-  }
+  uint64_t* doorbell = mapDoorbell(c, dq.bf.reg, err, errlen);
+  if (doorbell == nullptr) return -1;
   out->wqes = deviceOf<unsigned char>(c, dq.sq.buf);
   out->sq_depth = dq.sq.wqe_cnt;
   out->qpn = q->qp->qp_num;
   out->sq_dbr = deviceOf<uint32_t>(c, dq.dbrec);
-  out->doorbell = reinterpret_cast<uint64_t*>(static_cast<char*>(uar_dev) +
-                                              (reinterpret_cast<uintptr_t>(dq.bf.reg) - reinterpret_cast<uintptr_t>(uar)));
+  out->doorbell = doorbell;
   out->cqes = deviceOf<unsigned char>(c, dc.buf);
   out->cq_depth = dc.cqe_cnt;
   out->cq_dbr = deviceOf<uint32_t>(c, dc.dbrec);

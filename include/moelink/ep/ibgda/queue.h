@@ -239,16 +239,14 @@ MOELINK_HD bool postWqeQp(QueuePair* qp, Build build) {
     if (idx - loadAcquire(sq.completed) < sq.depth) break;  // room already, go on polling only while full
     spinPause();
   }
-  if (!failed) {
-    unsigned char* wqe = sq.wqes + (idx & (sq.depth - 1)) * kBasicBlockBytes;
-    build(wqe, idx, (static_cast<uint32_t>(idx) & qp->signal_mask) == qp->signal_mask);
-  }
+  unsigned char* wqe = sq.wqes + (idx & (sq.depth - 1)) * kBasicBlockBytes;
+  if (!failed) build(wqe, idx, (static_cast<uint32_t>(idx) & qp->signal_mask) == qp->signal_mask);
   while (loadAcquire(sq.ready) != idx) spinPause();  // publish in index order
   if (!failed) {
     fenceSystem();
     storeVolatile32(sq.dbr + kSendDbr, toBig32(static_cast<uint32_t>(idx + 1) & 0xffff));
     fenceSystem();
-    storeVolatile64(sq.doorbell, *reinterpret_cast<const uint64_t*>(sq.wqes + (idx & (sq.depth - 1)) * kBasicBlockBytes));
+    storeVolatile64(sq.doorbell, *reinterpret_cast<const uint64_t*>(wqe));
   }
   storeRelease(sq.ready, idx + 1);
   return !failed;
