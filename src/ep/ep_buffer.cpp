@@ -323,23 +323,40 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
     char* my_half = buffer_ + h * L.half_bytes;
     for (int r = 0; r < size_; ++r) {
       kernels::PeerRoute& pr = routes[h * size_ + r];
-      if (ibgda[rank_][r]) {
-        // Receives land in this rank's own buffer, as from an NVLink peer; sends go into this
-        // rank's staging window for (half, peer) and are posted as WRITEs to the peer's buffer.
+      // Sends that are posted (proxy outbox, IBGDA staging) are written into a window of
+      // this rank's dispatch rows, slot entries and the peer's combine region.
+      const auto set_window = [&](char* w) {
+        pr.dispatch_send = w;
+        pr.index_send = w + L.dispatch_col_bytes;
+        pr.combine_send = w + L.dispatch_col_bytes + L.index_col_bytes;
+      };
+      if (!proxy[rank_][r]) {
+        // Receives land in this rank's own buffer (from itself, NVLink and IBGDA peers).
         pr.dispatch_recv = my_half + L.off_dispatch_x + r * L.dispatch_col_bytes;
         pr.index_recv = my_half + L.off_dispatch_index + r * L.index_col_bytes;
         pr.count_recv = my_half + L.off_dispatch_count + r * count_col;
         pr.combine_recv = my_half + L.off_combine_x;
         pr.flag_recv = my_half + L.off_combine_flag;
+        // Where this rank's sends land in the peer's buffer half (offsets).
+        const uint64_t to_dispatch = L.off_dispatch_x + rank_ * L.dispatch_col_bytes;
+        const uint64_t to_index = L.off_dispatch_index + rank_ * L.index_col_bytes;
+        const uint64_t to_count = L.off_dispatch_count + rank_ * count_col;
+        if (!ibgda[rank_][r]) {  // stores through the mapping
+          char* peer_half = peers_[r] + h * L.half_bytes;
+          pr.dispatch_send = peer_half + to_dispatch;
+          pr.index_send = peer_half + to_index;
+          pr.count_send = peer_half + to_count;
+          pr.combine_send = peer_half + L.off_combine_x;
+          pr.flag_send = peer_half + L.off_combine_flag;
+          continue;
+        }
+        // IBGDA: the staging window for (half, peer), posted as WRITEs to the peer's buffer.
         const int j = indexOf(ibgda[rank_], r);
-        char* st = staging_ + (static_cast<uint64_t>(h) * ibgda_peers_.size() + j) * window;
-        pr.dispatch_send = st;
-        pr.index_send = st + L.dispatch_col_bytes;
-        pr.combine_send = st + L.dispatch_col_bytes + L.index_col_bytes;
+        set_window(staging_ + (static_cast<uint64_t>(h) * ibgda_peers_.size() + j) * window);
         const uint64_t rb = remote_[r].base + h * L.half_bytes;
-        pr.dispatch_remote = rb + L.off_dispatch_x + rank_ * L.dispatch_col_bytes;
-        pr.index_remote = rb + L.off_dispatch_index + rank_ * L.index_col_bytes;
-        pr.count_remote = rb + L.off_dispatch_count + rank_ * count_col;
+        pr.dispatch_remote = rb + to_dispatch;
+        pr.index_remote = rb + to_index;
+        pr.count_remote = rb + to_count;
         pr.combine_remote = rb + L.off_combine_x;
         pr.flag_remote = rb + L.off_combine_flag;
         pr.qp = qps_dev_ + j;
@@ -347,28 +364,11 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
         pr.rkey = remote_[r].rkey;
         continue;
       }
-      if (!proxy[rank_][r]) {
-        char* peer_half = peers_[r] + h * L.half_bytes;
-        pr.dispatch_send = peer_half + L.off_dispatch_x + rank_ * L.dispatch_col_bytes;
-        pr.index_send = peer_half + L.off_dispatch_index + rank_ * L.index_col_bytes;
-        pr.count_send = peer_half + L.off_dispatch_count + rank_ * count_col;
-        pr.combine_send = peer_half + L.off_combine_x;
-        pr.flag_send = peer_half + L.off_combine_flag;
-        pr.dispatch_recv = my_half + L.off_dispatch_x + r * L.dispatch_col_bytes;
-        pr.index_recv = my_half + L.off_dispatch_index + r * L.index_col_bytes;
-        pr.count_recv = my_half + L.off_dispatch_count + r * count_col;
-        pr.combine_recv = my_half + L.off_combine_x;
-        pr.flag_recv = my_half + L.off_combine_flag;
-        continue;
-      }
       pr.proxy = 1;
       const int j = indexOf(proxy[rank_], r);      // r among this rank's proxy peers
       const int jm = indexOf(proxy[r], rank_);     // this rank among r's proxy peers
       const InboxLayout in_r(L, countOf(proxy[r]));
-      char* ob = proxy_->outbox() + (static_cast<uint64_t>(h) * countOf(proxy[rank_]) + j) * window;
-      pr.dispatch_send = ob;
-      pr.index_send = ob + L.dispatch_col_bytes;
-      pr.combine_send = ob + L.dispatch_col_bytes + L.index_col_bytes;
+      set_window(proxy_->outbox() + (static_cast<uint64_t>(h) * countOf(proxy[rank_]) + j) * window);
       const uint64_t r_half = h * in_r.half;
       pr.dispatch_remote = r_half + jm * L.dispatch_col_bytes;
       pr.index_remote = r_half + in_r.off_index + jm * L.index_col_bytes;
@@ -390,9 +390,8 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
 
 EpBuffer::~EpBuffer() {
   cudaDeviceSynchronize();
-  if (nic_) nic_->drain();
   proxy_.reset();
-  nic_.reset();  // before the memory it registered
+  nic_.reset();  // drains what is posted (emulated NIC); before the memory it registered
   for (int r = 0; r < size_; ++r)
     if (r != rank_ && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
   cudaFree(qps_dev_);

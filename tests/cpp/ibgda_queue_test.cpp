@@ -239,7 +239,7 @@ TEST(IbgdaQueue, SharedQueuePairPollsItself) {
   while (nic.executed() < total && std::chrono::steady_clock::now() < deadline) sched_yield();
   EXPECT_EQ(nic.error(), "");
   EXPECT_EQ(dropped.load(), 0);
-  EXPECT_EQ(qp.error, 0);
+  EXPECT_EQ(qp.error, 0u);
   ASSERT_EQ(nic.executed(), total);
   // Completions arrived for signaled WQEs only: what the posters' polls saw is a multiple of 8.
   EXPECT_EQ(q.completed % 8, 0u);
@@ -263,7 +263,7 @@ TEST(IbgdaQueue, FailedQueuePairDropsPostsInsteadOfWaiting) {
   dropped += !postQp(&qp, reinterpret_cast<uint64_t>(a.data()), kLkey, reinterpret_cast<uint64_t>(b.data()), kRkey + 1, 64);
   for (int i = 0; i < 200; ++i)
     dropped += !postQp(&qp, reinterpret_cast<uint64_t>(a.data()), kLkey, reinterpret_cast<uint64_t>(b.data()), kRkey, 64);
-  EXPECT_EQ(qp.error, 1);
+  EXPECT_EQ(qp.error, 1u);
   EXPECT_GT(dropped, 0);
   EXPECT_EQ(q.ready, q.tickets) << "every ticket passed its turn on";
 }

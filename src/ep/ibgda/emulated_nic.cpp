@@ -139,8 +139,9 @@ class EmulatedNic final : public Nic {
     MOELINK_THROW("emulated NIC: no queue pair to rank ", peer);
   }
 
+ private:
   // Waits (up to 10 s) until every WQE posted so far is executed.
-  void drain() override {
+  void drain() {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (std::chrono::steady_clock::now() < deadline) {
       {
@@ -153,7 +154,6 @@ class EmulatedNic final : public Nic {
     }
   }
 
- private:
   static uint32_t sendCounter(const EmuQp& q) {
     const uint32_t* dbr = static_cast<const uint32_t*>(q.sq_dbr.host);
     return be32toh(__atomic_load_n(&dbr[kSendDbr], __ATOMIC_ACQUIRE)) & 0xffff;

@@ -44,9 +44,7 @@ class Nic {
   // Connects the queue pair to the peer's end (its createQueuePair() bytes) and returns the
   // queues for the GPU: device addresses, `tickets`, `ready` and `completed` left unset.
   virtual QueuePair connect(int peer, const std::vector<uint8_t>& remote) = 0;
-  // Called after the kernels that post on the queues are done (the buffer is going away):
-  // lets what is posted reach the peers, as far as the NIC can tell.
-  virtual void drain() {}
+  // Destroyed once the kernels that post on the queues are done (the buffer is going away).
 };
 
 // Opens the mlx5 NIC that MOELINK_IBGDA_DEVICE names ("mlx5_0" or "mlx5_0:1"), else the

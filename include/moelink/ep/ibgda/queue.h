@@ -176,18 +176,8 @@ struct QueuePair {
   CompletionQueue cq;
   uint32_t signal_mask = 63;
   int lock = 0;
-  int error = 0;
+  uint64_t error = 0;  // 64-bit, for loadAcquire / storeRelease
 };
-
-MOELINK_HD int loadAcquire32(const int* p) {
-#if defined(__CUDA_ARCH__)
-  int v;
-  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-#else
-  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-#endif
-}
 
 MOELINK_HD bool tryLock(int* p) {
 #if defined(__CUDA_ARCH__)
@@ -215,13 +205,7 @@ MOELINK_HD void tryPoll(QueuePair* qp) {
   int r;
   while ((r = poll(qp->cq, qp->sq)) == 1) {
   }
-  if (r < 0) {
-#if defined(__CUDA_ARCH__)
-    atomicExch(&qp->error, 1);
-#else
-    __atomic_store_n(&qp->error, 1, __ATOMIC_RELEASE);
-#endif
-  }
+  if (r < 0) storeRelease(&qp->error, 1);
   unlock(&qp->lock);
 }
 
@@ -234,7 +218,7 @@ MOELINK_HD bool postWqeQp(QueuePair* qp, Build build) {
   const uint64_t idx = atomicTicket(sq.tickets);
   bool failed = false;
   while (idx - loadAcquire(sq.completed) >= sq.depth / 2) {
-    if ((failed = loadAcquire32(&qp->error) != 0)) break;
+    if ((failed = loadAcquire(&qp->error) != 0)) break;
     tryPoll(qp);
     if (idx - loadAcquire(sq.completed) < sq.depth) break;  // room already, go on polling only while full
     spinPause();
