@@ -30,22 +30,24 @@ uint64_t align(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 // Where things live in one half of a rank's proxy inbox, for `sources` proxy sources:
 // their dispatch rows and slot entries, one combine_x region (rows from any proxy source),
-// their count columns, then the combine flags.
+// their count columns, the combine flags, their combine route entries and route flags.
 struct InboxLayout {
-  uint64_t off_index = 0, off_combine = 0, off_count = 0, off_flag = 0, half = 0;
+  uint64_t off_index = 0, off_combine = 0, off_count = 0, off_flag = 0, off_route = 0, off_route_flag = 0, half = 0;
   InboxLayout(const EpLayout& L, int sources) {
     off_index = align(sources * L.dispatch_col_bytes, 128);
     off_combine = align(off_index + sources * L.index_col_bytes, 128);
     off_count = align(off_combine + L.combineRegionBytes(), 128);
     off_flag = align(off_count + sources * L.countColBytes(), 128);
-    half = align(off_flag + L.flagRegionBytes(), 4096);
+    off_route = align(off_flag + L.flagRegionBytes(), 128);
+    off_route_flag = align(off_route + sources * L.routeColBytes(), 128);
+    half = align(off_route_flag + static_cast<uint64_t>(sources) * kSignalBytes, 4096);
   }
 };
 
-// One half of a rank's outbox: per proxy peer, the dispatch rows, slot entries and
-// combine_x region that the peer's inbox receives from this rank.
+// One half of a rank's outbox: per proxy peer, the dispatch rows, slot entries, combine_x
+// region and combine route entries that the peer's inbox receives from this rank.
 uint64_t outboxWindow(const EpLayout& L) {
-  return align(L.dispatch_col_bytes + L.index_col_bytes + L.combineRegionBytes(), 128);
+  return align(L.dispatch_col_bytes + L.index_col_bytes + L.combineRegionBytes() + L.routeColBytes(), 128);
 }
 
 int indexOf(const std::vector<bool>& row, int r) {
@@ -329,6 +331,7 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
         pr.dispatch_send = w;
         pr.index_send = w + L.dispatch_col_bytes;
         pr.combine_send = w + L.dispatch_col_bytes + L.index_col_bytes;
+        pr.route_send = pr.combine_send + L.combineRegionBytes();
       };
       if (!proxy[rank_][r]) {
         // Receives land in this rank's own buffer (from itself, NVLink and IBGDA peers).
@@ -337,10 +340,14 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
         pr.count_recv = my_half + L.off_dispatch_count + r * count_col;
         pr.combine_recv = my_half + L.off_combine_x;
         pr.flag_recv = my_half + L.off_combine_flag;
+        pr.route_recv = my_half + L.off_combine_route + r * L.routeColBytes();
+        pr.route_flag_recv = my_half + L.off_route_flag + r * kSignalBytes;
         // Where this rank's sends land in the peer's buffer half (offsets).
         const uint64_t to_dispatch = L.off_dispatch_x + rank_ * L.dispatch_col_bytes;
         const uint64_t to_index = L.off_dispatch_index + rank_ * L.index_col_bytes;
         const uint64_t to_count = L.off_dispatch_count + rank_ * count_col;
+        const uint64_t to_route = L.off_combine_route + rank_ * L.routeColBytes();
+        const uint64_t to_route_flag = L.off_route_flag + rank_ * kSignalBytes;
         if (!ibgda[rank_][r]) {  // stores through the mapping
           char* peer_half = peers_[r] + h * L.half_bytes;
           pr.dispatch_send = peer_half + to_dispatch;
@@ -348,6 +355,8 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
           pr.count_send = peer_half + to_count;
           pr.combine_send = peer_half + L.off_combine_x;
           pr.flag_send = peer_half + L.off_combine_flag;
+          pr.route_send = peer_half + to_route;
+          pr.route_flag_send = peer_half + to_route_flag;
           continue;
         }
         // IBGDA: the staging window for (half, peer), posted as WRITEs to the peer's buffer.
@@ -359,6 +368,8 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
         pr.count_remote = rb + to_count;
         pr.combine_remote = rb + L.off_combine_x;
         pr.flag_remote = rb + L.off_combine_flag;
+        pr.route_remote = rb + to_route;
+        pr.route_flag_remote = rb + to_route_flag;
         pr.qp = qps_dev_ + j;
         pr.lkey = staging_lkey_;
         pr.rkey = remote_[r].rkey;
@@ -375,12 +386,16 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
       pr.count_remote = r_half + in_r.off_count + jm * count_col;
       pr.combine_remote = r_half + in_r.off_combine;
       pr.flag_remote = r_half + in_r.off_flag;
+      pr.route_remote = r_half + in_r.off_route + jm * L.routeColBytes();
+      pr.route_flag_remote = r_half + in_r.off_route_flag + jm * kSignalBytes;
       char* ib = proxy_->inbox() + h * in_me.half;
       pr.dispatch_recv = ib + j * L.dispatch_col_bytes;
       pr.index_recv = ib + in_me.off_index + j * L.index_col_bytes;
       pr.count_recv = ib + in_me.off_count + j * count_col;
       pr.combine_recv = ib + in_me.off_combine;
       pr.flag_recv = ib + in_me.off_flag;
+      pr.route_recv = ib + in_me.off_route + j * L.routeColBytes();
+      pr.route_flag_recv = ib + in_me.off_route_flag + j * kSignalBytes;
     }
   }
   cudaCheck(cudaMalloc(&routes_dev_, routes.size() * sizeof(kernels::PeerRoute)), "cudaMalloc(routes)");
@@ -431,7 +446,7 @@ kernels::Common EpBuffer::common(int half, int64_t timeout_us, const std::option
   c.rank = rank_;
   c.half = half;
   c.routes = routes_dev_ + half * size_;
-  c.sent = reinterpret_cast<uint8_t*>(buffer_ + half * layout_.half_bytes + layout_.off_dispatch_sent);
+  c.sent = reinterpret_cast<int*>(buffer_ + half * layout_.half_bytes + layout_.off_dispatch_sent);
   if (proxy_) c.ring = proxy_->ring();
   c.ibgda = !ibgda_peers_.empty();
   c.num_sms = num_sms_;
@@ -540,8 +555,7 @@ at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, co
   a.c = common(static_cast<int>(h.half), timeout_us, active,
                kernels::kSendPhase | (launch_recv ? kernels::kRecvPhase : 0));
   a.x = x.data_ptr();
-  a.src_info = h.src_info.data_ptr<int>();
-  a.src_slot = h.src_slot.data_ptr<int>();
+  a.blocks_seen = scratch_ + kernels::combineScratchOffset(L);
   a.layout_range = h.layout_range.data_ptr<int64_t>();
   setCombineReceive(a, topk_idx, topk_weights, result);
   kernels::combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());

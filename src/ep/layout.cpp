@@ -34,8 +34,10 @@ EpLayout EpLayout::make(int num_ranks, int num_experts, int max_tokens, int hidd
   l.off_dispatch_count = align(l.off_dispatch_index + num_ranks * l.index_col_bytes, 128);
   l.off_combine_x = align(l.off_dispatch_count + num_ranks * l.countColBytes(), 128);
   l.off_combine_flag = align(l.off_combine_x + l.combineRegionBytes(), 128);
-  l.off_dispatch_sent = align(l.off_combine_flag + l.flagRegionBytes(), 128);
-  l.half_bytes = align(l.off_dispatch_sent + l.entries(), 4096);
+  l.off_combine_route = align(l.off_combine_flag + l.flagRegionBytes(), 128);
+  l.off_route_flag = align(l.off_combine_route + num_ranks * l.routeColBytes(), 128);
+  l.off_dispatch_sent = align(l.off_route_flag + static_cast<uint64_t>(num_ranks) * kSignalBytes, 128);
+  l.half_bytes = align(l.off_dispatch_sent + l.sentBytes(), 4096);
   return l;
 }
 

@@ -25,7 +25,9 @@ std::vector<Region> regions(const EpLayout& l) {
           {"dispatch_count", l.off_dispatch_count, ranks * l.countColBytes()},
           {"combine_x", l.off_combine_x, l.combineRegionBytes()},
           {"combine_flag", l.off_combine_flag, l.flagRegionBytes()},
-          {"dispatch_sent", l.off_dispatch_sent, l.entries()}};
+          {"combine_route", l.off_combine_route, ranks * l.routeColBytes()},
+          {"route_flag", l.off_route_flag, ranks * moelink::ep::kSignalBytes},
+          {"dispatch_sent", l.off_dispatch_sent, l.sentBytes()}};
 }
 
 }  // namespace

@@ -28,10 +28,11 @@ namespace moelink::ep::kernels {
 
 enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 
-// Scratch integers a buffer keeps for dispatch (zeroed once at allocation; every dispatch
-// leaves them zero again): per global expert a slot counter, a finish counter and the
-// expected count.
-inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts; }
+// Scratch integers a buffer keeps (zeroed once at allocation; every call leaves them zero
+// again): for dispatch, per global expert a slot counter, a finish counter and the expected
+// count; for combine, a counter of the blocks that have read the route flags.
+inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts + 1; }
+inline int combineScratchOffset(const EpLayout& l) { return 3 * l.num_experts; }
 
 struct PeerRoute {
   // Sends to the peer.
@@ -40,15 +41,20 @@ struct PeerRoute {
   char* count_send = nullptr;     // this rank's count column at the peer (8 B per local expert)
   char* combine_send = nullptr;   // the peer's combine_x region ([token][top-k] rows)
   char* flag_send = nullptr;      // the peer's combine flags ([token][top-k], 8 B each)
-  // For a proxy peer, the offsets in the peer's inbox segment that match the five above; for
+  char* route_send = nullptr;     // this rank's combine_route column at the peer
+  char* route_flag_send = nullptr;  // this rank's route flag at the peer
+  // For a proxy peer, the offsets in the peer's inbox segment that match the seven above; for
   // an IBGDA peer, their addresses in the peer's GPU buffer (as its NIC registration names them).
-  uint64_t dispatch_remote = 0, index_remote = 0, count_remote = 0, combine_remote = 0, flag_remote = 0;
+  uint64_t dispatch_remote = 0, index_remote = 0, count_remote = 0, combine_remote = 0, flag_remote = 0,
+           route_remote = 0, route_flag_remote = 0;
   // Receives from the peer (in this rank's GPU buffer, or its inbox for a proxy peer).
   char* dispatch_recv = nullptr;  // the peer's dispatch rows here
   char* index_recv = nullptr;     // the peer's slot entries here
   char* count_recv = nullptr;     // the peer's count column here
   char* combine_recv = nullptr;   // the combine_x region where the peer's experts' rows land
   char* flag_recv = nullptr;      // the combine flags the peer's experts raise
+  char* route_recv = nullptr;     // the peer's combine_route column here
+  char* route_flag_recv = nullptr;  // the peer's route flag here
   int proxy = 0;
   // IBGDA: the queue pair to the peer (device memory), the key of this rank's staging area
   // and the key of the peer's buffer.
@@ -82,7 +88,7 @@ struct Common {
   int rank = 0;
   int half = 0;
   const PeerRoute* routes = nullptr;  // device array [num_ranks] for this half
-  uint8_t* sent = nullptr;            // this half's dispatch_sent ([token][kMaxTopk], local)
+  int* sent = nullptr;                // this half's dispatch_sent ([token][kMaxTopk] slots, -1 = not sent)
   ProxyRing ring;
   bool ibgda = false;  // some route has a queue pair (selects the kernels with IBGDA posts)
   int num_sms = 0;
@@ -126,9 +132,8 @@ void dispatch(const DispatchArgs& a, cudaStream_t stream);
 struct CombineArgs {
   Common c;
   const void* x = nullptr;  // bf16 expert outputs [local, ranks*max_tokens, hidden]
-  const int* src_info = nullptr;
-  const int* src_slot = nullptr;
-  const int64_t* layout_range = nullptr;
+  const int64_t* layout_range = nullptr;  // the dispatch's [local, ranks]
+  int* blocks_seen = nullptr;  // scratch int (at combineScratchOffset()): blocks that read the route flags
   // receive side
   const int64_t* topk_idx = nullptr;
   const float* topk_weights = nullptr;
@@ -137,8 +142,11 @@ struct CombineArgs {
   void* out = nullptr;  // bf16 [num_tokens, hidden]
 };
 
-// Send phase: every expert output goes back to its token's rank, each row followed by its
-// flag. Receive phase: waits for the flags of each token's rows and writes the weighted sums.
+// Send phase: every rank first sends every rank its route entries (expert, slot and weight
+// per (token, top-k)); then, per (source, token) with entries here, the weighted sum of the
+// token's expert outputs at this rank goes back to the token's rank as one bf16 row,
+// followed by its flag. Receive phase: waits for the flags of each token's rows (one per
+// rank its dispatch reached) and writes their sum.
 void combine(const CombineArgs& a, cudaStream_t stream);
 
 }  // namespace moelink::ep::kernels

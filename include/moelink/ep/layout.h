@@ -15,12 +15,19 @@
 //                  written by the source after the expert's slots and rows: -n-1 for n
 //                  tokens, so that 0 means "not arrived" (the receiver resets it to 0
 //                  after reading)
-//   combine_x      [token][top-k slot] bf16 hidden: expert outputs returning to the
-//                  token's rank
+//   combine_x      [token][top-k slot] bf16 hidden: the weighted sum of the token's
+//                  expert outputs at one rank, returning to the token's rank in the slot
+//                  of the token's first top-k entry at that rank
 //   combine_flag   [token][top-k slot], 8 bytes each: the expert's rank writes 1 after
 //                  the row (the token's rank resets it after reading)
-//   dispatch_sent  [token][top-k slot] bytes, local only: 1 where this rank's dispatch
-//                  sent the entry, so that its combine waits for exactly those rows
+//   combine_route  [source rank][token * kMaxTopk + k] entries of 16 bytes (expert, slot,
+//                  weight): what the source's combine sends every rank first, so that the
+//                  experts' rank can weight and sum a token's rows before sending them back
+//   route_flag     [source rank], 8 bytes each: the source's route entries are in (the
+//                  value encodes its token count and top-k; reset once every block read it)
+//   dispatch_sent  [token][top-k slot] int32, local only: the slot this rank's dispatch
+//                  claimed for the entry at its expert, -1 where it sent nothing, so that its
+//                  combine names exactly those rows
 // Signals are 8 bytes apart so that the CPU proxy can deliver each one as a single
 // 8-byte transfer-engine write (which the engine applies atomically, after the data).
 // No torch and no CUDA here; the kernels take these offsets as plain integers.
@@ -36,6 +43,7 @@ constexpr int kMaxTopk = 16;
 constexpr int kHiddenAlign = 128;  // FP8 scale group; hidden must be a multiple of it
 constexpr int kSignalBytes = 8;    // spacing of counts and flags
 constexpr int kMaxTokensLimit = 1 << 24;  // slot entries pack token * kMaxTopk + k in an int32
+constexpr int kRouteEntryBytes = 16;      // a combine_route entry: int32 expert, slot, float weight, pad
 
 struct EpLayout {
   int num_ranks = 0;
@@ -49,7 +57,7 @@ struct EpLayout {
   uint64_t index_col_bytes = 0;     // one source's slot entries: local experts * max_tokens * 4
   uint64_t combine_msg_bytes = 0;
   uint64_t off_dispatch_x = 0, off_dispatch_index = 0, off_dispatch_count = 0, off_combine_x = 0,
-           off_combine_flag = 0, off_dispatch_sent = 0;
+           off_combine_flag = 0, off_combine_route = 0, off_route_flag = 0, off_dispatch_sent = 0;
   uint64_t half_bytes = 0;
 
   // Validates the sizes (throws moelink::Error naming the bad one) and lays out a half.
@@ -58,6 +66,8 @@ struct EpLayout {
   uint64_t entries() const { return static_cast<uint64_t>(max_tokens) * kMaxTopk; }  // (token, k) pairs
   uint64_t combineRegionBytes() const { return entries() * combine_msg_bytes; }
   uint64_t flagRegionBytes() const { return entries() * kSignalBytes; }
+  uint64_t routeColBytes() const { return entries() * kRouteEntryBytes; }  // one source's route entries
+  uint64_t sentBytes() const { return entries() * 4; }
   uint64_t countColBytes() const { return static_cast<uint64_t>(num_local_experts) * kSignalBytes; }
 };
 

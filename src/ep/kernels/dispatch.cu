@@ -163,15 +163,6 @@ __device__ void countExperts(const DispatchArgs& a, int* s_counts, int nj) {
   }
 }
 
-// Whether top-k entry k is the first of the token's entries sent to its rank (the one
-// that carries the row there). s_dest: the destination rank per entry, -1 = not sent.
-__device__ __forceinline__ bool leadsRow(const int* s_dest, int k) {
-  if (s_dest[k] < 0) return false;
-  for (int j = 0; j < k; ++j)
-    if (s_dest[j] == s_dest[k]) return false;
-  return true;
-}
-
 template <bool kFp8, bool kIbgda>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   extern __shared__ __align__(16) char smem[];
@@ -210,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
             reinterpret_cast<int*>(a.c.routes[r].index_send)[static_cast<uint64_t>(le) * L.max_tokens + slot] =
                 t * kMaxTopk + tid;
           }
-          a.c.sent[static_cast<uint64_t>(t) * kMaxTopk + tid] = sent;
+          a.c.sent[static_cast<uint64_t>(t) * kMaxTopk + tid] = sent ? slot : -1;
           s_expert[tid] = valid ? static_cast<int>(e) : -1;
           s_dest[tid] = sent ? r : -1;
         }

@@ -109,6 +109,16 @@ __device__ __forceinline__ void tracePoint(const Common& c, int point) {
   if (c.trace != nullptr) c.trace[blockIdx.x * kTracePoints + point] = globalTimerNs();
 }
 
+// Whether top-k entry k is the first of the token's entries sent to its rank: the one that
+// carries the token's row there in dispatch, and whose combine_x slot the rank's weighted sum
+// comes back in. s_dest: the destination rank per entry, -1 = not sent.
+__device__ __forceinline__ bool leadsRow(const int* s_dest, int k) {
+  if (s_dest[k] < 0) return false;
+  for (int j = 0; j < k; ++j)
+    if (s_dest[j] == s_dest[k]) return false;
+  return true;
+}
+
 // Spins until *p != 0 (returns it) or the timeout passes (returns 0).
 __device__ __forceinline__ int waitNonZero(const int* p, int64_t timeout_ns) {
   uint64_t start = timeout_ns > 0 ? globalTimerNs() : 0;
