@@ -163,6 +163,84 @@ __device__ void countExperts(const DispatchArgs& a, int* s_counts, int nj) {
   }
 }
 
+// The receive layout of local expert le from the sources' row counts s_n: begin offsets
+// into s_begin [ranks + 1], layout_range and recv_count. By one thread.
+__device__ void layoutExpert(const DispatchArgs& a, int le, const int* s_n, int* s_begin) {
+  const EpLayout& L = a.c.layout;
+  int begin = 0;
+  for (int s = 0; s < L.num_ranks; ++s) {
+    s_begin[s] = begin;
+    a.layout_range[le * L.num_ranks + s] = (static_cast<int64_t>(begin) << 32) | static_cast<uint32_t>(s_n[s]);
+    begin += s_n[s];
+  }
+  s_begin[L.num_ranks] = begin;
+  a.recv_count[le] = begin;
+}
+
+// Copies local expert le's rows into the packed outputs, a row part per warp at a time. The
+// first part of a row carries its scales (loaded along with the data) and source info.
+template <bool kFp8>
+__device__ void packRows(const DispatchArgs& a, int le, const int* s_begin) {
+  const EpLayout& L = a.c.layout;
+  const int lane = threadIdx.x % 32;
+  const uint64_t msg_bytes = L.dispatch_msg_bytes;
+  const uint64_t rows_per_expert = static_cast<uint64_t>(L.num_ranks) * L.max_tokens;
+  const int data_vecs = kFp8 ? L.hidden / 16 : L.hidden / 8;
+  const int groups = L.hidden / kHiddenAlign;
+  const int pairs = min(groups / 2, 32);  // scale pairs loaded with the data, one per lane
+  const int parts = (data_vecs + 32 * kRecvVecsPerLane - 1) / (32 * kRecvVecsPerLane);
+  const int total = s_begin[L.num_ranks];
+  for (int item = threadIdx.x / 32; item < total * parts; item += kWarps) {
+    const int j = item / parts, p = item % parts;
+    int s = 0;
+    while (s_begin[s + 1] <= j) ++s;
+    const int i = j - s_begin[s];
+    const PeerRoute& route = a.c.routes[s];
+    const int entry = ldRelaxedSys(reinterpret_cast<const int*>(route.index_recv) + le * L.max_tokens + i);
+    const int t = entry / kMaxTopk;
+    const char* msg = route.dispatch_recv + t * msg_bytes;
+    const uint64_t row = le * rows_per_expert + j;
+    const int4* src = reinterpret_cast<const int4*>(msg);
+    int4* data = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * (kFp8 ? 1ull : 2ull) * L.hidden);
+    const int base = p * 32 * kRecvVecsPerLane + lane;
+    const float* ss = reinterpret_cast<const float*>(msg + L.hidden);
+    float2 sc = make_float2(0.0f, 0.0f);
+    if (kFp8 && p == 0 && lane < pairs) {
+      if (route.proxy) {
+        sc.x = *static_cast<const volatile float*>(ss + 2 * lane);
+        sc.y = *static_cast<const volatile float*>(ss + 2 * lane + 1);
+      } else {
+        sc = *reinterpret_cast<const float2*>(ss + 2 * lane);
+      }
+    }
+    int4 v[kRecvVecsPerLane];
+    if (!route.proxy) {
+#pragma unroll
+      for (int u = 0; u < kRecvVecsPerLane; ++u)
+        if (base + u * 32 < data_vecs) v[u] = ldRecv(src + base + u * 32);
+    } else {
+#pragma unroll
+      for (int u = 0; u < kRecvVecsPerLane; ++u)
+        if (base + u * 32 < data_vecs) v[u] = ldRecvSys(src + base + u * 32);
+    }
+#pragma unroll
+    for (int u = 0; u < kRecvVecsPerLane; ++u)
+      if (base + u * 32 < data_vecs) data[base + u * 32] = v[u];
+    if (p == 0) {
+      if (lane == 0) {
+        a.recv_src_info[row] = t;
+        a.recv_src_slot[row] = entry % kMaxTopk;
+      }
+      if (kFp8) {
+        float* ds = a.recv_scales + row * groups;
+        if (lane < pairs) reinterpret_cast<float2*>(ds)[lane] = sc;
+        for (int g = 2 * pairs + lane; g < groups; g += 32)
+          ds[g] = route.proxy ? *static_cast<const volatile float*>(ss + g) : ss[g];
+      }
+    }
+  }
+}
+
 template <bool kFp8, bool kIbgda>
 __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   extern __shared__ __align__(16) char smem[];
@@ -263,16 +341,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   // Receive phase: a block per local expert waits for every source's count, lays the
   // sources' rows out one after the other and copies the rows the slots name. (Measured
   // slower: packing each source as its count lands, with a block per (expert, source) and
-  // rows claimed by atomicAdd, which overlaps the packing with sends still in flight; two
-  // blocks per expert; loading the slot entries into shared memory first. The last two
-  // did not shorten it.)
+  // rows claimed by atomicAdd, which overlaps the packing with sends still in flight;
+  // loading the slot entries into shared memory first. Two blocks per expert shortened the
+  // receive but, with the code that keeps their layouts consistent when a source times out,
+  // lengthened the send phase about as much: docs/PERF.md.)
   __syncthreads();
   int* s_n = ints;                    // [num_ranks]
   int* s_begin = ints + L.num_ranks;  // [num_ranks + 1]
-  const uint64_t rows_per_expert = static_cast<uint64_t>(L.num_ranks) * L.max_tokens;
-  const int data_vecs = kFp8 ? L.hidden / 16 : L.hidden / 8;
-  const int groups = L.hidden / kHiddenAlign;
-  const int parts = (data_vecs + 32 * kRecvVecsPerLane - 1) / (32 * kRecvVecsPerLane);
   for (int le = blockIdx.x; le < L.num_local_experts; le += gridDim.x) {
     for (int s = tid; s < L.num_ranks; s += kThreads) {
       int* count = reinterpret_cast<int*>(a.c.routes[s].count_recv + le * kSignalBytes);
@@ -286,56 +361,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
     }
     __syncthreads();
     if (tid == 0) {
-      if (le == blockIdx.x) tracePoint(a.c, 4);
-      int begin = 0;
-      for (int s = 0; s < L.num_ranks; ++s) {
-        s_begin[s] = begin;
-        a.layout_range[le * L.num_ranks + s] = (static_cast<int64_t>(begin) << 32) | static_cast<uint32_t>(s_n[s]);
-        begin += s_n[s];
-      }
-      s_begin[L.num_ranks] = begin;
-      a.recv_count[le] = begin;
+      if (le == static_cast<int>(blockIdx.x)) tracePoint(a.c, 4);
+      layoutExpert(a, le, s_n, s_begin);
     }
     __syncthreads();
-    const int total = s_begin[L.num_ranks];
-    for (int item = warp; item < total * parts; item += kWarps) {
-      const int j = item / parts, p = item % parts;
-      int s = 0;
-      while (s_begin[s + 1] <= j) ++s;
-      const int i = j - s_begin[s];
-      const PeerRoute& route = a.c.routes[s];
-      const int entry = ldRelaxedSys(reinterpret_cast<const int*>(route.index_recv) + le * L.max_tokens + i);
-      const int t = entry / kMaxTopk;
-      const char* msg = route.dispatch_recv + t * msg_bytes;
-      const uint64_t row = le * rows_per_expert + j;
-      const int4* src = reinterpret_cast<const int4*>(msg);
-      int4* data = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * (kFp8 ? 1ull : 2ull) * L.hidden);
-      const int base = p * 32 * kRecvVecsPerLane + lane;
-      int4 v[kRecvVecsPerLane];
-      if (!route.proxy) {
-#pragma unroll
-        for (int u = 0; u < kRecvVecsPerLane; ++u)
-          if (base + u * 32 < data_vecs) v[u] = ldRecv(src + base + u * 32);
-      } else {
-#pragma unroll
-        for (int u = 0; u < kRecvVecsPerLane; ++u)
-          if (base + u * 32 < data_vecs) v[u] = ldRecvSys(src + base + u * 32);
-      }
-#pragma unroll
-      for (int u = 0; u < kRecvVecsPerLane; ++u)
-        if (base + u * 32 < data_vecs) data[base + u * 32] = v[u];
-      if (p == 0) {
-        if (lane == 0) {
-          a.recv_src_info[row] = t;
-          a.recv_src_slot[row] = entry % kMaxTopk;
-        }
-        if (kFp8) {
-          const float* ss = reinterpret_cast<const float*>(msg + L.hidden);
-          float* ds = a.recv_scales + row * groups;
-          for (int g = lane; g < groups; g += 32) ds[g] = route.proxy ? *static_cast<const volatile float*>(ss + g) : ss[g];
-        }
-      }
-    }
+    packRows<kFp8>(a, le, s_begin);
     __syncthreads();  // s_n and s_begin are reused by the next expert
   }
   if (tid == 0) tracePoint(a.c, 5);
