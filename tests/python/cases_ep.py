@@ -35,10 +35,11 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
     """One dispatch + combine round, checked against pure torch. The round always completes
     (combine runs even when dispatch was wrong) so that the ranks stay in step; the first
     problem found is raised at the end."""
-    nle = NUM_EXPERTS // world
+    ne = kw.pop("num_experts", NUM_EXPERTS)
+    nle = ne // world
     dev = kw.pop("device", "cuda")
-    x, idx, w = inputs(rank, tokens, hidden, topk, device=dev)
-    recv, count, handle, event, hook = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=use_fp8,
+    x, idx, w = inputs(rank, tokens, hidden, topk, num_experts=ne, device=dev)
+    recv, count, handle, event, hook = buf.dispatch(x, idx, MAX_TOKENS, ne, use_fp8=use_fp8,
                                                      round_scale=kw.get("round_scale", False),
                                                      async_finish=kw.get("async_finish", False),
                                                      return_recv_hook=kw.get("return_recv_hook", False))
@@ -52,7 +53,7 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
         torch.cuda.synchronize()
     src_info, layout_range = handle[0].cpu(), handle[1].cpu()
     data, scales = recv if use_fp8 else (recv, None)
-    everyone = [inputs(r, tokens, hidden, topk, device=dev) for r in range(world)]
+    everyone = [inputs(r, tokens, hidden, topk, num_experts=ne, device=dev) for r in range(world)]
     problems = []
     counts = count.cpu()
     for le in range(nle):
@@ -277,25 +278,40 @@ def repeated_experts(rank, world, device="cuda"):
         torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=5e-2)
 
 
-def timeout_masks_absent_rank(rank, world):
+def timeout_masks_absent_rank(rank, world, num_experts=NUM_EXPERTS):
     _setup(rank)
     hidden = 2048
-    buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
+    buf = moelink.Buffer(None, MAX_TOKENS, hidden, num_experts)
     absent = world - 1
     dist.barrier()
     if rank != absent:
-        x, idx, w = inputs(rank, 32, hidden, 8)
-        recv, count, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False, timeout_us=300000)
+        x, idx, w = inputs(rank, 32, hidden, 8, num_experts=num_experts)
+        recv, count, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, num_experts, use_fp8=False, timeout_us=300000)
         out = buf.combine(recv, idx, w, handle, timeout_us=300000)[0]
         torch.cuda.synchronize()
         active = buf.active_ranks().tolist()
         assert active[absent] == 0 and all(active[r] == 1 for r in range(world) if r != absent), active
-        nle = NUM_EXPERTS // world
+        nle = num_experts // world
         live = (idx >= 0) & (idx // nle != absent)
         want = (w * live).sum(1, keepdim=True) * x.float()
         torch.testing.assert_close(out.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=4e-2)
     torch.cuda.synchronize()
     dist.barrier()
+
+
+def few_experts(rank, world):
+    """64 experts (fewer local experts than the other cases, more tokens per expert), and
+    the absent-rank timeout with them."""
+    _setup(rank)
+    ne = 64
+    buf = moelink.Buffer(None, MAX_TOKENS, 2048, ne)
+    for tokens, topk, use_fp8 in ((128, 8, True), (128, 8, False), (17, 1, True), (128, 16, False)):
+        check_round(buf, rank, world, tokens, 2048, topk, use_fp8, num_experts=ne)
+    check_round(buf, rank, world, 64, 2048, 8, True, num_experts=ne, return_recv_hook=True)
+    del buf
+    torch.cuda.synchronize()
+    dist.barrier()
+    timeout_masks_absent_rank(rank, world, num_experts=ne)
 
 
 SMALL_CASES = [(t, k, f) for k in (1, 8) for t in (1, 17, 128) for f in (False, True)]
@@ -384,4 +400,4 @@ def host_path(rank, world):
 
 
 CASES = ["routing_matrix", "modes", "two_rounds_in_flight", "cuda_graph", "bad_input_raises",
-         "timeout_masks_absent_rank"]
+         "timeout_masks_absent_rank", "few_experts"]
