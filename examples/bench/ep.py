@@ -1,6 +1,6 @@
 """EP buffer latency vs an all_to_all_single (NCCL) dispatch + combine of the same routing.
 
-    python examples/bench/ep.py [--gpus 4] [--tokens 128,256] [--iters 200] [--out ep.png]
+    python examples/bench/ep.py [--gpus 4] [--tokens 128,256] [--experts 256] [--iters 200] [--out ep.png]
 
 One process per GPU. Per round: random top-8 of 256 experts per token (hidden 7168), FP8
 dispatch and BF16 combine for moelink; the NCCL pipeline moves bf16 tokens with
@@ -8,7 +8,9 @@ all_to_all_single (counts exchanged first, as a real MoE layer must) and combine
 index_add. Every timing is CUDA events around one call, L2 flushed before it, median of
 `iters` after warm-up, slowest rank. Bandwidth as DeepEP's tests/test_low_latency.py counts
 it: dispatch moves (hidden + hidden/128*4 + 16) bytes per selected (token, expert) pair,
-combine hidden*2 bytes per pair.
+combine hidden*2 bytes per pair. Both figures are that count over the time, not the bytes on
+the links: moelink sends a token once per destination rank in dispatch, and one weighted sum
+per (token, rank) back in combine.
 """
 
 import argparse
@@ -24,7 +26,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "integration"))
 sys.path.insert(0, HERE)
 from common import run_ranks, save_plot  # noqa: E402
 
-HIDDEN, EXPERTS, TOPK = 7168, 256, 8
+HIDDEN, TOPK = 7168, 8
+# --experts reaches the rank processes through the environment (they import this module anew).
+EXPERTS = int(os.environ.get("MOELINK_BENCH_EXPERTS", "256"))
 
 
 def timed(fn, flush, iters, warmup, barrier, gpu_only=True):
@@ -74,7 +78,7 @@ def a2a_pipeline(x, idx, w, world, nccl):
 
 
 DISPATCH_POINTS = ["start", "1st token staged", "sends done", "experts counted", "counts seen", "end"]
-COMBINE_POINTS = ["start", "sends done", "flags seen", "tokens done"]
+COMBINE_POINTS = ["start", "sends done", "flags seen", "tokens done", "routes in"]
 
 
 def trace_breakdown(buf, fn, names, flush, barrier, iters=30):
@@ -190,11 +194,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     ap.add_argument("--tokens", default="128,256")
+    ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default="ep.png")
     ap.add_argument("--trace", action="store_true", help="also print per-phase times from inside the kernels")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
+    global EXPERTS
+    EXPERTS = args.experts
+    os.environ["MOELINK_BENCH_EXPERTS"] = str(args.experts)
     rows = run_ranks(worker, args.gpus, (tokens, args.iters, args.trace), timeout=1800)
     fp8_bytes, bf16_bytes = HIDDEN + HIDDEN // 128 * 4 + 16, HIDDEN * 2
     print(f"# EP{args.gpus}, hidden {HIDDEN}, top-{TOPK} of {EXPERTS} experts, FP8 dispatch / BF16 combine, "
