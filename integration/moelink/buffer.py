@@ -31,6 +31,10 @@ Layout of the results (as DeepEP's low-latency mode):
   plus internal fields; ``src_info[e, i]`` is the sender's token index of row i;
   ``layout_range[e, r]`` packs, for tokens from rank r, ``(begin << 32) | count``.
 - ``combine``: ``combined_x[t] = sum_k topk_weights[t, k] * y(token t at expert topk_idx[t, k])``.
+  On the GPU each rank sums its own experts' weighted outputs for a token in float32 and sends
+  that one row back in bf16, so the result carries one extra bf16 rounding per rank, not per
+  expert. Its send half (also with ``return_recv_hook``) waits, up to ``timeout_us``, for every
+  active rank's routing: the ranks' combine calls meet, as any collective's do.
 
 Sizes: hidden a multiple of 128, top-k 1..16, num_experts a multiple of the group size, at most
 ``num_max_dispatch_tokens_per_rank`` tokens per call; a token must not list one expert twice;
