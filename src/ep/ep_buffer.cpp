@@ -403,10 +403,41 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
             "routes copy");
 }
 
+// Teardown with IBGDA peers: the last round's last WRITEs may still be in flight at the NIC,
+// and with selective signaling they ask for no completion; destroying the queue pairs now
+// could cut them (the peers would then time out and mask this rank). Reads back where the
+// kernels left each queue pair and has the NIC complete everything posted on it.
+void EpBuffer::drainIbgda() noexcept {
+  const int n = static_cast<int>(ibgda_peers_.size());
+  if (!nic_ || n == 0 || qps_dev_ == nullptr || qp_counters_ == nullptr) return;
+  std::vector<ibgda::QueuePair> qps(n);
+  std::vector<char> counters(3ull * n * ibgda::kCounterStride);
+  if (cudaMemcpy(qps.data(), qps_dev_, n * sizeof(ibgda::QueuePair), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemcpy(counters.data(), qp_counters_, counters.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return;
+  for (int j = 0; j < n; ++j) {
+    const char* c = counters.data() + 3ull * j * ibgda::kCounterStride;
+    ibgda::QueueProgress p;
+    std::memcpy(&p.posted, c + ibgda::kCounterStride, sizeof p.posted);         // ready
+    std::memcpy(&p.completed, c + 2 * ibgda::kCounterStride, sizeof p.completed);  // completed
+    p.cq_consumer = qps[j].cq.consumer;
+    p.signal_mask = qps[j].signal_mask;
+    p.failed = qps[j].error != 0;
+    try {  // (a warning may throw where warnings are errors)
+      std::string why;
+      if (!nic_->drain(ibgda_peers_[j], p, 2000, &why))
+        TORCH_WARN("moelink Buffer: the IBGDA queue pair to rank ", ibgda_peers_[j],
+                   " was not drained at teardown (", why, "); its last writes may be lost");
+    } catch (...) {
+    }
+  }
+}
+
 EpBuffer::~EpBuffer() {
   cudaDeviceSynchronize();
+  drainIbgda();
   proxy_.reset();
-  nic_.reset();  // drains what is posted (emulated NIC); before the memory it registered
+  nic_.reset();  // before the memory it registered (the emulated NIC finishes what is posted)
   for (int r = 0; r < size_; ++r)
     if (r != rank_ && peers_[r]) cudaIpcCloseMemHandle(peers_[r]);
   cudaFree(qps_dev_);

@@ -63,6 +63,15 @@ struct Queues {
     cq.dbr = cq_dbr;
   }
   NicView view() { return {wqes.data(), cqes.data(), sq_dbr, cq_dbr, sq.depth, cq.depth}; }
+  // These queues as one queue pair shared by posters (every WQE with signal_mask's bits set
+  // signaled).
+  QueuePair shared(uint32_t signal_mask) {
+    QueuePair qp;
+    qp.sq = sq;
+    qp.cq = cq;
+    qp.signal_mask = signal_mask;
+    return qp;
+  }
 };
 
 // Executes WQEs up to the doorbell record's send counter, like the NIC's send engine.
@@ -89,6 +98,15 @@ class EmulatedNic {
       const auto* ctrl = reinterpret_cast<const mlx5_wqe_ctrl_seg*>(wqe);
       const auto* raddr = reinterpret_cast<const mlx5_wqe_raddr_seg*>(wqe + 16);
       const uint32_t opmod_idx_opcode = be32toh(ctrl->opmod_idx_opcode), qpn_ds = be32toh(ctrl->qpn_ds);
+      if ((opmod_idx_opcode & 0xff) == MLX5_OPCODE_NOP) {  // nothing to carry out; a completion if asked
+        const bool ok = ((opmod_idx_opcode >> 8) & 0xffff) == (sq_ci_ & 0xffff) && (qpn_ds >> 8) == kQpn &&
+                        (qpn_ds & 0x3f) == 1;
+        if (!ok && error_.empty()) error_ = "malformed NOP at index " + std::to_string(sq_ci_);
+        if (ctrl->fm_ce_se & MLX5_WQE_CTRL_CQ_UPDATE) complete(true);
+        ++sq_ci_;
+        executed_.store(sq_ci_);
+        continue;
+      }
       bool ok = (opmod_idx_opcode & 0xff) == MLX5_OPCODE_RDMA_WRITE &&
                 ((opmod_idx_opcode >> 8) & 0xffff) == (sq_ci_ & 0xffff) && (qpn_ds >> 8) == kQpn &&
                 (qpn_ds & 0x3f) == 3;
@@ -111,21 +129,24 @@ class EmulatedNic {
       }
       if (!ok && error_.empty()) error_ = "malformed WQE at index " + std::to_string(sq_ci_);
       if (ok && keys) std::memcpy(reinterpret_cast<void*>(be64toh(raddr->raddr)), src, len);
-      if ((ctrl->fm_ce_se & MLX5_WQE_CTRL_CQ_UPDATE) || !keys) {
-        // Room in the CQ: the consumer index the poller published in its doorbell record.
-        while (cq_pi_ - (be32toh(__atomic_load_n(&q_.cq_dbr[0], __ATOMIC_ACQUIRE)) & 0xffffff) >= q_.cq_depth &&
-               !stop_.load(std::memory_order_relaxed)) {
-          sched_yield();
-        }
-        auto* cqe = reinterpret_cast<mlx5_cqe64*>(q_.cqes) + (cq_pi_ % q_.cq_depth);
-        cqe->wqe_counter = htobe16(static_cast<uint16_t>(sq_ci_));
-        const uint8_t op = keys ? MLX5_CQE_REQ : MLX5_CQE_REQ_ERR;
-        __atomic_store_n(&cqe->op_own, static_cast<uint8_t>(op << 4 | ((cq_pi_ / q_.cq_depth) & 1)), __ATOMIC_RELEASE);
-        ++cq_pi_;
-      }
+      if ((ctrl->fm_ce_se & MLX5_WQE_CTRL_CQ_UPDATE) || !keys) complete(keys);
       ++sq_ci_;
       executed_.store(sq_ci_);
     }
+  }
+
+  // Writes the CQE of WQE sq_ci_ (an error completion unless `ok`).
+  void complete(bool ok) {
+    // Room in the CQ: the consumer index the poller published in its doorbell record.
+    while (cq_pi_ - (be32toh(__atomic_load_n(&q_.cq_dbr[0], __ATOMIC_ACQUIRE)) & 0xffffff) >= q_.cq_depth &&
+           !stop_.load(std::memory_order_relaxed)) {
+      sched_yield();
+    }
+    auto* cqe = reinterpret_cast<mlx5_cqe64*>(q_.cqes) + (cq_pi_ % q_.cq_depth);
+    cqe->wqe_counter = htobe16(static_cast<uint16_t>(sq_ci_));
+    const uint8_t op = ok ? MLX5_CQE_REQ : MLX5_CQE_REQ_ERR;
+    __atomic_store_n(&cqe->op_own, static_cast<uint8_t>(op << 4 | ((cq_pi_ / q_.cq_depth) & 1)), __ATOMIC_RELEASE);
+    ++cq_pi_;
   }
 
   NicView q_;
@@ -213,10 +234,7 @@ TEST(IbgdaQueue, ErrorCompletionIsReported) {
 TEST(IbgdaQueue, SharedQueuePairPollsItself) {
   constexpr int kThreads = 4, kPerThread = 1000, kBytes = 96;
   Queues q(/*sq_depth=*/64, /*cq_depth=*/16);  // >= 64 / 8 + 2, as queue.h asks
-  QueuePair qp;
-  qp.sq = q.sq;
-  qp.cq = q.cq;
-  qp.signal_mask = 7;
+  QueuePair qp = q.shared(7);
   std::vector<unsigned char> src(kThreads * kPerThread * kBytes), dst(src.size(), 0);
   std::vector<uint64_t> flags(kThreads, 0);
   std::mt19937 rng(6);
@@ -252,10 +270,7 @@ TEST(IbgdaQueue, SharedQueuePairPollsItself) {
 // forever for room (the receivers' timeouts then mask the peer).
 TEST(IbgdaQueue, FailedQueuePairDropsPostsInsteadOfWaiting) {
   Queues q(16, 8);
-  QueuePair qp;
-  qp.sq = q.sq;
-  qp.cq = q.cq;
-  qp.signal_mask = 3;
+  QueuePair qp = q.shared(3);
   EmulatedNic nic(q.view());
   std::vector<unsigned char> a(64, 7), b(64, 0);
   int dropped = 0;
@@ -266,6 +281,41 @@ TEST(IbgdaQueue, FailedQueuePairDropsPostsInsteadOfWaiting) {
   EXPECT_EQ(qp.error, 1u);
   EXPECT_GT(dropped, 0);
   EXPECT_EQ(q.ready, q.tickets) << "every ticket passed its turn on";
+}
+
+// Teardown: with selective signaling the last WQEs ask for no completion; drainQp() posts a
+// signaled NOP behind them and returns once it completes, i.e. once every WQE has.
+TEST(IbgdaQueue, DrainWaitsForEveryPostedWqe) {
+  Queues q(64, 8);
+  QueuePair qp = q.shared(63);
+  std::vector<unsigned char> src(100 * 64), dst(src.size(), 0);
+  std::mt19937 rng(11);
+  for (auto& b : src) b = static_cast<unsigned char>(rng());
+  EmulatedNic nic(q.view());
+  for (int i = 0; i < 100; ++i)  // one signaled (index 63), the last 36 not
+    ASSERT_TRUE(postQp(&qp, reinterpret_cast<uint64_t>(src.data() + i * 64), kLkey,
+                       reinterpret_cast<uint64_t>(dst.data() + i * 64), kRkey, 64));
+  ASSERT_TRUE(drainQp(&qp, std::chrono::steady_clock::now() + std::chrono::seconds(60)));
+  EXPECT_EQ(q.completed, 101u) << "the NOP (index 100) completed, and so everything before it";
+  EXPECT_GE(nic.executed(), 101u);
+  EXPECT_EQ(nic.error(), "");
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
+  ASSERT_TRUE(drainQp(&qp, std::chrono::steady_clock::now() + std::chrono::seconds(60))) << "again: nothing new";
+  EXPECT_EQ(q.completed, 102u);
+}
+
+// A NIC that stops answering, or a queue pair that failed, ends the drain (false) instead of
+// holding the teardown.
+TEST(IbgdaQueue, DrainGivesUp) {
+  Queues q(16, 4);
+  QueuePair qp = q.shared(63);
+  std::vector<unsigned char> a(64, 7), b(64, 0);
+  ASSERT_TRUE(postQp(&qp, reinterpret_cast<uint64_t>(a.data()), kLkey, reinterpret_cast<uint64_t>(b.data()), kRkey, 64));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(drainQp(&qp, t0 + std::chrono::milliseconds(200))) << "no NIC runs: the NOP never completes";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  qp.error = 1;
+  EXPECT_FALSE(drainQp(&qp, std::chrono::steady_clock::now() + std::chrono::seconds(60)));
 }
 
 #if defined(MOELINK_TEST_GPU_WQE)

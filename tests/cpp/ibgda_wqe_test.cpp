@@ -15,7 +15,8 @@ using namespace moelink::ep::ibgda;
 static_assert(sizeof(CtrlSeg) == sizeof(mlx5_wqe_ctrl_seg), "ctrl segment size");
 static_assert(sizeof(RaddrSeg) == sizeof(mlx5_wqe_raddr_seg), "raddr segment size");
 static_assert(sizeof(DataSeg) == sizeof(mlx5_wqe_data_seg), "data segment size");
-static_assert(kOpcodeRdmaWrite == MLX5_OPCODE_RDMA_WRITE && kOpcodeRdmaWriteImm == MLX5_OPCODE_RDMA_WRITE_IMM,
+static_assert(kOpcodeRdmaWrite == MLX5_OPCODE_RDMA_WRITE && kOpcodeRdmaWriteImm == MLX5_OPCODE_RDMA_WRITE_IMM &&
+                  kOpcodeNop == MLX5_OPCODE_NOP,
               "opcodes");
 static_assert(kCqUpdate == MLX5_WQE_CTRL_CQ_UPDATE && kFence == MLX5_WQE_CTRL_FENCE, "control flags");
 static_assert(kInlineSeg == MLX5_INLINE_SEG && sizeof(mlx5_wqe_inl_data_seg) == 4, "inline segment");
@@ -145,3 +146,13 @@ TEST(IbgdaWqe, GpuBuiltWqesMatchRdmaCore) {
   }
 }
 #endif
+
+TEST(IbgdaWqe, NopMatchesRdmaCore) {
+  for (bool signal : {false, true}) {
+    alignas(64) unsigned char want[64] = {0}, got[64] = {0};
+    mlx5dv_set_ctrl_seg(reinterpret_cast<mlx5_wqe_ctrl_seg*>(want), 0xfedc, MLX5_OPCODE_NOP, 0, 0x12345,
+                        signal ? MLX5_WQE_CTRL_CQ_UPDATE : 0, 1, 0, 0);
+    buildNop(got, 0xfedc, 0x12345, signal);
+    EXPECT_EQ(0, std::memcmp(want, got, sizeof want)) << "signal " << signal;
+  }
+}

@@ -77,6 +77,7 @@ class EpBuffer {
  private:
   kernels::Common common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active_ranks, int phases) const;
   // proxy[a][b] / ibgda[a][b]: how rank a reaches rank b (neither: CUDA IPC).
+  void drainIbgda() noexcept;
   void buildRoutes(const std::vector<std::vector<bool>>& proxy, const std::vector<std::vector<bool>>& ibgda);
   void setupIbgda(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
                   const std::vector<std::vector<bool>>& ibgda);

@@ -83,7 +83,7 @@ class EmulatedNic final : public Nic {
   }
 
   ~EmulatedNic() override {
-    drain();
+    finishAll();
     stop_ = true;
     thread_.join();
     cudaStreamDestroy(stream_);
@@ -141,7 +141,7 @@ class EmulatedNic final : public Nic {
 
  private:
   // Waits (up to 10 s) until every WQE posted so far is executed.
-  void drain() {
+  void finishAll() {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (std::chrono::steady_clock::now() < deadline) {
       {

@@ -19,6 +19,7 @@ struct Plugin {
   moelink_ibgda_create_qp_fn create_qp = nullptr;
   moelink_ibgda_connect_fn connect = nullptr;
   moelink_ibgda_close_fn close = nullptr;
+  moelink_ibgda_drain_fn drain = nullptr;
 };
 
 class PluginNic final : public Nic {
@@ -65,6 +66,15 @@ class PluginNic final : public Nic {
     return qp;
   }
 
+  bool drain(int peer, const QueueProgress& progress, int timeout_ms, std::string* why_not) override {
+    char err[512] = {0};
+    const moelink_ibgda_progress p{progress.posted, progress.completed, progress.cq_consumer, progress.signal_mask,
+                                   progress.failed ? 1u : 0u};
+    if (p_.drain(ctx_, peer, &p, timeout_ms, err, sizeof err) == 0) return true;
+    *why_not = err;
+    return false;
+  }
+
  private:
   Plugin p_;
   void* ctx_;
@@ -89,7 +99,8 @@ std::unique_ptr<Nic> openVerbsNic(int cuda_device, std::string* why_not) {
   p.create_qp = reinterpret_cast<moelink_ibgda_create_qp_fn>(dlsym(p.handle, "moelink_ibgda_create_qp"));
   p.connect = reinterpret_cast<moelink_ibgda_connect_fn>(dlsym(p.handle, "moelink_ibgda_connect"));
   p.close = reinterpret_cast<moelink_ibgda_close_fn>(dlsym(p.handle, "moelink_ibgda_close"));
-  if (!p.open || !p.reg || !p.create_qp || !p.connect || !p.close) {
+  p.drain = reinterpret_cast<moelink_ibgda_drain_fn>(dlsym(p.handle, "moelink_ibgda_drain"));
+  if (!p.open || !p.reg || !p.create_qp || !p.connect || !p.close || !p.drain) {
     dlclose(p.handle);
     *why_not = path + " lacks the moelink_ibgda_* entry points";
     return nullptr;

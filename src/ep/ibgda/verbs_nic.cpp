@@ -155,6 +155,18 @@ void closeCtx(Ctx* c) {
   delete c;
 }
 
+// The provider's layout of a queue pair's send queue and its CQ (host addresses).
+bool queuesOf(Qp* q, mlx5dv_qp* dq, mlx5dv_cq* dc, char* err, size_t errlen) {
+  mlx5dv_obj obj{};
+  obj.qp.in = q->qp;
+  obj.qp.out = dq;
+  obj.cq.in = q->cq;
+  obj.cq.out = dc;
+  if (mlx5dv_init_obj(&obj, MLX5DV_OBJ_QP | MLX5DV_OBJ_CQ) == 0) return true;
+  fail(err, errlen, "mlx5dv_init_obj failed");
+  return false;
+}
+
 // A CQ and an RC queue pair on the parent domain (queue memory from pdAlloc).
 bool makeQp(Ctx* c, Qp* q, char* err, size_t errlen) {
   ibv_cq_init_attr_ex ca{};
@@ -448,15 +460,7 @@ __attribute__((visibility("default"))) int moelink_ibgda_connect(void* ctx, int 
 
   mlx5dv_qp dq{};
   mlx5dv_cq dc{};
-  mlx5dv_obj obj{};
-  obj.qp.in = q->qp;
-  obj.qp.out = &dq;
-  obj.cq.in = q->cq;
-  obj.cq.out = &dc;
-  if (mlx5dv_init_obj(&obj, MLX5DV_OBJ_QP | MLX5DV_OBJ_CQ) != 0) {
-    fail(err, errlen, "mlx5dv_init_obj failed");
-    return -1;
-  }
+  if (!queuesOf(q, &dq, &dc, err, errlen)) return -1;
   const auto pow2 = [](uint32_t v) { return v != 0 && (v & (v - 1)) == 0; };
   if (dq.sq.stride != static_cast<uint32_t>(moelink::ep::ibgda::kBasicBlockBytes) || !pow2(dq.sq.wqe_cnt) ||
       dc.cqe_size != static_cast<uint32_t>(moelink::ep::ibgda::kCqeBytes) || !pow2(dc.cqe_cnt) ||
@@ -477,6 +481,48 @@ __attribute__((visibility("default"))) int moelink_ibgda_connect(void* ctx, int 
   out->cq_dbr = deviceOf<uint32_t>(c, dc.dbrec);
   if (!out->wqes || !out->sq_dbr || !out->cqes || !out->cq_dbr) {
     fail(err, errlen, "the provider did not place the queues in the parent domain's memory");
+    return -1;
+  }
+  return 0;
+}
+
+// Teardown: the GPU's posters are done; post a signaled NOP behind their WQEs from the host
+// (through the host's views of the same queues and doorbell) and wait for its completion.
+__attribute__((visibility("default"))) int moelink_ibgda_drain(void* ctx, int peer,
+                                                               const moelink_ibgda_progress* progress, int timeout_ms,
+                                                               char* err, size_t errlen) {
+  auto* c = static_cast<Ctx*>(ctx);
+  Qp* q = nullptr;
+  for (Qp& x : c->qps)
+    if (x.peer == peer) q = &x;
+  if (q == nullptr || q->qp == nullptr) {
+    fail(err, errlen, "no queue pair to this peer");
+    return -1;
+  }
+  if (progress->failed) {
+    fail(err, errlen, "the queue pair had failed (an error completion)");
+    return -1;
+  }
+  mlx5dv_qp dq{};
+  mlx5dv_cq dc{};
+  if (!queuesOf(q, &dq, &dc, err, errlen)) return -1;
+  uint64_t tickets = progress->posted, ready = progress->posted, completed = progress->completed;
+  moelink::ep::ibgda::QueuePair qp;
+  qp.sq.wqes = static_cast<unsigned char*>(dq.sq.buf);
+  qp.sq.depth = dq.sq.wqe_cnt;
+  qp.sq.qpn = q->qp->qp_num;
+  qp.sq.dbr = dq.dbrec;
+  qp.sq.doorbell = static_cast<uint64_t*>(dq.bf.reg);
+  qp.sq.tickets = &tickets;
+  qp.sq.ready = &ready;
+  qp.sq.completed = &completed;
+  qp.cq.cqes = static_cast<const unsigned char*>(dc.buf);
+  qp.cq.depth = dc.cqe_cnt;
+  qp.cq.dbr = dc.dbrec;
+  qp.cq.consumer = progress->cq_consumer;
+  qp.signal_mask = progress->signal_mask;
+  if (!moelink::ep::ibgda::drainQp(&qp, std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms))) {
+    fail(err, errlen, qp.error ? "an error completion" : "no completion within %d ms", timeout_ms);
     return -1;
   }
   return 0;

@@ -32,6 +32,15 @@ struct MemoryKeys {
   uint32_t rkey = 0;
 };
 
+// Where a queue pair's GPU posters left it (read back from the GPU after the kernels).
+struct QueueProgress {
+  uint64_t posted = 0;       // WQEs posted (`ready`)
+  uint64_t completed = 0;    // WQEs known completed
+  uint64_t cq_consumer = 0;  // CQEs consumed
+  uint32_t signal_mask = 0;
+  bool failed = false;       // an error completion was seen
+};
+
 class Nic {
  public:
   virtual ~Nic() = default;
@@ -44,6 +53,13 @@ class Nic {
   // Connects the queue pair to the peer's end (its createQueuePair() bytes) and returns the
   // queues for the GPU: device addresses, `tickets`, `ready` and `completed` left unset.
   virtual QueuePair connect(int peer, const std::vector<uint8_t>& remote) = 0;
+  // Waits until the NIC has completed every WQE posted on the queue pair to `peer`, once no
+  // kernel posts any more (teardown; drainQp() in queue.h). False, with the reason, if it
+  // failed or `timeout_ms` passed. The emulated NIC has nothing to do here: it carries out
+  // everything it was handed before it is destroyed.
+  virtual bool drain(int peer, const QueueProgress& progress, int timeout_ms, std::string* why_not) {
+    return true;
+  }
   // Destroyed once the kernels that post on the queues are done (the buffer is going away).
 };
 
@@ -90,4 +106,13 @@ typedef int (*moelink_ibgda_create_qp_fn)(void* ctx, int peer, unsigned char* ad
 typedef int (*moelink_ibgda_connect_fn)(void* ctx, int peer, const unsigned char* addr, size_t addrlen,
                                         struct moelink_ibgda_queues* out, char* err, size_t errlen);
 typedef void (*moelink_ibgda_close_fn)(void* ctx);
+struct moelink_ibgda_progress {  // moelink::ep::ibgda::QueueProgress
+  uint64_t posted;
+  uint64_t completed;
+  uint64_t cq_consumer;
+  uint32_t signal_mask;
+  uint32_t failed;
+};
+typedef int (*moelink_ibgda_drain_fn)(void* ctx, int peer, const struct moelink_ibgda_progress* progress,
+                                      int timeout_ms, char* err, size_t errlen);
 }

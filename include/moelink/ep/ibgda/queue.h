@@ -21,6 +21,7 @@
 //   `completed` advances to it + 1; the consumer index goes to the doorbell record (24 bits).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #if !defined(__CUDACC__)
 #include <sched.h>
@@ -213,9 +214,10 @@ MOELINK_HD void tryPoll(QueuePair* qp) {
 // than half full, and drops the WQE once the queue pair has failed (the turn is still passed
 // on, so that the WQEs after it are not held up). Returns whether the WQE was posted.
 template <typename Build>
-MOELINK_HD bool postWqeQp(QueuePair* qp, Build build) {
+MOELINK_HD bool postWqeQp(QueuePair* qp, Build build, uint64_t* index = nullptr) {
   const SendQueue& sq = qp->sq;
   const uint64_t idx = atomicTicket(sq.tickets);
+  if (index != nullptr) *index = idx;
   bool failed = false;
   while (idx - loadAcquire(sq.completed) >= sq.depth / 2) {
     if ((failed = loadAcquire(&qp->error) != 0)) break;
@@ -251,6 +253,30 @@ MOELINK_HD bool postInlineQp(QueuePair* qp, uint64_t raddr, uint32_t rkey, uint6
   return postWqeQp(qp, [&](unsigned char* wqe, uint64_t idx, bool signal) {
     buildRdmaWriteInline8(wqe, static_cast<uint16_t>(idx), qpn, signal, true, raddr, rkey, value);
   });
+}
+
+struct SignaledNop {  // postWqeQp's builder for drainQp (a functor: host and device alike)
+  uint32_t qpn;
+  MOELINK_HD void operator()(unsigned char* wqe, uint64_t idx, bool) const {
+    buildNop(wqe, static_cast<uint16_t>(idx), qpn, true);
+  }
+};
+
+// Waits, on the host, until the NIC has completed every WQE posted on the queue pair: posts a
+// signaled NOP after them and polls for its completion. For teardown, once nothing posts any
+// more (the kernels are done): with selective signaling the last WQEs ask for no completion,
+// and destroying the queue pair before they complete could cut them. Returns false if the
+// queue pair has failed or `deadline` passes first.
+inline bool drainQp(QueuePair* qp, std::chrono::steady_clock::time_point deadline) {
+  if (loadAcquire(&qp->error) != 0) return false;
+  uint64_t idx = 0;
+  if (!postWqeQp(qp, SignaledNop{qp->sq.qpn}, &idx)) return false;
+  while (loadAcquire(qp->sq.completed) < idx + 1) {
+    if (loadAcquire(&qp->error) != 0 || std::chrono::steady_clock::now() > deadline) return false;
+    tryPoll(qp);
+    spinPause();
+  }
+  return true;
 }
 
 }  // namespace moelink::ep::ibgda

@@ -18,6 +18,7 @@
 
 namespace moelink::ep::ibgda {
 
+constexpr uint8_t kOpcodeNop = 0x00;           // MLX5_OPCODE_NOP
 constexpr uint8_t kOpcodeRdmaWrite = 0x08;     // MLX5_OPCODE_RDMA_WRITE
 constexpr uint8_t kOpcodeRdmaWriteImm = 0x09;  // MLX5_OPCODE_RDMA_WRITE_IMM
 constexpr uint8_t kCqUpdate = 2 << 2;          // MLX5_WQE_CTRL_CQ_UPDATE: signal a completion
@@ -117,6 +118,14 @@ MOELINK_HD void buildRdmaWriteInline8(void* wqe, uint16_t pi, uint32_t qpn, bool
   words[1] = static_cast<uint32_t>(value);
   words[2] = static_cast<uint32_t>(value >> 32);
   words[3] = 0;
+}
+
+// A NOP: the control segment alone (ds = 1). Signaled, its completion tells that every WQE
+// before it on the queue has completed (an RC send queue completes in order).
+MOELINK_HD void buildNop(void* wqe, uint16_t pi, uint32_t qpn, bool signal) {
+  CtrlSeg* ctrl = static_cast<CtrlSeg*>(wqe);
+  ctrl->dci_stream_channel_id = 0;
+  setCtrlSeg(ctrl, pi, kOpcodeNop, 0, qpn, signal ? kCqUpdate : 0, 1, 0, 0);
 }
 
 }  // namespace moelink::ep::ibgda
