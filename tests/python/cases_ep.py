@@ -300,14 +300,19 @@ def timeout_masks_absent_rank(rank, world, num_experts=NUM_EXPERTS):
 
 
 def few_experts(rank, world):
-    """64 experts (fewer local experts than the other cases, more tokens per expert), and
-    the absent-rank timeout with them."""
+    """64 experts (fewer local experts than the other cases, more tokens per expert), hidden
+    384 (an odd number of FP8 scale groups per row), and the absent-rank timeout."""
     _setup(rank)
     ne = 64
     buf = moelink.Buffer(None, MAX_TOKENS, 2048, ne)
     for tokens, topk, use_fp8 in ((128, 8, True), (128, 8, False), (17, 1, True), (128, 16, False)):
         check_round(buf, rank, world, tokens, 2048, topk, use_fp8, num_experts=ne)
     check_round(buf, rank, world, 64, 2048, 8, True, num_experts=ne, return_recv_hook=True)
+    del buf
+    # hidden 384: an odd number of FP8 scale groups per row (3)
+    buf = moelink.Buffer(None, MAX_TOKENS, 384, ne)
+    for tokens, topk, use_fp8 in ((128, 8, True), (17, 4, True), (64, 8, False)):
+        check_round(buf, rank, world, tokens, 384, topk, use_fp8, num_experts=ne)
     del buf
     torch.cuda.synchronize()
     dist.barrier()

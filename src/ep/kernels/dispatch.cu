@@ -187,7 +187,9 @@ __device__ void packRows(const DispatchArgs& a, int le, const int* s_begin) {
   const uint64_t rows_per_expert = static_cast<uint64_t>(L.num_ranks) * L.max_tokens;
   const int data_vecs = kFp8 ? L.hidden / 16 : L.hidden / 8;
   const int groups = L.hidden / kHiddenAlign;
-  const int pairs = min(groups / 2, 32);  // scale pairs loaded with the data, one per lane
+  // Scale pairs loaded with the data, one per lane; float2 stores need an even group count
+  // (the rows of recv_scales are groups * 4 bytes apart), else the scales go one by one.
+  const int pairs = groups % 2 == 0 ? min(groups / 2, 32) : 0;
   const int parts = (data_vecs + 32 * kRecvVecsPerLane - 1) / (32 * kRecvVecsPerLane);
   const int total = s_begin[L.num_ranks];
   for (int item = threadIdx.x / 32; item < total * parts; item += kWarps) {
