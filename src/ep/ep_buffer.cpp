@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +29,38 @@ std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}
 
 uint64_t align(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
+// Where one source's messages land in a buffer half or inbox half, as offsets, in the order of
+// the PeerRoute field lists below: its dispatch rows, slot entries and count column, the combine
+// region and flags (shared by all sources), its route entries and route flag.
+using Landing = std::array<uint64_t, 7>;
+
+constexpr char* kernels::PeerRoute::*kRecvFields[] = {
+    &kernels::PeerRoute::dispatch_recv, &kernels::PeerRoute::index_recv, &kernels::PeerRoute::count_recv,
+    &kernels::PeerRoute::combine_recv,  &kernels::PeerRoute::flag_recv,  &kernels::PeerRoute::route_recv,
+    &kernels::PeerRoute::route_flag_recv};
+constexpr char* kernels::PeerRoute::*kSendFields[] = {
+    &kernels::PeerRoute::dispatch_send, &kernels::PeerRoute::index_send, &kernels::PeerRoute::count_send,
+    &kernels::PeerRoute::combine_send,  &kernels::PeerRoute::flag_send,  &kernels::PeerRoute::route_send,
+    &kernels::PeerRoute::route_flag_send};
+constexpr uint64_t kernels::PeerRoute::*kRemoteFields[] = {
+    &kernels::PeerRoute::dispatch_remote, &kernels::PeerRoute::index_remote, &kernels::PeerRoute::count_remote,
+    &kernels::PeerRoute::combine_remote,  &kernels::PeerRoute::flag_remote,  &kernels::PeerRoute::route_remote,
+    &kernels::PeerRoute::route_flag_remote};
+
+// Sets the route's fields to base + the landing's offsets.
+template <typename Field, typename Base>
+void place(kernels::PeerRoute& pr, const Field (&fields)[7], Base base, const Landing& at) {
+  for (size_t i = 0; i < at.size(); ++i) pr.*fields[i] = base + at[i];
+}
+
+// Source s in a GPU buffer half.
+Landing bufferLanding(const EpLayout& L, int s) {
+  return {L.off_dispatch_x + s * L.dispatch_col_bytes,  L.off_dispatch_index + s * L.index_col_bytes,
+          L.off_dispatch_count + s * L.countColBytes(), L.off_combine_x,
+          L.off_combine_flag,                           L.off_combine_route + s * L.routeColBytes(),
+          L.off_route_flag + s * kSignalBytes};
+}
+
 // Where things live in one half of a rank's proxy inbox, for `sources` proxy sources:
 // their dispatch rows and slot entries, one combine_x region (rows from any proxy source),
 // their count columns, the combine flags, their combine route entries and route flags.
@@ -41,6 +74,13 @@ struct InboxLayout {
     off_route = align(off_flag + L.flagRegionBytes(), 128);
     off_route_flag = align(off_route + sources * L.routeColBytes(), 128);
     half = align(off_route_flag + static_cast<uint64_t>(sources) * kSignalBytes, 4096);
+  }
+  // Proxy source j (the j-th of the rank's proxy sources) in a half.
+  Landing of(const EpLayout& L, int j) const {
+    return {j * L.dispatch_col_bytes,        off_index + j * L.index_col_bytes,
+            off_count + j * L.countColBytes(), off_combine,
+            off_flag,                          off_route + j * L.routeColBytes(),
+            off_route_flag + j * kSignalBytes};
   }
 };
 
@@ -317,7 +357,6 @@ void EpBuffer::setupIbgda(const c10::intrusive_ptr<c10d::Store>& store, const st
 
 void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const std::vector<std::vector<bool>>& ibgda) {
   const EpLayout& L = layout_;
-  const uint64_t count_col = L.countColBytes();
   std::vector<kernels::PeerRoute> routes(2 * size_);
   const InboxLayout in_me(L, countOf(proxy[rank_]));
   const uint64_t window = outboxWindow(L);
@@ -334,42 +373,18 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
         pr.route_send = pr.combine_send + L.combineRegionBytes();
       };
       if (!proxy[rank_][r]) {
-        // Receives land in this rank's own buffer (from itself, NVLink and IBGDA peers).
-        pr.dispatch_recv = my_half + L.off_dispatch_x + r * L.dispatch_col_bytes;
-        pr.index_recv = my_half + L.off_dispatch_index + r * L.index_col_bytes;
-        pr.count_recv = my_half + L.off_dispatch_count + r * count_col;
-        pr.combine_recv = my_half + L.off_combine_x;
-        pr.flag_recv = my_half + L.off_combine_flag;
-        pr.route_recv = my_half + L.off_combine_route + r * L.routeColBytes();
-        pr.route_flag_recv = my_half + L.off_route_flag + r * kSignalBytes;
-        // Where this rank's sends land in the peer's buffer half (offsets).
-        const uint64_t to_dispatch = L.off_dispatch_x + rank_ * L.dispatch_col_bytes;
-        const uint64_t to_index = L.off_dispatch_index + rank_ * L.index_col_bytes;
-        const uint64_t to_count = L.off_dispatch_count + rank_ * count_col;
-        const uint64_t to_route = L.off_combine_route + rank_ * L.routeColBytes();
-        const uint64_t to_route_flag = L.off_route_flag + rank_ * kSignalBytes;
+        // Receives land in this rank's own buffer (from itself, NVLink and IBGDA peers), sends
+        // in the peer's buffer half.
+        place(pr, kRecvFields, my_half, bufferLanding(L, r));
+        const Landing there = bufferLanding(L, rank_);
         if (!ibgda[rank_][r]) {  // stores through the mapping
-          char* peer_half = peers_[r] + h * L.half_bytes;
-          pr.dispatch_send = peer_half + to_dispatch;
-          pr.index_send = peer_half + to_index;
-          pr.count_send = peer_half + to_count;
-          pr.combine_send = peer_half + L.off_combine_x;
-          pr.flag_send = peer_half + L.off_combine_flag;
-          pr.route_send = peer_half + to_route;
-          pr.route_flag_send = peer_half + to_route_flag;
+          place(pr, kSendFields, peers_[r] + h * L.half_bytes, there);
           continue;
         }
         // IBGDA: the staging window for (half, peer), posted as WRITEs to the peer's buffer.
         const int j = indexOf(ibgda[rank_], r);
         set_window(staging_ + (static_cast<uint64_t>(h) * ibgda_peers_.size() + j) * window);
-        const uint64_t rb = remote_[r].base + h * L.half_bytes;
-        pr.dispatch_remote = rb + to_dispatch;
-        pr.index_remote = rb + to_index;
-        pr.count_remote = rb + to_count;
-        pr.combine_remote = rb + L.off_combine_x;
-        pr.flag_remote = rb + L.off_combine_flag;
-        pr.route_remote = rb + to_route;
-        pr.route_flag_remote = rb + to_route_flag;
+        place(pr, kRemoteFields, remote_[r].base + h * L.half_bytes, there);
         pr.qp = qps_dev_ + j;
         pr.lkey = staging_lkey_;
         pr.rkey = remote_[r].rkey;
@@ -380,22 +395,8 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
       const int jm = indexOf(proxy[r], rank_);     // this rank among r's proxy peers
       const InboxLayout in_r(L, countOf(proxy[r]));
       set_window(proxy_->outbox() + (static_cast<uint64_t>(h) * countOf(proxy[rank_]) + j) * window);
-      const uint64_t r_half = h * in_r.half;
-      pr.dispatch_remote = r_half + jm * L.dispatch_col_bytes;
-      pr.index_remote = r_half + in_r.off_index + jm * L.index_col_bytes;
-      pr.count_remote = r_half + in_r.off_count + jm * count_col;
-      pr.combine_remote = r_half + in_r.off_combine;
-      pr.flag_remote = r_half + in_r.off_flag;
-      pr.route_remote = r_half + in_r.off_route + jm * L.routeColBytes();
-      pr.route_flag_remote = r_half + in_r.off_route_flag + jm * kSignalBytes;
-      char* ib = proxy_->inbox() + h * in_me.half;
-      pr.dispatch_recv = ib + j * L.dispatch_col_bytes;
-      pr.index_recv = ib + in_me.off_index + j * L.index_col_bytes;
-      pr.count_recv = ib + in_me.off_count + j * count_col;
-      pr.combine_recv = ib + in_me.off_combine;
-      pr.flag_recv = ib + in_me.off_flag;
-      pr.route_recv = ib + in_me.off_route + j * L.routeColBytes();
-      pr.route_flag_recv = ib + in_me.off_route_flag + j * kSignalBytes;
+      place(pr, kRemoteFields, h * in_r.half, in_r.of(L, jm));
+      place(pr, kRecvFields, proxy_->inbox() + h * in_me.half, in_me.of(L, j));
     }
   }
   cudaCheck(cudaMalloc(&routes_dev_, routes.size() * sizeof(kernels::PeerRoute)), "cudaMalloc(routes)");

@@ -321,16 +321,28 @@ TEST(IbgdaQueue, DrainGivesUp) {
 #if defined(MOELINK_TEST_GPU_WQE)
 #include "ibgda_wqe_gpu.h"
 
+namespace {
+
+// The GPU tests' queues: a 256-entry send queue, a 64-entry CQ with every entry invalid (as the
+// driver initializes one), and 16384 x 64 bytes of random source data. "" or why not.
+std::string prepareGpuRun(GpuQueueRun& run, unsigned seed) {
+  const std::string why = gpuQueueAlloc(run, /*sq_depth=*/256, /*cq_depth=*/64, /*bytes=*/16384 * 64);
+  if (!why.empty()) return why;
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i < run.bytes; ++i) run.src[i] = static_cast<unsigned char>(rng());
+  for (uint32_t i = 0; i < run.cq_depth; ++i)
+    reinterpret_cast<mlx5_cqe64*>(run.cqes)[i].op_own = MLX5_CQE_INVALID << 4;
+  return "";
+}
+
+}  // namespace
+
 // The EP kernels' way on the GPU: 2048 threads share one QueuePair through a 256-entry send
 // queue, every 16th WQE signaled, the posters polling the 64-entry completion queue themselves.
 TEST(IbgdaQueue, GpuThreadsShareAQueuePair) {
   GpuQueueRun run;
-  const std::string why = gpuQueueAlloc(run, /*sq_depth=*/256, /*cq_depth=*/64, /*bytes=*/16384 * 64);
+  const std::string why = prepareGpuRun(run, 10);
   if (!why.empty()) GTEST_SKIP() << why;
-  std::mt19937 rng(10);
-  for (size_t i = 0; i < run.bytes; ++i) run.src[i] = static_cast<unsigned char>(rng());
-  for (uint32_t i = 0; i < run.cq_depth; ++i)
-    reinterpret_cast<mlx5_cqe64*>(run.cqes)[i].op_own = MLX5_CQE_INVALID << 4;
   std::string err;
   {
     EmulatedNic nic(NicView{run.wqes, run.cqes, run.sq_dbr, run.cq_dbr, run.sq_depth, run.cq_depth});
@@ -357,12 +369,8 @@ TEST(IbgdaQueue, GpuThreadsShareAQueuePair) {
 // poller's consumer index.
 TEST(IbgdaQueue, GpuThreadsPostAndPollThroughWrappingQueues) {
   GpuQueueRun run;
-  const std::string why = gpuQueueAlloc(run, /*sq_depth=*/256, /*cq_depth=*/64, /*bytes=*/16384 * 64);
+  const std::string why = prepareGpuRun(run, 9);
   if (!why.empty()) GTEST_SKIP() << why;
-  std::mt19937 rng(9);
-  for (size_t i = 0; i < run.bytes; ++i) run.src[i] = static_cast<unsigned char>(rng());
-  for (uint32_t i = 0; i < run.cq_depth; ++i)  // as the driver initializes a CQ
-    reinterpret_cast<mlx5_cqe64*>(run.cqes)[i].op_own = MLX5_CQE_INVALID << 4;
   std::string err;
   {
     EmulatedNic nic(NicView{run.wqes, run.cqes, run.sq_dbr, run.cq_dbr, run.sq_depth, run.cq_depth});

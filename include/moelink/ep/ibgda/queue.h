@@ -108,6 +108,19 @@ struct CompletionQueue {
   uint64_t consumer = 0;                // owned by the one polling thread
 };
 
+// WQE idx's turn, in index order: with `ring`, the doorbell record and the doorbell tell the
+// NIC of it; then the next WQE's turn comes.
+MOELINK_HD void publish(const SendQueue& sq, uint64_t idx, const unsigned char* wqe, bool ring) {
+  while (loadAcquire(sq.ready) != idx) spinPause();
+  if (ring) {
+    fenceSystem();  // the WQE before the doorbell record
+    storeVolatile32(sq.dbr + kSendDbr, toBig32(static_cast<uint32_t>(idx + 1) & 0xffff));
+    fenceSystem();  // the doorbell record before the doorbell
+    storeVolatile64(sq.doorbell, *reinterpret_cast<const uint64_t*>(wqe));
+  }
+  storeRelease(sq.ready, idx + 1);
+}
+
 // Posts one WQE that `build(wqe, index)` writes into its 64-byte slot. Returns its index.
 template <typename Build>
 MOELINK_HD uint64_t postWqe(const SendQueue& sq, Build build) {
@@ -115,12 +128,7 @@ MOELINK_HD uint64_t postWqe(const SendQueue& sq, Build build) {
   while (idx - loadAcquire(sq.completed) >= sq.depth) spinPause();  // the slot holds an uncompleted WQE
   unsigned char* wqe = sq.wqes + (idx & (sq.depth - 1)) * kBasicBlockBytes;
   build(wqe, idx);
-  while (loadAcquire(sq.ready) != idx) spinPause();  // publish in index order
-  fenceSystem();  // the WQE before the doorbell record
-  storeVolatile32(sq.dbr + kSendDbr, toBig32(static_cast<uint32_t>(idx + 1) & 0xffff));
-  fenceSystem();  // the doorbell record before the doorbell
-  storeVolatile64(sq.doorbell, *reinterpret_cast<const uint64_t*>(wqe));
-  storeRelease(sq.ready, idx + 1);
+  publish(sq, idx, wqe, true);
   return idx;
 }
 
@@ -227,14 +235,7 @@ MOELINK_HD bool postWqeQp(QueuePair* qp, Build build, uint64_t* index = nullptr)
   }
   unsigned char* wqe = sq.wqes + (idx & (sq.depth - 1)) * kBasicBlockBytes;
   if (!failed) build(wqe, idx, (static_cast<uint32_t>(idx) & qp->signal_mask) == qp->signal_mask);
-  while (loadAcquire(sq.ready) != idx) spinPause();  // publish in index order
-  if (!failed) {
-    fenceSystem();
-    storeVolatile32(sq.dbr + kSendDbr, toBig32(static_cast<uint32_t>(idx + 1) & 0xffff));
-    fenceSystem();
-    storeVolatile64(sq.doorbell, *reinterpret_cast<const uint64_t*>(wqe));
-  }
-  storeRelease(sq.ready, idx + 1);
+  publish(sq, idx, wqe, !failed);
   return !failed;
 }
 
