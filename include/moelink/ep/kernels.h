@@ -30,8 +30,10 @@ enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 
 // Scratch integers a buffer keeps (zeroed once at allocation; every call leaves them zero
 // again): for dispatch, per global expert a slot counter, a finish counter and the expected
-// count; for combine, a counter of the blocks that have read the route flags.
-inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts + 1; }
+// count, then (after combine's int) per local expert a ready flag: the receive blocks that
+// have yet to read the expert's layout; for combine, a counter of the blocks that have read
+// the route flags.
+inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts + 1 + l.num_local_experts; }
 inline int combineScratchOffset(const EpLayout& l) { return 3 * l.num_experts; }
 
 struct PeerRoute {

@@ -28,9 +28,10 @@ namespace {
 constexpr int kWarps = 32;
 constexpr int kThreads = kWarps * 32;
 constexpr int kSendVecsPerLane = 4;       // a send chunk: 32 lanes x 4 x 16 B
-constexpr int kRecvVecsPerLane = 8;       // a receive chunk: 32 lanes x 8 x 16 B
 constexpr int kFinishTag = 1 << 30;  // above any expert's count (tokens * top-k < 2^30)
 constexpr float kFp8Max = 448.0f;
+constexpr int kMaxSplit = 4;  // receive blocks per local expert
+constexpr int kRecvVecsPerLane = 4;  // a receive chunk: 32 lanes x 4 x 16 B
 
 __device__ __forceinline__ float halfWarpMax(float v) {
   for (int o = 8; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -177,10 +178,11 @@ __device__ void layoutExpert(const DispatchArgs& a, int le, const int* s_n, int*
   a.recv_count[le] = begin;
 }
 
-// Copies local expert le's rows into the packed outputs, a row part per warp at a time. The
-// first part of a row carries its scales (loaded along with the data) and source info.
+// Copies local expert le's rows into the packed outputs: of the expert's (row, part) items,
+// items first, first + step, ..., one per warp at a time. The first part of a row carries its
+// scales (loaded along with the data) and source info.
 template <bool kFp8>
-__device__ void packRows(const DispatchArgs& a, int le, const int* s_begin) {
+__device__ void packRows(const DispatchArgs& a, int le, const int* s_begin, int first, int step) {
   const EpLayout& L = a.c.layout;
   const int lane = threadIdx.x % 32;
   const uint64_t msg_bytes = L.dispatch_msg_bytes;
@@ -192,7 +194,7 @@ __device__ void packRows(const DispatchArgs& a, int le, const int* s_begin) {
   const int pairs = groups % 2 == 0 ? min(groups / 2, 32) : 0;
   const int parts = (data_vecs + 32 * kRecvVecsPerLane - 1) / (32 * kRecvVecsPerLane);
   const int total = s_begin[L.num_ranks];
-  for (int item = threadIdx.x / 32; item < total * parts; item += kWarps) {
+  for (int item = first; item < total * parts; item += step) {
     const int j = item / parts, p = item % parts;
     int s = 0;
     while (s_begin[s + 1] <= j) ++s;
@@ -340,34 +342,51 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   }
 
   if (!(a.c.phases & kRecvPhase)) return;
-  // Receive phase: a block per local expert waits for every source's count, lays the
-  // sources' rows out one after the other and copies the rows the slots name. (Measured
-  // slower: packing each source as its count lands, with a block per (expert, source) and
-  // rows claimed by atomicAdd, which overlaps the packing with sends still in flight;
-  // loading the slot entries into shared memory first. Two blocks per expert shortened the
-  // receive but, with the code that keeps their layouts consistent when a source times out,
-  // lengthened the send phase about as much: docs/PERF.md.)
+  // Receive phase: `split` blocks per local expert (as many as the grid has, up to kMaxSplit).
+  // The first waits for every source's count, lays the sources' rows out one after the other
+  // and hands the layout to the others through layout_range and a ready flag; then each
+  // copies every split-th item of the rows the slots name. Only the first reads the counts,
+  // so a source timing out cannot give two blocks different layouts. (Measured slower:
+  // packing each source as its count lands, with a block per (expert, source) and rows
+  // claimed by atomicAdd, which overlaps the packing with sends still in flight; loading the
+  // slot entries into shared memory first; blocks that each read the counts and reconcile
+  // their views afterwards: docs/PERF.md.)
   __syncthreads();
   int* s_n = ints;                    // [num_ranks]
   int* s_begin = ints + L.num_ranks;  // [num_ranks + 1]
-  for (int le = blockIdx.x; le < L.num_local_experts; le += gridDim.x) {
-    for (int s = tid; s < L.num_ranks; s += kThreads) {
-      int* count = reinterpret_cast<int*>(a.c.routes[s].count_recv + le * kSignalBytes);
-      int v = 0;
-      if (a.c.active[s]) {
-        v = waitNonZero(count, a.c.timeout_ns);
-        if (v == 0) atomicExch(a.c.active + s, 0);  // timed out: masked
+  const int split = max(1, min(static_cast<int>(gridDim.x) / L.num_local_experts, kMaxSplit));
+  int* ready = a.scratch + 3 * L.num_experts + 1;  // [local expert] (see scratchInts)
+  for (int u = blockIdx.x; u < L.num_local_experts * split; u += gridDim.x) {
+    const int le = u % L.num_local_experts, part = u / L.num_local_experts;
+    if (part == 0) {
+      for (int s = tid; s < L.num_ranks; s += kThreads) {
+        int* count = reinterpret_cast<int*>(a.c.routes[s].count_recv + le * kSignalBytes);
+        int v = 0;
+        if (a.c.active[s]) {
+          v = waitNonZero(count, a.c.timeout_ns);
+          if (v == 0) atomicExch(a.c.active + s, 0);  // timed out: masked
+        }
+        resetSignal(count);  // ready for the round after next
+        s_n[s] = v ? -v - 1 : 0;
       }
-      resetSignal(count);  // ready for the round after next
-      s_n[s] = v ? -v - 1 : 0;
+      __syncthreads();
+      if (tid == 0) {
+        if (u == static_cast<int>(blockIdx.x)) tracePoint(a.c, 4);
+        layoutExpert(a, le, s_n, s_begin);
+        // Releases this thread's layout_range and recv_count stores to the other blocks; the
+        // last of them to read it leaves the flag 0 again.
+        if (split > 1) stReleaseGpu(ready + le, split - 1);
+      }
+    } else if (tid == 0) {
+      while (ldAcquireGpu(ready + le) == 0) {
+      }
+      for (int s = 0; s < L.num_ranks; ++s) s_begin[s] = static_cast<int>(a.layout_range[le * L.num_ranks + s] >> 32);
+      s_begin[L.num_ranks] = a.recv_count[le];
+      atomicSub(ready + le, 1);
+      tracePoint(a.c, 4);
     }
     __syncthreads();
-    if (tid == 0) {
-      if (le == static_cast<int>(blockIdx.x)) tracePoint(a.c, 4);
-      layoutExpert(a, le, s_n, s_begin);
-    }
-    __syncthreads();
-    packRows<kFp8>(a, le, s_begin);
+    packRows<kFp8>(a, le, s_begin, split * (threadIdx.x / 32) + part, split * kWarps);
     __syncthreads();  // s_n and s_begin are reused by the next expert
   }
   if (tid == 0) tracePoint(a.c, 5);
