@@ -10,8 +10,8 @@
 // or with the row split into chunks over the warps (proxy destinations, or use_tma off).
 // Each (token, top-k) then adds 1 to its expert's finish counter; whichever addition
 // completes an expert's counter sends its count. Receive phase: a block per local expert
-// waits for every source's count and copies the rows the slots name into the packed
-// outputs.
+// waits for every source's count and lays the expert out; it and up to three more blocks
+// (where the grid has them) copy the rows the slots name into the packed outputs.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
