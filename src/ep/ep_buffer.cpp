@@ -536,6 +536,7 @@ DispatchOutputs EpBuffer::dispatch(const at::Tensor& x, const at::Tensor& topk_i
   a.round_scale = round_scale;
   a.use_tma = use_tma_;
   a.scratch = scratch_;
+  a.ready = scratch_ + kernels::dispatchReadyOffset(layout_);
   setDispatchOutputs(a, out, use_fp8);
   kernels::dispatch(a, c10::cuda::getCurrentCUDAStream(device_).stream());
   return out;
@@ -548,6 +549,7 @@ void EpBuffer::dispatchRecv(DispatchOutputs& out, bool use_fp8, int64_t timeout_
   a.c = common(static_cast<int>(out.half), timeout_us, active, kernels::kRecvPhase);
   a.use_fp8 = use_fp8;
   a.scratch = scratch_;
+  a.ready = scratch_ + kernels::dispatchReadyOffset(layout_);
   setDispatchOutputs(a, out, use_fp8);
   kernels::dispatch(a, c10::cuda::getCurrentCUDAStream(device_).stream());
 }

@@ -35,6 +35,7 @@ enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 // the route flags.
 inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts + 1 + l.num_local_experts; }
 inline int combineScratchOffset(const EpLayout& l) { return 3 * l.num_experts; }
+inline int dispatchReadyOffset(const EpLayout& l) { return 3 * l.num_experts + 1; }
 
 struct PeerRoute {
   // Sends to the peer.
@@ -117,6 +118,7 @@ struct DispatchArgs {
   bool round_scale = false;  // FP8 scales rounded up to a power of two
   bool use_tma = false;      // messages to GPU peers as bulk copies (TMA) instead of warp stores
   int* scratch = nullptr;    // scratchInts() int32
+  int* ready = nullptr;      // scratch ints (at dispatchReadyOffset()): the receive's ready flags
   // outputs (receive phase)
   void* recv_x = nullptr;        // bf16 or e4m3 [local, ranks*max_tokens, hidden]
   float* recv_scales = nullptr;  // [local, ranks*max_tokens, hidden/128] when FP8

@@ -355,7 +355,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   int* s_n = ints;                    // [num_ranks]
   int* s_begin = ints + L.num_ranks;  // [num_ranks + 1]
   const int split = max(1, min(static_cast<int>(gridDim.x) / L.num_local_experts, kMaxSplit));
-  int* ready = a.scratch + 3 * L.num_experts + 1;  // [local expert] (see scratchInts)
   for (int u = blockIdx.x; u < L.num_local_experts * split; u += gridDim.x) {
     const int le = u % L.num_local_experts, part = u / L.num_local_experts;
     if (part == 0) {
@@ -375,14 +374,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
         layoutExpert(a, le, s_n, s_begin);
         // Releases this thread's layout_range and recv_count stores to the other blocks; the
         // last of them to read it leaves the flag 0 again.
-        if (split > 1) stReleaseGpu(ready + le, split - 1);
+        if (split > 1) stReleaseGpu(a.ready + le, split - 1);
       }
     } else if (tid == 0) {
-      while (ldAcquireGpu(ready + le) == 0) {
+      while (ldAcquireGpu(a.ready + le) == 0) {
       }
       for (int s = 0; s < L.num_ranks; ++s) s_begin[s] = static_cast<int>(a.layout_range[le * L.num_ranks + s] >> 32);
       s_begin[L.num_ranks] = a.recv_count[le];
-      atomicSub(ready + le, 1);
+      atomicSub(a.ready + le, 1);
       tracePoint(a.c, 4);
     }
     __syncthreads();
