@@ -31,6 +31,9 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def("transport_of", &EpBackend::transportOf, py::arg("rank"),
            "How this rank reaches `rank` for collectives: 'shm', 'tcp' or 'local'.")
       .def("active_ranks", &EpBackend::activeRanks, "Ranks currently in the active-rank mask.")
+      .def("cuda_path", &EpBackend::cudaPath,
+           "How CUDA tensors travel in this group: 'nvlink' (in-host kernels), 'host' (staged through host "
+           "memory), or '' before the group's first CUDA op.")
       .def_property_readonly("timeout", &EpBackend::timeout)
       .def_property_readonly("rank", &EpBackend::getRank)
       .def_property_readonly("size", &EpBackend::getSize)

@@ -1,10 +1,13 @@
-"""Backend "ep" side by side with gloo: median latency and bus bandwidth per op and size.
+"""Backend "ep" side by side with an anchor: median latency and bus bandwidth per op and size.
 
     python examples/bench/collectives.py [--nproc 4] [--iters 20] [--out collectives.png]
+    python examples/bench/collectives.py --device cuda --gpus 2 [--max-bytes 1073741824]
 
-Spawns `nproc` processes on this machine; each joins an "ep" group and a gloo group over
-the same store and times every op on both, alternating, after warm-up. Prints a table
-(median of `iters` runs, max over ranks per run) with the ep/gloo ratio, and writes a PNG.
+Spawns `nproc` processes on this machine (with --device cuda: one per GPU); each joins an "ep"
+group and an anchor group over the same store (gloo for CPU tensors, NCCL for CUDA tensors) and
+times every op on both, alternating, after warm-up. Prints a table (median of `iters` runs,
+max over ranks per run) with the ep/anchor ratio, and writes a PNG. A CUDA op is timed from a
+synchronized start to torch.cuda.synchronize() after it, as a caller that needs the result sees it.
 Bus bandwidth follows nccl-tests: allreduce 2(n-1)/n, allgather / reduce_scatter /
 alltoall (n-1)/n, broadcast 1, times the message bytes over the time.
 """
@@ -47,37 +50,46 @@ def run_op(op, nbytes, group, world, bufs):
         dist.broadcast(x, src=0, group=group)
 
 
-def time_op(op, nbytes, group, world, iters, warmup):
+def time_op(op, nbytes, group, world, iters, warmup, device="cpu", sync_group=None):
     n = max(world, nbytes // 4 // world * world)
-    bufs = (torch.ones(n), torch.empty(n))
+    bufs = (torch.ones(n, device=device), torch.empty(n, device=device))
+    cuda = device != "cpu"
     for _ in range(warmup):
         run_op(op, nbytes, group, world, bufs)
     times = []
     for _ in range(iters):
-        dist.barrier(group=group)
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier(group=sync_group or group)
         t0 = time.perf_counter()
         run_op(op, nbytes, group, world, bufs)
+        if cuda:
+            torch.cuda.synchronize()
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync_group or group)
         times.append(dt.item())
     return statistics.median(times)
 
 
-def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, q):
+def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, q):
     os.environ["MOELINK_TRANSPORT"] = transport
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import moelink  # noqa: F401
 
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     dist.init_process_group("ep", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    gloo = dist.new_group(backend="gloo")
+    anchor = dist.new_group(backend="nccl" if device == "cuda" else "gloo")
     ep = dist.group.WORLD
     rows = []
     for op in ops:
         for nbytes in sizes:
-            iters_here = iters if nbytes < (8 << 20) else max(5, iters // 4)
-            warm = 3 if nbytes < (8 << 20) else 1
-            t_ep = time_op(op, nbytes, ep, world, iters_here, warm)
-            t_gloo = time_op(op, nbytes, gloo, world, iters_here, warm) if with_gloo else float("nan")
-            rows.append((op, nbytes, t_ep, t_gloo))
+            big = nbytes >= (8 << 20)
+            iters_here = iters if not big else max(5, iters // 4)
+            warm = 3 if not big else 1
+            t_ep = time_op(op, nbytes, ep, world, iters_here, warm, device, ep)
+            t_anchor = time_op(op, nbytes, anchor, world, iters_here, warm, device, ep) if with_gloo else float("nan")
+            rows.append((op, nbytes, t_ep, t_anchor))
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -94,12 +106,14 @@ def fmt_bytes(b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--gpus", type=int, default=0, help="with --device cuda: processes (one per GPU)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--min-bytes", type=int, default=4 << 10)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--transport", default=os.environ.get("MOELINK_TRANSPORT", "auto"))
     ap.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
-    ap.add_argument("--no-gloo", action="store_true", help="time backend ep only")
+    ap.add_argument("--no-gloo", "--no-anchor", action="store_true", help="time backend ep only")
     ap.add_argument("--out", default="collectives.png")
     args = ap.parse_args()
     sizes = []
@@ -107,12 +121,22 @@ def main():
     while s <= args.max_bytes:
         sizes.append(s)
         s *= 4
+    if sizes and sizes[-1] != args.max_bytes:
+        sizes.append(args.max_bytes)
     ops = [o for o in args.ops.split(",") if o]
-    rows = run_ranks(worker, args.nproc, (sizes, args.iters, args.transport, ops, not args.no_gloo), timeout=3600)
     n = args.nproc
-    print(f"# {n} ranks, ep transport={args.transport}, median of {args.iters} (max over ranks), "
+    anchor = "gloo"
+    if args.device == "cuda":
+        n = args.gpus or torch.cuda.device_count()
+        anchor = "nccl"
+    rows = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device),
+                     timeout=3600)
+    path = os.environ.get("MOELINK_RANKS_PER_HOST")
+    print(f"# {n} ranks, {args.device} tensors, ep transport={args.transport}"
+          f"{', MOELINK_RANKS_PER_HOST=' + path if path else ''}, median of {args.iters} (max over ranks), "
           f"torch {torch.__version__}")
-    print(f"{'op':<15}{'size':>10}{'ep us':>12}{'gloo us':>12}{'ep GB/s':>10}{'gloo GB/s':>11}{'ep/gloo':>9}")
+    print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep GB/s':>10}{anchor + ' GB/s':>11}"
+          f"{'ep/' + anchor:>9}")
     for op, nb, te, tg in rows:
         bw = lambda t: BUS[op](n) * nb / t / 1e9
         print(f"{op:<15}{fmt_bytes(nb):>10}{te * 1e6:12.1f}{tg * 1e6:12.1f}{bw(te):10.2f}{bw(tg):11.2f}{te / tg:9.2f}")
@@ -122,13 +146,13 @@ def main():
         for ax, op in zip(axes, ops):
             r = [x for x in rows if x[0] == op]
             ax.loglog([x[1] for x in r], [x[2] * 1e6 for x in r], "o-", label="ep")
-            ax.loglog([x[1] for x in r], [x[3] * 1e6 for x in r], "s--", label="gloo")
+            ax.loglog([x[1] for x in r], [x[3] * 1e6 for x in r], "s--", label=anchor)
             ax.set_title(op)
             ax.set_xlabel("bytes")
             ax.grid(True, which="both", alpha=0.3)
         axes[0].set_ylabel("median latency (us)")
         axes[0].legend()
-        fig.suptitle(f"moelink 'ep' vs gloo, {n} ranks, transport={args.transport}")
+        fig.suptitle(f"moelink 'ep' vs {anchor}, {n} ranks, {args.device} tensors, transport={args.transport}")
         return fig
 
     save_plot(draw, args.out)

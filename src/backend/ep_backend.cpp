@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "cuda_collectives.h"
 #include "ep_work.h"
 #include "moelink/backend/c10d_store.h"
 #include "moelink/collective/worker.h"
@@ -52,18 +53,111 @@ void EpWork::complete(std::string error, int source_rank) {
 
 void checkTensor(const at::Tensor& t, const char* op) {
   TORCH_CHECK_VALUE(t.defined(), "moelink ", op, ": undefined tensor");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "moelink ", op,
-                    ": backend 'ep' runs collectives on CPU tensors; got a tensor on ", t.device(),
-                    " (CUDA tensors are not supported by this build's collectives: use "
-                    "backend 'cpu:ep,cuda:nccl' or move the tensor to the CPU)");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "moelink ", op, ": only dense (strided) tensors are supported, got ",
                     t.layout());
 }
+
+DevicePlacement& DevicePlacement::add(const at::Tensor& t) {
+  if (!t.defined()) return *this;
+  const auto d = t.device();
+  TORCH_CHECK_VALUE(d.is_cpu() || d.is_cuda(), "moelink ", op_, ": backend 'ep' runs collectives on CPU and CUDA "
+                    "tensors; got a tensor on ", d);
+  if (d.is_cpu()) {
+    ++cpu_;
+  } else {
+    TORCH_CHECK_VALUE(device_ < 0 || device_ == d.index(), "moelink ", op_, ": tensors on two CUDA devices (cuda:",
+                      device_, " and cuda:", d.index(), "); one op takes tensors of one device");
+    device_ = d.index();
+    ++cuda_;
+  }
+  TORCH_CHECK_VALUE(cpu_ == 0 || cuda_ == 0, "moelink ", op_, ": CPU and CUDA tensors mixed in one call; "
+                    "pass tensors of one device");
+  return *this;
+}
+
+DevicePlacement& DevicePlacement::add(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) add(t);
+  return *this;
+}
+
+DevicePlacement& DevicePlacement::add(const std::vector<std::vector<at::Tensor>>& lists) {
+  for (const auto& l : lists) add(l);
+  return *this;
+}
+
+namespace {
+thread_local ReadyGateScope* tl_gate = nullptr;
+}
+
+ReadyGateScope::ReadyGateScope(std::function<bool()> ready) : ready_(std::move(ready)), outer_(tl_gate) {
+  tl_gate = this;
+}
+
+ReadyGateScope::~ReadyGateScope() { tl_gate = outer_; }
+
+std::function<bool()> ReadyGateScope::current() { return tl_gate ? tl_gate->ready_ : nullptr; }
 
 void checkSingle(const std::vector<at::Tensor>& ts, const char* op) {
   TORCH_CHECK_VALUE(ts.size() == 1, "moelink ", op, ": expects exactly one tensor per process, got ",
                     ts.size());
   checkTensor(ts[0], op);
+}
+
+void checkList(const std::vector<at::Tensor>& list, const at::Tensor& like, int size, const char* op,
+               const char* what) {
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size, "moelink ", op, ": ", what,
+                    " must hold one tensor per rank (", size, "), got ", list.size());
+  for (const auto& t : list) {
+    checkTensor(t, op);
+    checkSameDtype(t, like, op);
+    TORCH_CHECK_VALUE(t.numel() == like.numel(), "moelink ", op, ": every tensor in ", what, " must have ",
+                      like.numel(), " elements (like the input), got ", t.numel());
+  }
+}
+
+void alltoallLayout(const at::Tensor& input, const at::Tensor& output, const std::vector<int64_t>& in_splits,
+                    const std::vector<int64_t>& out_splits, int size, int rank, std::vector<uint64_t>& soff,
+                    std::vector<uint64_t>& sb, std::vector<uint64_t>& roff, std::vector<uint64_t>& rb) {
+  const char* name = "all_to_all_single";
+  auto splits = [&](const at::Tensor& t, std::vector<int64_t> s, const char* which) {
+    int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    if (s.empty()) {
+      TORCH_CHECK_VALUE(rows % size == 0, "moelink ", name, ": ", which, " dim 0 (", rows,
+                        ") is not divisible by the group size ", size, "; pass split sizes");
+      s.assign(size, rows / size);
+    }
+    TORCH_CHECK_VALUE(static_cast<int>(s.size()) == size, "moelink ", name, ": ", which,
+                      " split sizes need one entry per rank (", size, "), got ", s.size());
+    int64_t sum = 0;
+    for (int64_t v : s) {
+      TORCH_CHECK_VALUE(v >= 0, "moelink ", name, ": negative split size ", v);
+      sum += v;
+    }
+    TORCH_CHECK_VALUE(sum == rows, "moelink ", name, ": ", which, " split sizes sum to ", sum,
+                      " but dim 0 is ", rows);
+    return s;
+  };
+  auto is = splits(input, in_splits, "input");
+  auto os = splits(output, out_splits, "output");
+  int64_t in_rows = input.dim() == 0 ? 1 : input.size(0), out_rows = output.dim() == 0 ? 1 : output.size(0);
+  uint64_t in_row = in_rows ? nbytes(input) / in_rows : 0, out_row = out_rows ? nbytes(output) / out_rows : 0;
+  TORCH_CHECK_VALUE(in_rows == 0 || out_rows == 0 || in_row == out_row, "moelink ", name,
+                    ": input and output rows differ in size (", in_row, " vs ", out_row, " bytes)");
+  TORCH_CHECK_VALUE(is[rank] == os[rank], "moelink ", name, ": this rank sends itself ", is[rank],
+                    " rows but expects ", os[rank]);
+  soff.assign(size, 0);
+  sb.assign(size, 0);
+  roff.assign(size, 0);
+  rb.assign(size, 0);
+  uint64_t so = 0, ro = 0;
+  for (int r = 0; r < size; ++r) {
+    sb[r] = static_cast<uint64_t>(is[r]) * in_row;
+    rb[r] = static_cast<uint64_t>(os[r]) * out_row;
+    soff[r] = so;
+    roff[r] = ro;
+    so += sb[r];
+    ro += rb[r];
+  }
 }
 
 void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* op) {
@@ -170,8 +264,30 @@ EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int
 EpBackend::~EpBackend() { shutdown(); }
 
 void EpBackend::shutdown() {
-  worker_.reset();  // stops the worker thread first: it uses the engine
+  {
+    std::lock_guard<std::mutex> g(cuda_mu_);
+    cuda_.reset();  // first: its host-staged ops are the worker's
+  }
+  worker_.reset();  // stops the worker thread next: it uses the engine
   engine_.reset();
+}
+
+CudaCollectives& EpBackend::cuda() {
+  std::lock_guard<std::mutex> g(cuda_mu_);
+  TORCH_CHECK(worker_, "moelink: the 'ep' process group has been shut down");
+  if (!cuda_) cuda_ = makeCudaCollectives(*this);
+  return *cuda_;
+}
+
+std::string EpBackend::cudaPath() const {
+  std::lock_guard<std::mutex> g(cuda_mu_);
+  return cuda_ ? cuda_->path() : "";
+}
+
+std::string EpBackend::hostIdOf(int peer) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < size_, "moelink: rank ", peer, " is outside the group of size ", size_);
+  TORCH_CHECK(engine_, "moelink: the 'ep' process group has been shut down");
+  return engine_->hostIdOf(peer);
 }
 
 collective::CollectiveWorker& EpBackend::worker() const {
@@ -185,6 +301,7 @@ milliseconds EpBackend::timeoutOf(milliseconds requested) const {
 
 c10::intrusive_ptr<c10d::Work> EpBackend::enqueue(c10::intrusive_ptr<EpWork> work,
                                                   collective::OpSpec spec, milliseconds timeout) {
+  spec.ready = ReadyGateScope::current();
   worker().submit(std::move(spec), [work](const std::string& err) { work->complete(err); }, timeout);
   return work;
 }
@@ -200,5 +317,13 @@ std::vector<int64_t> EpBackend::activeRanks() const {
     if (worker().isActive(i)) r.push_back(i);
   return r;
 }
+
+#ifndef MOELINK_WITH_CUDA
+std::unique_ptr<CudaCollectives> makeCudaCollectives(EpBackend&) {
+  TORCH_CHECK_VALUE(false, "moelink: this build of moelink has no CUDA support (nvcc was not found when it was "
+                    "built); CUDA tensors cannot be used with backend 'ep'. Rebuild where nvcc is installed, or use "
+                    "backend 'cpu:ep,cuda:nccl'");
+}
+#endif
 
 }  // namespace moelink::backend

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include "cuda_collectives.h"
 #include "ep_work.h"
 #include "moelink/backend/ep_backend.h"
 #include "moelink/collective/algorithms.h"
@@ -19,18 +20,6 @@ namespace {
 c10::intrusive_ptr<EpWork> makeWork(int rank, OpType type, const char* title,
                                     std::vector<at::Tensor> outputs) {
   return c10::make_intrusive<EpWork>(rank, type, title, std::move(outputs));
-}
-
-void checkList(const std::vector<at::Tensor>& list, const at::Tensor& like, int size, const char* op,
-               const char* what) {
-  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size, "moelink ", op, ": ", what,
-                    " must hold one tensor per rank (", size, "), got ", list.size());
-  for (const auto& t : list) {
-    checkTensor(t, op);
-    checkSameDtype(t, like, op);
-    TORCH_CHECK_VALUE(t.numel() == like.numel(), "moelink ", op, ": every tensor in ", what, " must have ",
-                      like.numel(), " elements (like the input), got ", t.numel());
-  }
 }
 
 // Flat contiguous buffer of the given tensors' values, in order.
@@ -61,6 +50,7 @@ char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                     const c10d::BroadcastOptions& opts) {
+  if (DevicePlacement("broadcast").add(tensors).cuda()) return cuda().broadcast(tensors, opts);
   checkSingle(tensors, "broadcast");
   checkRoot(opts.rootRank, size_, "broadcast");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink broadcast: rootTensor must be 0");
@@ -73,6 +63,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts) {
+  if (DevicePlacement("allreduce").add(tensors).cuda()) return cuda().allreduce(tensors, opts);
   checkSingle(tensors, "allreduce");
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce");
   auto w = makeWork(rank_, OpType::ALLREDUCE, "ep:all_reduce", tensors);
@@ -83,6 +74,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  if (DevicePlacement("allreduce_coalesced").add(tensors).cuda()) return cuda().allreduce_coalesced(tensors, opts);
   TORCH_CHECK_VALUE(!tensors.empty(), "moelink allreduce_coalesced: no tensors");
   for (const auto& t : tensors) {
     checkTensor(t, "allreduce_coalesced");
@@ -98,6 +90,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOptions& opts) {
+  if (DevicePlacement("reduce").add(tensors).cuda()) return cuda().reduce(tensors, opts);
   checkSingle(tensors, "reduce");
   checkRoot(opts.rootRank, size_, "reduce");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink reduce: rootTensor must be 0");
@@ -112,6 +105,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensor
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllgatherOptions& opts) {
+  if (DevicePlacement("allgather").add(outputs).add(inputs).cuda()) return cuda().allgather(outputs, inputs, opts);
   checkSingle(inputs, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1, "moelink allgather: expects one output list per process");
   checkList(outputs[0], inputs[0], size_, "allgather", "the output list");
@@ -126,6 +120,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                           const c10d::AllgatherOptions& opts) {
+  if (DevicePlacement("all_gather_into_tensor").add(output).add(input).cuda()) return cuda()._allgather_base(output, input, opts);
   checkTensor(output, "all_gather_into_tensor");
   checkTensor(input, "all_gather_into_tensor");
   checkSameDtype(output, input, "all_gather_into_tensor");
@@ -142,6 +137,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  if (DevicePlacement("allgather_into_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().allgather_into_tensor_coalesced(outputs, inputs, opts);
   const char* name = "allgather_into_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
                     ": needs as many outputs as inputs (", outputs.size(), " vs ", inputs.size(), ")");
@@ -175,6 +171,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                  std::vector<at::Tensor>& inputs,
                                                  const c10d::GatherOptions& opts) {
+  if (DevicePlacement("gather").add(outputs).add(inputs).cuda()) return cuda().gather(outputs, inputs, opts);
   checkSingle(inputs, "gather");
   checkRoot(opts.rootRank, size_, "gather");
   int root = static_cast<int>(opts.rootRank);
@@ -202,6 +199,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outputs,
                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                   const c10d::ScatterOptions& opts) {
+  if (DevicePlacement("scatter").add(outputs).add(inputs).cuda()) return cuda().scatter(outputs, inputs, opts);
   checkSingle(outputs, "scatter");
   checkRoot(opts.rootRank, size_, "scatter");
   int root = static_cast<int>(opts.rootRank);
@@ -224,6 +222,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outpu
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                          std::vector<std::vector<at::Tensor>>& inputs,
                                                          const c10d::ReduceScatterOptions& opts) {
+  if (DevicePlacement("reduce_scatter").add(outputs).add(inputs).cuda()) return cuda().reduce_scatter(outputs, inputs, opts);
   checkSingle(outputs, "reduce_scatter");
   TORCH_CHECK_VALUE(inputs.size() == 1, "moelink reduce_scatter: expects one input list per process");
   checkList(inputs[0], outputs[0], size_, "reduce_scatter", "the input list");
@@ -238,6 +237,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::ReduceScatterOptions& opts) {
+  if (DevicePlacement("reduce_scatter_tensor").add(output).add(input).cuda()) return cuda()._reduce_scatter_base(output, input, opts);
   const char* name = "reduce_scatter_tensor";
   checkTensor(output, name);
   checkTensor(input, name);
@@ -256,6 +256,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& outpu
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  if (DevicePlacement("reduce_scatter_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   const char* name = "reduce_scatter_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
                     ": needs as many outputs as inputs");
@@ -289,46 +290,13 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
                                                         std::vector<int64_t>& out_splits,
                                                         std::vector<int64_t>& in_splits,
                                                         const c10d::AllToAllOptions& opts) {
+  if (DevicePlacement("all_to_all_single").add(output).add(input).cuda()) return cuda().alltoall_base(output, input, out_splits, in_splits, opts);
   const char* name = "all_to_all_single";
   checkTensor(output, name);
   checkTensor(input, name);
   checkSameDtype(output, input, name);
-  auto splits = [&](const at::Tensor& t, std::vector<int64_t> s, const char* which) {
-    int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-    if (s.empty()) {
-      TORCH_CHECK_VALUE(rows % size_ == 0, "moelink ", name, ": ", which, " dim 0 (", rows,
-                        ") is not divisible by the group size ", size_, "; pass split sizes");
-      s.assign(size_, rows / size_);
-    }
-    TORCH_CHECK_VALUE(static_cast<int>(s.size()) == size_, "moelink ", name, ": ", which,
-                      " split sizes need one entry per rank (", size_, "), got ", s.size());
-    int64_t sum = 0;
-    for (int64_t v : s) {
-      TORCH_CHECK_VALUE(v >= 0, "moelink ", name, ": negative split size ", v);
-      sum += v;
-    }
-    TORCH_CHECK_VALUE(sum == rows, "moelink ", name, ": ", which, " split sizes sum to ", sum,
-                      " but dim 0 is ", rows);
-    return s;
-  };
-  auto is = splits(input, in_splits, "input");
-  auto os = splits(output, out_splits, "output");
-  int64_t in_rows = input.dim() == 0 ? 1 : input.size(0), out_rows = output.dim() == 0 ? 1 : output.size(0);
-  uint64_t in_row = in_rows ? nbytes(input) / in_rows : 0, out_row = out_rows ? nbytes(output) / out_rows : 0;
-  TORCH_CHECK_VALUE(in_rows == 0 || out_rows == 0 || in_row == out_row, "moelink ", name,
-                    ": input and output rows differ in size (", in_row, " vs ", out_row, " bytes)");
-  TORCH_CHECK_VALUE(is[rank_] == os[rank_], "moelink ", name, ": this rank sends itself ", is[rank_],
-                    " rows but expects ", os[rank_]);
-  std::vector<uint64_t> soff(size_), sb(size_), roff(size_), rb(size_);
-  uint64_t so = 0, ro = 0;
-  for (int r = 0; r < size_; ++r) {
-    sb[r] = static_cast<uint64_t>(is[r]) * in_row;
-    rb[r] = static_cast<uint64_t>(os[r]) * out_row;
-    soff[r] = so;
-    roff[r] = ro;
-    so += sb[r];
-    ro += rb[r];
-  }
+  std::vector<uint64_t> soff, sb, roff, rb;
+  alltoallLayout(input, output, in_splits, out_splits, size_, rank_, soff, sb, roff, rb);
   auto w = makeWork(rank_, OpType::ALLTOALL_BASE, "ep:all_to_all", {output});
   at::Tensor in = inputBuffer(*w, input);
   at::Tensor out = outputBuffer(*w, output);
@@ -340,6 +308,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
 c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::AllToAllOptions& opts) {
+  if (DevicePlacement("all_to_all").add(outputs).add(inputs).cuda()) return cuda().alltoall(outputs, inputs, opts);
   const char* name = "all_to_all";
   TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
                     "moelink ", name, ": needs one input and one output tensor per rank (", size_, ")");
@@ -376,16 +345,19 @@ c10::intrusive_ptr<c10d::Work> EpBackend::barrier(const c10d::BarrierOptions& op
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  if (DevicePlacement("send").add(tensors).cuda()) return cuda().send(tensors, dst, tag);
   checkSingle(tensors, "send");
   TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "moelink send: invalid destination rank ", dst,
                     " (group of ", size_, ", this rank ", rank_, ")");
   auto w = makeWork(rank_, OpType::SEND, "ep:send", tensors);
   at::Tensor in = inputBuffer(*w, tensors[0]);
-  worker().send(dst, ptr(in), nbytes(in), tag, [w](const std::string& err) { w->complete(err); }, timeout_);
+  worker().send(dst, ptr(in), nbytes(in), tag, [w](const std::string& err) { w->complete(err); }, timeout_,
+                ReadyGateScope::current());
   return w;
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors, src, tag);
   checkSingle(tensors, "recv");
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "moelink recv: invalid source rank ", src,
                     " (group of ", size_, ", this rank ", rank_, ")");
@@ -397,6 +369,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::recv(std::vector<at::Tensor>& tensors,
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recvAnysource(tensors, tag);
   checkSingle(tensors, "recv");
   auto w = makeWork(rank_, OpType::RECVANYSOURCE, "ep:recvAnySource", tensors);
   at::Tensor out = outputBuffer(*w, tensors[0]);

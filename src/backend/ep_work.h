@@ -39,11 +39,55 @@ class EpWork : public c10d::Work {
   std::atomic<int> source_{-1};
 };
 
-// Checks that `t` is a dense CPU tensor; raises a ValueError/TypeError naming `op`.
+// Checks that `t` is a defined, dense tensor; raises a ValueError naming `op`. (Which device
+// it is on is DevicePlacement's business.)
 void checkTensor(const at::Tensor& t, const char* op);
+
+// Where an op's tensors live: every one on the CPU, or every one on CUDA (then on one
+// device). Raises a ValueError for a mix, for other devices, and for CUDA tensors on two
+// devices, naming `op`.
+class DevicePlacement {
+ public:
+  explicit DevicePlacement(const char* op) : op_(op) {}
+  DevicePlacement& add(const at::Tensor& t);
+  DevicePlacement& add(const std::vector<at::Tensor>& ts);
+  DevicePlacement& add(const std::vector<std::vector<at::Tensor>>& lists);
+  bool cuda() const { return cuda_ > 0; }
+  int device() const { return device_; }
+
+ private:
+  const char* op_;
+  int cpu_ = 0, cuda_ = 0, device_ = -1;
+};
+
+// While one is alive on a thread, the collectives and sends that thread submits to the
+// worker wait for `ready` (OpSpec::ready): the CUDA unit's host-staged path runs the CPU
+// ops on pinned copies of GPU tensors that the GPU is still writing.
+class ReadyGateScope {
+ public:
+  explicit ReadyGateScope(std::function<bool()> ready);
+  ~ReadyGateScope();
+  ReadyGateScope(const ReadyGateScope&) = delete;
+  ReadyGateScope& operator=(const ReadyGateScope&) = delete;
+  // The gate of the innermost scope on this thread, or nullptr.
+  static std::function<bool()> current();
+
+ private:
+  std::function<bool()> ready_;
+  ReadyGateScope* outer_;
+};
 void checkSingle(const std::vector<at::Tensor>& ts, const char* op);
 void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* op);
 void checkRoot(int64_t root, int size, const char* op);
+// Checks a per-rank list (one tensor per rank, each of `like`'s dtype and element count).
+void checkList(const std::vector<at::Tensor>& list, const at::Tensor& like, int size, const char* op,
+               const char* what);
+// all_to_all_single: validates the split sizes (empty = even) and gives the byte offsets and
+// sizes sent to / received from each rank.
+void alltoallLayout(const at::Tensor& input, const at::Tensor& output, const std::vector<int64_t>& in_splits,
+                    const std::vector<int64_t>& out_splits, int size, int rank, std::vector<uint64_t>& send_off,
+                    std::vector<uint64_t>& send_bytes, std::vector<uint64_t>& recv_off,
+                    std::vector<uint64_t>& recv_bytes);
 // The dtype as the collective layer knows it; dtypes it cannot reduce become kBytes
 // (moved, never reduced).
 collective::DType toDType(at::ScalarType t);

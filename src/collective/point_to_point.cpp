@@ -13,7 +13,7 @@ namespace moelink::collective {
 using namespace std::chrono;
 
 void CollectiveWorker::send(int peer, const void* data, uint64_t bytes, int tag, OpCallback done,
-                            milliseconds timeout) {
+                            milliseconds timeout, std::function<bool()> ready) {
   MOELINK_CHECK(peer >= 0 && peer < world_ && peer != rank_, "invalid destination rank ", peer,
                 " (group of ", world_, ", this rank ", rank_, ")");
   auto op = std::make_unique<SendOp>();
@@ -23,6 +23,8 @@ void CollectiveWorker::send(int peer, const void* data, uint64_t bytes, int tag,
   op->tag = tag;
   op->done = std::move(done);
   op->deadline = Clock::now() + timeout;
+  op->timeout = timeout;
+  op->ready = std::move(ready);
   {
     std::lock_guard<std::mutex> g(mu_);
     MOELINK_CHECK(!stop_, "the process group is shut down");
@@ -66,7 +68,14 @@ bool CollectiveWorker::progressSends() {
     }
     while (!q.empty() && !abort_pending_[p]) {
       SendOp& s = *q.front();
-      if (s.seq == 0) s.seq = ++p2p_sent_[p];
+      if (s.seq == 0) {
+        if (s.ready) {
+          if (!s.ready()) break;
+          s.ready = nullptr;
+          s.deadline = Clock::now() + s.timeout;
+        }
+        s.seq = ++p2p_sent_[p];
+      }
       while (!s.all_issued && p2p_->canSend(p)) {
         uint64_t len = std::min(chunk, s.bytes - s.issued_bytes);
         MsgHeader h;

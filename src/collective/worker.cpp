@@ -165,7 +165,16 @@ void CollectiveWorker::loop() {
         new_recvs_.pop_front();
       }
     }
-    if (current_) {
+    bool gated = false;  // an op waits for its data (no doorbell will ring for it)
+    if (current_ && !current_->started && current_->spec.ready) {
+      if (current_->spec.ready())
+        current_->spec.ready = nullptr;
+      else
+        gated = busy = true;
+    }
+    for (int p = 0; p < world_ && !gated; ++p)
+      gated = !sends_[p].empty() && sends_[p].front()->ready != nullptr;
+    if (current_ && !current_->spec.ready) {
       busy = true;
       Collective& op = *current_;
       try {
@@ -198,7 +207,7 @@ void CollectiveWorker::loop() {
       continue;
     }
     // Deadlines are checked at least every few milliseconds while work is pending.
-    engine_.waitDoorbell(seen, busy ? microseconds(2000) : microseconds(100000));
+    engine_.waitDoorbell(seen, gated ? microseconds(20) : busy ? microseconds(2000) : microseconds(100000));
   }
 }
 

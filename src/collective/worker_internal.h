@@ -43,6 +43,8 @@ struct CollectiveWorker::SendOp {
   int tag = 0;
   OpCallback done;
   Clock::time_point deadline;
+  std::chrono::milliseconds timeout{0};
+  std::function<bool()> ready;  // see OpSpec::ready
   uint64_t seq = 0;
   uint64_t issued_bytes = 0;
   bool all_issued = false;

@@ -68,14 +68,11 @@ def unsupported_reduction(rank, world):
 
 
 def non_cpu_tensor(rank, world):
-    if torch.cuda.is_available():
-        t = torch.ones(4, device="cuda")
-    else:
-        t = torch.ones(4, device="meta")  # no GPU here: any non-CPU device takes this path
-    with pytest.raises((ValueError, RuntimeError), match="CPU tensors"):
+    """A device the backend does not serve (CUDA tensors are served: cases_cuda.py)."""
+    t = torch.ones(4, device="meta")
+    with pytest.raises((ValueError, RuntimeError), match="CPU and CUDA tensors"):
         dist.all_reduce(t)
-        if t.device.type == "meta":  # some torch versions route meta elsewhere
-            raise ValueError("CPU tensors")
+        raise ValueError("CPU and CUDA tensors")  # some torch versions route meta elsewhere
     _group_still_works(world)
 
 

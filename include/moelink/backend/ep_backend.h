@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,7 @@ struct OpSpec;
 namespace moelink::backend {
 
 class EpWork;
+class CudaCollectives;
 
 class EpBackend : public c10d::Backend {
  public:
@@ -95,9 +97,16 @@ class EpBackend : public c10d::Backend {
   std::chrono::milliseconds timeout() const { return timeout_; }
   // The group's store (the EP buffer exchanges its CUDA IPC handles through it).
   c10::intrusive_ptr<c10d::Store> store() const { return c10d_store_; }
+  // The host id of `peer` (ranks with equal ids share a host; transfer::localHostId()).
+  std::string hostIdOf(int peer) const;
+  // How CUDA tensors travel in this group: "nvlink" (in-host kernels), "host" (staged
+  // through host memory and the collective worker), or "" before the first CUDA op.
+  std::string cudaPath() const;
 
  private:
   collective::CollectiveWorker& worker() const;
+  // The CUDA unit, created by the first op on CUDA tensors.
+  CudaCollectives& cuda();
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
   // Hands `spec` to the worker; `work` is completed with the worker's outcome.
   c10::intrusive_ptr<c10d::Work> enqueue(c10::intrusive_ptr<EpWork> work,
@@ -109,6 +118,8 @@ class EpBackend : public c10d::Backend {
   std::shared_ptr<transfer::MetadataStore> store_;
   std::unique_ptr<transfer::TransferEngine> engine_;
   std::unique_ptr<collective::CollectiveWorker> worker_;
+  mutable std::mutex cuda_mu_;
+  std::unique_ptr<CudaCollectives> cuda_;
 };
 
 }  // namespace moelink::backend

@@ -57,6 +57,9 @@ struct OpSpec {
   std::vector<Step> steps;
   // Runs after the last step (for example the local copy of this rank's own block).
   std::function<void()> finish;
+  // When set, the op starts only once this returns true (its data is being produced
+  // elsewhere, e.g. copied off a GPU); the deadline counts from then. Polled by the worker.
+  std::function<bool()> ready;
 };
 
 // Completion: "" on success, else the reason. Called on the worker thread.

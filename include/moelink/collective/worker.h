@@ -18,7 +18,9 @@
 // while work is in flight (MOELINK_WORKER_SPIN pause iterations; default 256 when the host
 // has a core per local rank, else 0), then sleeps
 // on the doorbell (futex), so that several ranks share few cores without stealing each
-// other's time slices, and wakes within microseconds when something arrives.
+// other's time slices, and wakes within microseconds when something arrives. An op held
+// back by its `ready` gate (data still being copied off a GPU, which rings no doorbell) is
+// polled every few tens of microseconds.
 #pragma once
 
 #include <atomic>
@@ -71,8 +73,9 @@ class CollectiveWorker {
   std::string transportTo(int peer) const { return coll_->transportTo(peer); }
 
   void submit(OpSpec op, OpCallback done, std::chrono::milliseconds timeout);
+  // `ready`, when set, holds the send back as OpSpec::ready holds a collective.
   void send(int peer, const void* data, uint64_t bytes, int tag, OpCallback done,
-            std::chrono::milliseconds timeout);
+            std::chrono::milliseconds timeout, std::function<bool()> ready = nullptr);
   // peer < 0: any source.
   void recv(int peer, void* data, uint64_t bytes, int tag, RecvCallback done,
             std::chrono::milliseconds timeout);

@@ -1,0 +1,153 @@
+// The in-host GPU collectives as exchanges (plain C++: no CUDA, no torch).
+//
+// Every collective on CUDA tensors between ranks of one host runs as one exchange, or two
+// (allreduce above the one-shot size: a reduce-scatter then an all-gather): each rank sends
+// byte ranges of its input to peers and receives byte ranges from them, then either copies
+// what arrived into place (kCopy: broadcast, all-gather, gather, scatter, all-to-all) or
+// reduces it with its own range, in rank order (kReduce: allreduce, reduce, reduce-scatter).
+// An Exchange says what this rank sends and receives; the kernel (exchange_kernel.h) moves
+// it through a staging area that every rank of the group maps (CUDA IPC), in rounds of at
+// most `round_bytes` per (source, destination) pair and two halves, so round r+1 travels
+// while round r is consumed.
+//
+// Before any byte moves, every rank writes its op header into each peer's header slot and
+// checks the headers it receives (kind, dtype, reduce op, root, total bytes, the bytes of
+// each pair, and the tunables that shape the rounds): a disagreement ends the op on every
+// rank with an error naming both sides (describeMismatch), never a hang.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moelink/collective/dtype.h"
+#include "moelink/collective/operation.h"
+
+#ifdef __CUDACC__
+#define MOELINK_HOST_DEVICE __host__ __device__
+#else
+#define MOELINK_HOST_DEVICE
+#endif
+
+namespace moelink::collective {
+
+constexpr int kExchangeMaxRanks = 8;    // in-host groups larger than this are host-staged
+constexpr int kExchangeMaxBlocks = 64;  // upper bound of MOELINK_CUDA_BLOCKS
+// A block takes at least this many bytes of a round, so that small messages use few blocks.
+constexpr uint64_t kExchangeMinPiece = 16 << 10;
+
+enum class ExchangeMode : uint8_t { kCopy, kReduce };
+
+// What one rank does in one exchange. Offsets are in bytes from `in` / `out` (device
+// pointers supplied at launch).
+struct Exchange {
+  OpKind kind = OpKind::kBarrier;  // for the header check and messages
+  ExchangeMode mode = ExchangeMode::kCopy;
+  DType dtype = DType::kBytes;
+  ReduceOp redop = ReduceOp::kNone;
+  int root = -1;
+  uint64_t op_bytes = 0;  // compared across ranks when non-zero on both sides
+  // Per rank of the group (this rank included): bytes sent to it from in + send_off, and
+  // bytes received from it, placed at out + recv_off (kCopy).
+  std::vector<uint64_t> send_off, send_bytes, recv_off, recv_bytes;
+  // kReduce: out[0, reduce_bytes) = op over ranks q in order of (q == me ? in + send_off[me] :
+  // what q sent), every recv_bytes[q] (q != me) being reduce_bytes. AVG divides by the group
+  // size at the end.
+  uint64_t reduce_bytes = 0;
+};
+
+// Builders. `n` ranks, this one `me`; counts are elements of `dtype`, bytes are bytes.
+Exchange exchangeBroadcast(int n, int me, uint64_t bytes, int root);
+// One-shot: every rank sends all of `count` to every rank and reduces everything.
+Exchange exchangeAllreduceOneShot(int n, int me, uint64_t count, DType t, ReduceOp op);
+// Two-shot: the reduce-scatter half (rank q reduces block q of the buffer in place) and the
+// all-gather half (every rank sends its reduced block to all). Blocks: allreduceBlocks.
+Exchange exchangeAllreduceScatter(int n, int me, uint64_t count, DType t, ReduceOp op);
+Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t);
+// Element ranges [begin, end) of the two-shot blocks: count split as evenly as 16-byte
+// alignment of the block starts allows.
+std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count, DType t);
+Exchange exchangeReduce(int n, int me, uint64_t count, DType t, ReduceOp op, int root);
+// in: `bytes`; out: n blocks of `bytes` in rank order.
+Exchange exchangeAllgather(int n, int me, uint64_t bytes);
+Exchange exchangeGather(int n, int me, uint64_t bytes, int root);
+// root's in: n blocks of `bytes`; out: `bytes`.
+Exchange exchangeScatter(int n, int me, uint64_t bytes, int root);
+// in: n blocks of `count` elements; out: this rank's reduced block.
+Exchange exchangeReduceScatter(int n, int me, uint64_t count, DType t, ReduceOp op);
+// send_bytes[q] / recv_bytes[q] at the given offsets.
+Exchange exchangeAlltoall(int n, int me, const std::vector<uint64_t>& send_off,
+                          const std::vector<uint64_t>& send_bytes,
+                          const std::vector<uint64_t>& recv_off,
+                          const std::vector<uint64_t>& recv_bytes);
+
+// Tunables every rank must share (checked in the header).
+struct ExchangeTuning {
+  uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
+  int blocks = 24;                  // MOELINK_CUDA_BLOCKS
+  uint64_t one_shot_bytes = 1 << 20;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always)
+  // Reads MOELINK_CUDA_* over the defaults; throws moelink::Error on a bad value.
+  static ExchangeTuning fromEnv();
+  bool oneShot(int n, uint64_t bytes) const { return n <= 2 || bytes <= one_shot_bytes; }
+};
+
+// Where things live in a rank's staging area (the same on every rank of the group).
+struct ExchangeLayout {
+  uint64_t header = 0;   // [2 parities][kExchangeMaxRanks] ExchangeHeader
+  uint64_t counter = 0;  // ExchangeCounter
+  uint64_t flags = 0;    // [2 halves][kExchangeMaxRanks source][kExchangeMaxBlocks] uint64
+  uint64_t acks = 0;     // [2 halves][kExchangeMaxRanks consumer][kExchangeMaxBlocks] uint64
+  uint64_t data = 0;     // [2 halves][n source][round_bytes]
+  uint64_t round_bytes = 0;
+  uint64_t total = 0;
+  static ExchangeLayout make(int n, uint64_t round_bytes);
+};
+
+// The byte range [lo, hi) of a round's `len` bytes that block `b` of `blocks` handles:
+// pieces of at least kExchangeMinPiece, 16-byte aligned.
+MOELINK_HOST_DEVICE inline void exchangePiece(uint64_t len, int b, int blocks, uint64_t* lo, uint64_t* hi) {
+  uint64_t piece = ((len + blocks - 1) / blocks + 15) / 16 * 16;
+  if (piece < kExchangeMinPiece) piece = kExchangeMinPiece;
+  const uint64_t l = static_cast<uint64_t>(b) * piece;
+  *lo = l < len ? l : len;
+  *hi = l + piece < len ? l + piece : len;
+}
+// Bytes of round r of a pair that moves `bytes` (0 past the end).
+MOELINK_HOST_DEVICE inline uint64_t exchangeRoundLen(uint64_t bytes, uint64_t r, uint64_t round_bytes) {
+  uint64_t start = r * round_bytes;
+  return bytes > start ? (bytes - start < round_bytes ? bytes - start : round_bytes) : 0;
+}
+
+// The header one rank writes to a peer (64 bytes; seq is written last).
+struct ExchangeHeader {
+  uint64_t op_bytes;
+  uint64_t send_bytes;  // writer -> reader
+  uint64_t recv_bytes;  // reader -> writer
+  uint64_t round_bytes;
+  uint8_t kind, dtype, redop, mode;
+  int32_t root;
+  uint32_t blocks;
+  uint32_t pad;
+  uint64_t reserved;
+  uint64_t seq;  // op number on this group's exchange path, from 1
+};
+static_assert(sizeof(ExchangeHeader) == 64, "one header slot is 64 bytes");
+
+// What a failed kernel leaves for the host (in host-mapped memory).
+struct ExchangeStatus {
+  enum Code : uint32_t { kOk = 0, kMismatch = 1, kTimeout = 2, kAhead = 3 };
+  uint32_t code;
+  int32_t peer;
+  uint64_t seq;
+  ExchangeHeader mine, theirs;  // this rank's expectation of the peer's header, and the header
+};
+
+// The header this rank expects from / sends to `peer` for `x`.
+ExchangeHeader exchangeHeader(const Exchange& x, int peer, const ExchangeTuning& t);
+// "" when `theirs` (from `peer`) agrees with `mine`, else the reason, phrased as the CPU path
+// phrases it ("allreduce #17: rank 2 sent 4096 bytes, this rank expects 8192").
+std::string describeMismatch(const ExchangeHeader& mine, const ExchangeHeader& theirs, int peer);
+// The error text for a failed status.
+std::string describeStatus(const ExchangeStatus& s, uint64_t timeout_ms);
+
+}  // namespace moelink::collective

@@ -1,0 +1,40 @@
+// The launcher of the exchange kernel (src/collective/kernels/exchange.cu): raw device
+// pointers, sizes and a stream, no torch types. See exchange.h for what an exchange is.
+//
+// One launch runs one exchange on `blocks` blocks. It reads this rank's op number from the
+// staging area's counter and bumps it when every block is done, so launches on one stream
+// number themselves (a captured CUDA graph replays with fresh numbers, no host involved).
+// Waits on peers spin with a deadline (globaltimer); a failure (header mismatch, timeout)
+// ends every block of every rank involved and is written to `status`, host-mapped memory
+// the host reads after the launch has completed.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "moelink/collective/exchange.h"
+
+namespace moelink::collective {
+
+struct ExchangeLaunch {
+  int rank = 0, size = 0, blocks = 1;
+  uint8_t mode = 0, dtype = 0, redop = 0;
+  const char* in = nullptr;
+  char* out = nullptr;
+  uint64_t send_off[kExchangeMaxRanks] = {}, send_bytes[kExchangeMaxRanks] = {};
+  uint64_t recv_off[kExchangeMaxRanks] = {}, recv_bytes[kExchangeMaxRanks] = {};
+  uint64_t reduce_bytes = 0;
+  // Every rank's staging area as this process maps it (its own included).
+  char* staging[kExchangeMaxRanks] = {};
+  ExchangeLayout layout;
+  ExchangeHeader header[kExchangeMaxRanks] = {};  // what this rank sends each peer (seq unset)
+  uint64_t timeout_ns = 0;
+  ExchangeStatus* status = nullptr;  // device view of host-mapped memory
+};
+
+// Fills the launch from an exchange (pointers and staging set by the caller).
+void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, ExchangeLaunch& l);
+cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream);
+
+}  // namespace moelink::collective

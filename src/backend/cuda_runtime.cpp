@@ -1,0 +1,255 @@
+#include "cuda_runtime.h"
+
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda.h>
+
+#include <glog/logging.h>
+
+#include "ep_work.h"
+
+namespace moelink::backend {
+
+void cudaCheck(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, "moelink CUDA collectives: ", what, " failed: ", cudaGetErrorString(e));
+}
+
+// ---- stream memory operations ----
+
+namespace {
+
+using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+template <typename Fn>
+Fn driverEntry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  cudaError_t e = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q);
+  TORCH_CHECK(e == cudaSuccess && q == cudaDriverEntryPointSuccess && fn, "moelink: the CUDA driver offers no ",
+              name, " (", cudaGetErrorString(e), ")");
+  return reinterpret_cast<Fn>(fn);
+}
+
+void checkDriver(CUresult r, const char* what) {
+  TORCH_CHECK(r == CUDA_SUCCESS, "moelink CUDA collectives: ", what, " failed (CUresult ", static_cast<int>(r), ")");
+}
+
+}  // namespace
+
+void StreamMemOps::write(cudaStream_t s, uint32_t* dev_word, uint32_t value) {
+  static WriteValue32Fn fn = driverEntry<WriteValue32Fn>("cuStreamWriteValue32");
+  checkDriver(fn(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(dev_word), value,
+                 CU_STREAM_WRITE_VALUE_DEFAULT),
+              "cuStreamWriteValue32");
+}
+
+void StreamMemOps::wait(cudaStream_t s, uint32_t* dev_word, uint32_t value) {
+  static WaitValue32Fn fn = driverEntry<WaitValue32Fn>("cuStreamWaitValue32");
+  checkDriver(fn(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(dev_word), value,
+                 CU_STREAM_WAIT_VALUE_EQ),
+              "cuStreamWaitValue32");
+}
+
+// ---- CudaWork ----
+
+CudaWork::CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device)
+    : c10d::Work(rank, type, title),
+      outputs_(std::move(outputs)),
+      device_(device),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+  cudaCheck(cudaEventCreateWithFlags(&end_, cudaEventDisableTiming | cudaEventBlockingSync), "cudaEventCreate");
+}
+
+CudaWork::~CudaWork() {
+  if (end_) cudaEventDestroy(end_);
+}
+
+void CudaWork::complete(const std::string& error) {
+  keep_.clear();
+  if (error.empty()) {
+    future_->markCompleted(c10::IValue(outputs_));
+    finish();
+  } else {
+    auto eptr = std::make_exception_ptr(
+        c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, "moelink " + error));
+    future_->setError(eptr);
+    finish(eptr);
+  }
+}
+
+void CudaWork::completeCaptured() {
+  future_->markCompleted(c10::IValue(outputs_));
+  finish();
+}
+
+void CudaWork::synchronize() {
+  c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+  cudaCheck(cudaStreamWaitEvent(cur.stream(), end_, 0), "cudaStreamWaitEvent");
+}
+
+bool CudaWork::wait(std::chrono::milliseconds) {
+  synchronize();
+  std::lock_guard<std::mutex> g(mutex_);
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+int CudaWork::sourceRank() const {
+  // Known once the host-staged receive has completed (recv from any source).
+  if (!inner) return -1;
+  inner->getFuture()->wait();
+  return inner->sourceRank();
+}
+
+// ---- Completer ----
+
+Completer::Completer(int device, size_t slots) : device_(device), slots_(slots) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+Completer::~Completer() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+size_t Completer::reserve() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return reserved_ - completed_ < slots_; });
+  return reserved_++ % slots_;
+}
+
+void Completer::add(c10::intrusive_ptr<CudaWork> w) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    queue_.push_back(std::move(w));
+  }
+  cv_.notify_all();
+}
+
+void Completer::loop() {
+  cudaSetDevice(device_);
+  while (true) {
+    c10::intrusive_ptr<CudaWork> w;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and nothing left
+      w = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::string error;
+    cudaError_t e = cudaEventSynchronize(w->endEvent());
+    if (e != cudaSuccess) error = std::string("the GPU failed while running this op: ") + cudaGetErrorString(e);
+    if (error.empty() && w->status) {
+      auto* code = reinterpret_cast<volatile uint32_t*>(&w->status->code);
+      if (*code != collective::ExchangeStatus::kOk) {
+        collective::ExchangeStatus s;
+        std::memcpy(&s, w->status, sizeof s);
+        error = collective::describeStatus(s, w->timeout_ms);
+        *code = collective::ExchangeStatus::kOk;
+      }
+    }
+    if (error.empty() && w->inner) {
+      auto f = w->inner->getFuture();
+      f->wait();  // done already: the stream waited for it
+      if (f->hasError()) {
+        try {
+          std::rethrow_exception(f->exception_ptr());
+        } catch (const c10::Error& e) {
+          error = e.what_without_backtrace();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        if (error.rfind("moelink ", 0) == 0) error = error.substr(8);
+      }
+    }
+    if (!error.empty()) LOG(WARNING) << "moelink: " << error;
+    w->complete(error);
+    w.reset();
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      ++completed_;
+    }
+    cv_.notify_all();
+  }
+}
+
+// ---- ExchangeStaging ----
+
+namespace {
+std::vector<uint8_t> bytesOf(const void* p, size_t n) {
+  auto* c = static_cast<const uint8_t*>(p);
+  return {c, c + n};
+}
+}  // namespace
+
+std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                       int size, int device,
+                                                       const collective::ExchangeTuning& tuning,
+                                                       std::string* why_not) {
+  std::unique_ptr<ExchangeStaging> s(new ExchangeStaging());
+  s->rank_ = rank;
+  s->layout_ = collective::ExchangeLayout::make(size, tuning.round_bytes);
+  s->areas_.assign(size, nullptr);
+  cudaCheck(cudaMalloc(&s->areas_[rank], s->layout_.total), "cudaMalloc(staging)");
+  cudaCheck(cudaMemset(s->areas_[rank], 0, s->layout_.total), "cudaMemset(staging)");
+  cudaIpcMemHandle_t handle;
+  cudaCheck(cudaIpcGetMemHandle(&handle, s->areas_[rank]), "cudaIpcGetMemHandle");
+  store->set("moelink_cuda/ipc/" + std::to_string(rank), bytesOf(&handle, sizeof handle));
+  std::string mine;
+  for (int q = 0; q < size && mine.empty(); ++q) {
+    if (q == rank) continue;
+    auto h = store->get("moelink_cuda/ipc/" + std::to_string(q));
+    if (h.size() != sizeof(cudaIpcMemHandle_t)) {
+      mine = "rank " + std::to_string(q) + " published a malformed handle";
+      break;
+    }
+    cudaIpcMemHandle_t ph;
+    std::memcpy(&ph, h.data(), sizeof ph);
+    void* p = nullptr;
+    cudaError_t e = cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      mine = "rank " + std::to_string(rank) + " cannot map rank " + std::to_string(q) +
+             "'s memory: " + cudaGetErrorString(e);
+    } else {
+      s->areas_[q] = static_cast<char*>(p);
+    }
+  }
+  store->set("moelink_cuda/ok/" + std::to_string(rank), bytesOf(mine.data(), mine.size()));
+  std::string why;
+  for (int q = 0; q < size; ++q) {
+    auto v = store->get("moelink_cuda/ok/" + std::to_string(q));
+    if (!v.empty() && why.empty()) why.assign(v.begin(), v.end());
+  }
+  (void)device;
+  if (!why.empty()) {
+    if (why_not) *why_not = why;
+    return nullptr;  // the destructor closes what was mapped
+  }
+  return s;
+}
+
+void ExchangeStaging::abortWaits(cudaStream_t stream) {
+  // Counter::failed (exchange.cu) at counter + 12: the largest value fails every wait.
+  static const uint32_t kAll = 0xffffffffu;
+  cudaMemcpyAsync(areas_[rank_] + layout_.counter + 12, &kAll, sizeof kAll, cudaMemcpyHostToDevice, stream);
+}
+
+ExchangeStaging::~ExchangeStaging() {
+  for (size_t q = 0; q < areas_.size(); ++q) {
+    if (!areas_[q]) continue;
+    if (static_cast<int>(q) == rank_)
+      cudaFree(areas_[q]);
+    else
+      cudaIpcCloseMemHandle(areas_[q]);
+  }
+}
+
+}  // namespace moelink::backend

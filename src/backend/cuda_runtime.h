@@ -1,0 +1,138 @@
+// The pieces the CUDA unit (cuda_collectives.cpp) builds its ops from: host-mapped words,
+// the stream memory operations, the Work of a CUDA op and the thread that completes it, and
+// the in-host staging area that the exchange kernels use.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "moelink/collective/exchange.h"
+
+namespace moelink::backend {
+
+class EpWork;
+
+void cudaCheck(cudaError_t e, const char* what);
+
+// Pinned host memory that the GPU reaches too (cudaHostAllocMapped): `n` zeroed T.
+template <typename T>
+class MappedArray {
+ public:
+  explicit MappedArray(size_t n) : n_(n) {
+    cudaCheck(cudaHostAlloc(reinterpret_cast<void**>(&host_), n * sizeof(T), cudaHostAllocMapped), "cudaHostAlloc");
+    std::memset(static_cast<void*>(host_), 0, n * sizeof(T));
+    cudaCheck(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_), host_, 0), "cudaHostGetDevicePointer");
+  }
+  ~MappedArray() { cudaFreeHost(host_); }
+  MappedArray(const MappedArray&) = delete;
+  MappedArray& operator=(const MappedArray&) = delete;
+  T* host(size_t i) const { return host_ + i; }
+  T* dev(size_t i) const { return dev_ + i; }
+  size_t size() const { return n_; }
+
+ private:
+  T* host_ = nullptr;
+  T* dev_ = nullptr;
+  size_t n_;
+};
+
+// cuStreamWriteValue32 / cuStreamWaitValue32, reached through the runtime's driver entry
+// points so that the module does not link libcuda (it must import on machines without a GPU).
+struct StreamMemOps {
+  static void write(cudaStream_t s, uint32_t* dev_word, uint32_t value);
+  // Waits until the word equals `value`.
+  static void wait(cudaStream_t s, uint32_t* dev_word, uint32_t value);
+};
+
+// A CUDA op's Work. wait() makes the caller's current stream wait for the op's end event
+// (no host block) and raises the op's error if it is already known; the future and
+// isCompleted() follow the GPU, through the Completer.
+class CudaWork : public c10d::Work {
+ public:
+  CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device);
+  ~CudaWork() override;
+
+  void keep(const at::Tensor& t) { keep_.push_back(t); }
+  cudaEvent_t endEvent() const { return end_; }
+  int device() const { return device_; }
+  // The exchange status slot this op's kernels report into (nullptr: none).
+  collective::ExchangeStatus* status = nullptr;
+  uint64_t timeout_ms = 0;
+  // The host-staged CPU op this op waits for (nullptr: none).
+  c10::intrusive_ptr<EpWork> inner;
+  // Called by the Completer once the GPU has finished: "" or the error.
+  void complete(const std::string& error);
+  // Captured into a CUDA graph: nothing to watch, the future is complete at once.
+  void completeCaptured();
+
+  bool wait(std::chrono::milliseconds timeout) override;
+  void synchronize() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  int sourceRank() const override;
+
+ private:
+  std::vector<at::Tensor> outputs_, keep_;
+  int device_;
+  cudaEvent_t end_ = nullptr;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// One thread per CUDA unit that completes works in submission order once their end event
+// has passed (blocking-sync events: the thread sleeps), reading their kernel status and
+// their host-staged op's outcome. Also bounds the ops in flight (the status and ticket
+// rings have `slots` entries).
+class Completer {
+ public:
+  Completer(int device, size_t slots);
+  ~Completer();  // waits for the works handed in so far
+  // Reserves the next ring slot, waiting while `slots` ops are in flight.
+  size_t reserve();
+  void add(c10::intrusive_ptr<CudaWork> w);
+
+ private:
+  void loop();
+  int device_;
+  size_t slots_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<c10::intrusive_ptr<CudaWork>> queue_;
+  uint64_t reserved_ = 0, completed_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// The in-host staging area: one device allocation per rank, laid out by ExchangeLayout and
+// mapped by every other rank through CUDA IPC. open() is collective; it returns nullptr on
+// every rank unless every rank could map every peer's area.
+class ExchangeStaging {
+ public:
+  static std::unique_ptr<ExchangeStaging> open(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                               int device, const collective::ExchangeTuning& tuning,
+                                               std::string* why_not);
+  ~ExchangeStaging();
+  const collective::ExchangeLayout& layout() const { return layout_; }
+  char* area(int rank) const { return areas_[rank]; }
+  // Makes running kernels give up their waits (at shutdown).
+  void abortWaits(cudaStream_t s);
+
+ private:
+  ExchangeStaging() = default;
+  collective::ExchangeLayout layout_;
+  int rank_ = 0;
+  std::vector<char*> areas_;
+};
+
+}  // namespace moelink::backend

@@ -1,0 +1,270 @@
+#include "moelink/collective/exchange.h"
+
+#include <cstdlib>
+
+#include "moelink/common/error.h"
+
+namespace moelink::collective {
+
+namespace {
+
+uint64_t alignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+Exchange base(OpKind kind, ExchangeMode mode, int n, DType t, ReduceOp op, int root, uint64_t op_bytes) {
+  Exchange x;
+  x.kind = kind;
+  x.mode = mode;
+  x.dtype = t;
+  x.redop = op;
+  x.root = root;
+  x.op_bytes = op_bytes;
+  x.send_off.assign(n, 0);
+  x.send_bytes.assign(n, 0);
+  x.recv_off.assign(n, 0);
+  x.recv_bytes.assign(n, 0);
+  return x;
+}
+
+uint64_t envNumber(const char* name, uint64_t dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return dflt;
+  char* end = nullptr;
+  unsigned long long x = std::strtoull(v, &end, 10);
+  MOELINK_CHECK(end && *end == '\0', name, " must be a number, got '", v, "'");
+  return x;
+}
+
+}  // namespace
+
+Exchange exchangeBroadcast(int n, int me, uint64_t bytes, int root) {
+  Exchange x = base(OpKind::kBroadcast, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, root, bytes);
+  if (me == root) {
+    for (int q = 0; q < n; ++q)
+      if (q != me) x.send_bytes[q] = bytes;
+  } else {
+    x.recv_bytes[root] = bytes;
+  }
+  return x;
+}
+
+Exchange exchangeAllreduceOneShot(int n, int me, uint64_t count, DType t, ReduceOp op) {
+  uint64_t bytes = count * elementSize(t);
+  Exchange x = base(OpKind::kAllreduce, ExchangeMode::kReduce, n, t, op, -1, bytes);
+  for (int q = 0; q < n; ++q) {
+    x.send_bytes[q] = q == me ? 0 : bytes;
+    x.recv_bytes[q] = q == me ? 0 : bytes;
+  }
+  x.reduce_bytes = bytes;
+  return x;
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count, DType t) {
+  // Block starts on 16-byte boundaries keep the kernel's vector path; elements per
+  // alignment unit:
+  const uint64_t unit = 16 / elementSize(t) ? 16 / elementSize(t) : 1;
+  uint64_t per = alignUp((count + n - 1) / n, unit);
+  std::vector<std::pair<uint64_t, uint64_t>> b(n);
+  for (int q = 0; q < n; ++q) {
+    uint64_t lo = std::min(count, q * per), hi = std::min(count, (q + 1) * per);
+    b[q] = {lo, hi};
+  }
+  return b;
+}
+
+Exchange exchangeAllreduceScatter(int n, int me, uint64_t count, DType t, ReduceOp op) {
+  const uint64_t es = elementSize(t);
+  Exchange x = base(OpKind::kAllreduce, ExchangeMode::kReduce, n, t, op, -1, count * es);
+  auto blocks = allreduceBlocks(n, count, t);
+  uint64_t mine = (blocks[me].second - blocks[me].first) * es;
+  for (int q = 0; q < n; ++q) {
+    x.send_off[q] = blocks[q].first * es;
+    x.send_bytes[q] = q == me ? 0 : (blocks[q].second - blocks[q].first) * es;
+    x.recv_bytes[q] = q == me ? 0 : mine;
+  }
+  x.reduce_bytes = mine;
+  return x;
+}
+
+Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t) {
+  const uint64_t es = elementSize(t);
+  // The same kind as the scatter half: the header check then catches a rank that runs the
+  // two halves against another rank's one-shot.
+  Exchange x = base(OpKind::kAllreduce, ExchangeMode::kCopy, n, t, ReduceOp::kNone, -1, count * es);
+  auto blocks = allreduceBlocks(n, count, t);
+  uint64_t mine = (blocks[me].second - blocks[me].first) * es;
+  for (int q = 0; q < n; ++q) {
+    x.send_off[q] = blocks[me].first * es;  // offsets from the whole buffer
+    x.send_bytes[q] = q == me ? 0 : mine;
+    x.recv_off[q] = blocks[q].first * es;
+    x.recv_bytes[q] = q == me ? 0 : (blocks[q].second - blocks[q].first) * es;
+  }
+  return x;
+}
+
+Exchange exchangeReduce(int n, int me, uint64_t count, DType t, ReduceOp op, int root) {
+  uint64_t bytes = count * elementSize(t);
+  Exchange x = base(OpKind::kReduce, ExchangeMode::kReduce, n, t, op, root, bytes);
+  if (me == root) {
+    for (int q = 0; q < n; ++q) x.recv_bytes[q] = q == me ? 0 : bytes;
+    x.reduce_bytes = bytes;
+  } else {
+    x.send_bytes[root] = bytes;
+  }
+  return x;
+}
+
+Exchange exchangeAllgather(int n, int me, uint64_t bytes) {
+  Exchange x = base(OpKind::kAllgather, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, -1, bytes);
+  for (int q = 0; q < n; ++q) {
+    x.send_bytes[q] = bytes;  // q == me: the local copy into place
+    x.recv_off[q] = q * bytes;
+    x.recv_bytes[q] = bytes;
+  }
+  return x;
+}
+
+Exchange exchangeGather(int n, int me, uint64_t bytes, int root) {
+  Exchange x = base(OpKind::kGather, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, root, bytes);
+  if (me == root) {
+    for (int q = 0; q < n; ++q) {
+      x.recv_off[q] = q * bytes;
+      x.recv_bytes[q] = bytes;
+    }
+    x.send_bytes[me] = bytes;
+  } else {
+    x.send_bytes[root] = bytes;
+  }
+  return x;
+}
+
+Exchange exchangeScatter(int n, int me, uint64_t bytes, int root) {
+  Exchange x = base(OpKind::kScatter, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, root, bytes);
+  if (me == root) {
+    for (int q = 0; q < n; ++q) {
+      x.send_off[q] = q * bytes;
+      x.send_bytes[q] = bytes;
+    }
+  } else {
+    x.recv_bytes[root] = bytes;
+  }
+  return x;
+}
+
+Exchange exchangeReduceScatter(int n, int me, uint64_t count, DType t, ReduceOp op) {
+  uint64_t bytes = count * elementSize(t);
+  Exchange x = base(OpKind::kReduceScatter, ExchangeMode::kReduce, n, t, op, -1, bytes);
+  for (int q = 0; q < n; ++q) {
+    x.send_off[q] = q * bytes;
+    x.send_bytes[q] = q == me ? 0 : bytes;
+    x.recv_bytes[q] = q == me ? 0 : bytes;
+  }
+  x.reduce_bytes = bytes;
+  return x;
+}
+
+Exchange exchangeAlltoall(int n, int me, const std::vector<uint64_t>& send_off,
+                          const std::vector<uint64_t>& send_bytes, const std::vector<uint64_t>& recv_off,
+                          const std::vector<uint64_t>& recv_bytes) {
+  MOELINK_CHECK(static_cast<int>(send_off.size()) == n && static_cast<int>(send_bytes.size()) == n &&
+                    static_cast<int>(recv_off.size()) == n && static_cast<int>(recv_bytes.size()) == n,
+                "all-to-all needs one offset and size per rank");
+  MOELINK_CHECK(send_bytes[me] == recv_bytes[me], "this rank sends itself ", send_bytes[me],
+                " bytes but expects ", recv_bytes[me]);
+  Exchange x = base(OpKind::kAlltoall, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, -1, 0);
+  x.send_off = send_off;
+  x.send_bytes = send_bytes;
+  x.recv_off = recv_off;
+  x.recv_bytes = recv_bytes;
+  return x;
+}
+
+ExchangeTuning ExchangeTuning::fromEnv() {
+  ExchangeTuning t;
+  t.round_bytes = envNumber("MOELINK_CUDA_ROUND_BYTES", t.round_bytes);
+  t.blocks = static_cast<int>(envNumber("MOELINK_CUDA_BLOCKS", static_cast<uint64_t>(t.blocks)));
+  t.one_shot_bytes = envNumber("MOELINK_CUDA_ONESHOT_BYTES", t.one_shot_bytes);
+  MOELINK_CHECK(t.round_bytes >= (64u << 10) && t.round_bytes % 16 == 0,
+                "MOELINK_CUDA_ROUND_BYTES must be a multiple of 16 of at least 65536, got ", t.round_bytes);
+  MOELINK_CHECK(t.blocks >= 1 && t.blocks <= kExchangeMaxBlocks, "MOELINK_CUDA_BLOCKS must be 1..",
+                kExchangeMaxBlocks, ", got ", t.blocks);
+  return t;
+}
+
+ExchangeLayout ExchangeLayout::make(int n, uint64_t round_bytes) {
+  MOELINK_CHECK(n >= 1 && n <= kExchangeMaxRanks, "exchange groups hold 1..", kExchangeMaxRanks, " ranks");
+  ExchangeLayout l;
+  l.round_bytes = round_bytes;
+  l.header = 0;
+  l.counter = alignUp(2 * kExchangeMaxRanks * sizeof(ExchangeHeader), 128);
+  l.flags = l.counter + 128;
+  const uint64_t flag_bytes = 2ull * kExchangeMaxRanks * kExchangeMaxBlocks * sizeof(uint64_t);
+  l.acks = l.flags + flag_bytes;
+  l.data = alignUp(l.acks + flag_bytes, 4096);
+  l.total = l.data + 2ull * n * round_bytes;
+  return l;
+}
+
+ExchangeHeader exchangeHeader(const Exchange& x, int peer, const ExchangeTuning& t) {
+  ExchangeHeader h{};
+  h.op_bytes = x.op_bytes;
+  h.send_bytes = x.send_bytes[peer];
+  h.recv_bytes = x.recv_bytes[peer];
+  h.round_bytes = t.round_bytes;
+  h.kind = static_cast<uint8_t>(x.kind);
+  h.dtype = static_cast<uint8_t>(x.dtype);
+  h.redop = static_cast<uint8_t>(x.redop);
+  h.mode = static_cast<uint8_t>(x.mode);
+  h.root = x.root;
+  h.blocks = static_cast<uint32_t>(t.blocks);
+  return h;
+}
+
+std::string describeMismatch(const ExchangeHeader& mine, const ExchangeHeader& theirs, int peer) {
+  auto kindName = [](uint8_t k) { return opKindName(static_cast<OpKind>(k)); };
+  std::string who = str(kindName(mine.kind), " #", mine.seq, ": rank ", peer);
+  if (theirs.seq > mine.seq)
+    return str(who, " is already at op #", theirs.seq, " (", kindName(theirs.kind),
+               "); the ranks called different sequences of collectives");
+  if (theirs.kind != mine.kind)
+    return str(who, " called ", kindName(theirs.kind), ", this rank called ", kindName(mine.kind));
+  if (theirs.root != mine.root) return str(who, " used root ", theirs.root, ", this rank root ", mine.root);
+  if (theirs.dtype != mine.dtype)
+    return str(who, " sent dtype ", dtypeName(static_cast<DType>(theirs.dtype)), ", this rank expects ",
+               dtypeName(static_cast<DType>(mine.dtype)));
+  if (theirs.redop != mine.redop)
+    return str(who, " reduces with ", reduceOpName(static_cast<ReduceOp>(theirs.redop)), ", this rank with ",
+               reduceOpName(static_cast<ReduceOp>(mine.redop)));
+  if (theirs.op_bytes && mine.op_bytes && theirs.op_bytes != mine.op_bytes)
+    return str(who, " sent ", theirs.op_bytes, " bytes, this rank expects ", mine.op_bytes);
+  if (theirs.send_bytes != mine.recv_bytes)
+    return str(who, " sent ", theirs.send_bytes, " bytes to this rank, this rank expects ", mine.recv_bytes);
+  if (theirs.recv_bytes != mine.send_bytes)
+    return str(who, " expects ", theirs.recv_bytes, " bytes from this rank, this rank sends ", mine.send_bytes);
+  if (theirs.mode != mine.mode)
+    return str(who, " ran the ", theirs.mode ? "reduce" : "copy", " step where this rank ran the ",
+               mine.mode ? "reduce" : "copy", " step (different one-shot settings?)");
+  if (theirs.round_bytes != mine.round_bytes || theirs.blocks != mine.blocks)
+    return str(who, " uses MOELINK_CUDA_ROUND_BYTES=", theirs.round_bytes, " MOELINK_CUDA_BLOCKS=", theirs.blocks,
+               ", this rank ", mine.round_bytes, " and ", mine.blocks, "; set them alike on every rank");
+  return "";
+}
+
+std::string describeStatus(const ExchangeStatus& s, uint64_t timeout_ms) {
+  switch (s.code) {
+    case ExchangeStatus::kOk: return "";
+    case ExchangeStatus::kMismatch:
+    case ExchangeStatus::kAhead: {
+      std::string why = describeMismatch(s.mine, s.theirs, s.peer);
+      return why.empty() ? str(opKindName(static_cast<OpKind>(s.mine.kind)), " #", s.seq,
+                               ": the ranks disagree about this op (rank ", s.peer, ")")
+                         : why;
+    }
+    case ExchangeStatus::kTimeout:
+      return str(opKindName(static_cast<OpKind>(s.mine.kind)), " #", s.seq, ": timed out after ", timeout_ms,
+                 " ms waiting for rank ", s.peer,
+                 " on the GPU; this group's CUDA collectives are unusable from now on");
+  }
+  return str("unknown exchange status ", s.code);
+}
+
+}  // namespace moelink::collective

@@ -1,0 +1,428 @@
+// The exchange kernel: one in-host collective step over the staging areas every rank maps.
+//
+// Per launch: (1) block 0 writes this rank's header into every peer's header slot for this
+// op's parity and every block checks the headers it received (so no block needs another's
+// verdict); (2) rounds: in round r, block b pushes its piece of the round's bytes for each
+// peer into that peer's staging half r&1 (slot of this rank) and raises the peer's flag
+// (source = this rank, block b) to the round's tag; it then waits for the flags of the
+// peers that send to it, consumes its piece (copy into place, or reduce in rank order with
+// this rank's own range) and acknowledges in the producer's memory. Before reusing a half
+// (round r >= 2) a producer waits for the consumer's acknowledgements of round r-2. A block
+// meets only its namesake blocks on other ranks, so blocks run their rounds independently
+// and NVLink pushes of one block overlap the local consumption of another.
+//
+// Across launches: a peer writes the next op's header only once its previous launch has
+// ended, which needed everything this rank sent it; so the header check also guarantees
+// that nothing of the previous op is still being read, and two header parities keep a fast
+// peer's next header from overwriting one a slow block has yet to read.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "moelink/collective/exchange_kernel.h"
+
+namespace moelink::collective {
+
+namespace {
+
+struct Counter {
+  unsigned long long seq;  // ops completed on this staging area
+  unsigned int done;       // blocks of the current launch that have finished
+  unsigned int failed;     // seq of a failed launch (blocks stop waiting)
+};
+
+__device__ __forceinline__ uint64_t loadAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void storeRelease(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t nowNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t tagOf(uint64_t seq, uint64_t round) { return (seq << 24) | (round + 1); }
+
+struct Ctx {
+  const ExchangeLaunch* a;
+  uint64_t seq;
+  Counter* counter;
+  uint64_t start_ns;
+};
+
+// Records a failure once per launch (the first block to fail writes the status).
+__device__ void fail(const Ctx& c, uint32_t code, int peer, const ExchangeHeader* theirs) {
+  const ExchangeLaunch& a = *c.a;
+  if (atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq)) < static_cast<unsigned>(c.seq) && a.status) {
+    ExchangeStatus* s = a.status;
+    s->peer = peer;
+    s->seq = c.seq;
+    s->mine = a.header[peer];
+    s->mine.seq = c.seq;
+    if (theirs) s->theirs = *theirs;
+    __threadfence_system();
+    *reinterpret_cast<volatile uint32_t*>(&s->code) = code;
+    __threadfence_system();
+  }
+}
+
+// Spins until *p >= want. False when the launch failed or the deadline passed (recorded).
+__device__ bool waitAtLeast(const Ctx& c, const uint64_t* p, uint64_t want, int peer) {
+  uint32_t spins = 0;
+  while (loadAcquire(p) < want) {
+    if ((++spins & 1023) == 0) {
+      if (*reinterpret_cast<volatile unsigned*>(&c.counter->failed) >= static_cast<unsigned>(c.seq)) return false;
+      if (c.a->timeout_ns && nowNs() - c.start_ns > c.a->timeout_ns) {
+        fail(c, ExchangeStatus::kTimeout, peer, nullptr);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+__device__ __forceinline__ ExchangeHeader* headerSlot(char* staging, const ExchangeLayout& l, uint64_t seq, int src) {
+  return reinterpret_cast<ExchangeHeader*>(staging + l.header) + (seq & 1) * kExchangeMaxRanks + src;
+}
+__device__ __forceinline__ uint64_t* flagSlot(char* staging, const ExchangeLayout& l, int half, int src, int b) {
+  return reinterpret_cast<uint64_t*>(staging + l.flags) + (half * kExchangeMaxRanks + src) * kExchangeMaxBlocks + b;
+}
+__device__ __forceinline__ uint64_t* ackSlot(char* staging, const ExchangeLayout& l, int half, int consumer, int b) {
+  return reinterpret_cast<uint64_t*>(staging + l.acks) + (half * kExchangeMaxRanks + consumer) * kExchangeMaxBlocks + b;
+}
+__device__ __forceinline__ char* dataSlot(char* staging, const ExchangeLayout& l, int n, int half, int src) {
+  return staging + l.data + (static_cast<uint64_t>(half) * n + src) * l.round_bytes;
+}
+
+__device__ bool sameHeader(const ExchangeHeader& m, const ExchangeHeader& t) {
+  return m.kind == t.kind && m.dtype == t.dtype && m.redop == t.redop && m.mode == t.mode && m.root == t.root &&
+         (m.op_bytes == 0 || t.op_bytes == 0 || m.op_bytes == t.op_bytes) && t.send_bytes == m.recv_bytes &&
+         t.recv_bytes == m.send_bytes && m.round_bytes == t.round_bytes && m.blocks == t.blocks;
+}
+
+// Block-wide copy; 16-byte vectors when everything is aligned.
+__device__ void copyBytes(char* dst, const char* src, uint64_t len) {
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | len) & 15) == 0) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    const uint64_t n = len / 16;
+    uint64_t i = threadIdx.x;
+    for (; i + 3 * blockDim.x < n; i += 4 * blockDim.x) {
+      int4 v0 = s[i], v1 = s[i + blockDim.x], v2 = s[i + 2 * blockDim.x], v3 = s[i + 3 * blockDim.x];
+      d[i] = v0;
+      d[i + blockDim.x] = v1;
+      d[i + 2 * blockDim.x] = v2;
+      d[i + 3 * blockDim.x] = v3;
+    }
+    for (; i < n; i += blockDim.x) d[i] = s[i];
+  } else {
+    for (uint64_t i = threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+// ---- reductions, in an accumulator type, rank order ----
+
+template <typename T> struct AccOf { using type = T; };
+template <> struct AccOf<__half> { using type = float; };
+template <> struct AccOf<__nv_bfloat16> { using type = float; };
+
+template <typename T> __device__ __forceinline__ typename AccOf<T>::type toAcc(T v) { return v; }
+template <> __device__ __forceinline__ float toAcc(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float toAcc(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __device__ __forceinline__ T fromAcc(typename AccOf<T>::type v) { return static_cast<T>(v); }
+template <> __device__ __forceinline__ __half fromAcc<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 fromAcc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename A> __device__ __forceinline__ bool isNan(A v) {
+  if constexpr (std::is_floating_point_v<A>) return v != v;
+  return false;
+}
+
+template <typename A> __device__ __forceinline__ A apply(A x, A y, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: return static_cast<A>(x + y);
+    case ReduceOp::kProduct: return static_cast<A>(x * y);
+    case ReduceOp::kMin:
+      if (isNan(x) || isNan(y)) return isNan(x) ? x : y;
+      return y < x ? y : x;
+    case ReduceOp::kMax:
+      if (isNan(x) || isNan(y)) return isNan(x) ? x : y;
+      return y > x ? y : x;
+    default: break;
+  }
+  if constexpr (std::is_integral_v<A>) {
+    switch (op) {
+      case ReduceOp::kBand: return static_cast<A>(x & y);
+      case ReduceOp::kBor: return static_cast<A>(x | y);
+      case ReduceOp::kBxor: return static_cast<A>(x ^ y);
+      default: break;
+    }
+  }
+  return x;
+}
+
+// Bool: stored as bytes 0/1; SUM/MAX/BOR = or, PRODUCT/MIN/BAND = and, BXOR = xor.
+struct Bool {};
+template <> struct AccOf<Bool> { using type = bool; };
+
+template <typename T>
+__device__ void reduceRange(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
+  using A = typename AccOf<T>::type;
+  const uint64_t count = bytes / sizeof(T);
+  const T* const* s = reinterpret_cast<const T* const*>(src);
+  T* o = reinterpret_cast<T*>(out);
+  for (uint64_t i = threadIdx.x; i < count; i += blockDim.x) {
+    A acc = toAcc<T>(s[0][i]);
+    for (int q = 1; q < n; ++q) acc = apply<A>(acc, toAcc<T>(s[q][i]), op);
+    if (op == ReduceOp::kAvg) acc = static_cast<A>(acc / static_cast<A>(avg_n));
+    o[i] = fromAcc<T>(acc);
+  }
+}
+
+template <>
+__device__ void reduceRange<Bool>(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int) {
+  for (uint64_t i = threadIdx.x; i < bytes; i += blockDim.x) {
+    bool acc = src[0][i] != 0;
+    for (int q = 1; q < n; ++q) {
+      bool v = src[q][i] != 0;
+      if (op == ReduceOp::kBxor) acc = acc != v;
+      else if (op == ReduceOp::kProduct || op == ReduceOp::kMin || op == ReduceOp::kBand) acc = acc && v;
+      else acc = acc || v;
+    }
+    out[i] = acc;
+  }
+}
+
+// Complex: SUM/AVG add, PRODUCT multiplies (MIN/MAX/bitwise are refused before launch).
+template <typename R>
+__device__ void reduceComplex(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
+  const uint64_t count = bytes / (2 * sizeof(R));
+  for (uint64_t i = threadIdx.x; i < count; i += blockDim.x) {
+    const R* v = reinterpret_cast<const R*>(src[0]) + 2 * i;
+    R re = v[0], im = v[1];
+    for (int q = 1; q < n; ++q) {
+      const R* w = reinterpret_cast<const R*>(src[q]) + 2 * i;
+      if (op == ReduceOp::kProduct) {
+        R r2 = re * w[0] - im * w[1];
+        im = re * w[1] + im * w[0];
+        re = r2;
+      } else {
+        re += w[0];
+        im += w[1];
+      }
+    }
+    if (op == ReduceOp::kAvg) {
+      re /= static_cast<R>(avg_n);
+      im /= static_cast<R>(avg_n);
+    }
+    R* o = reinterpret_cast<R*>(out) + 2 * i;
+    o[0] = re;
+    o[1] = im;
+  }
+}
+
+__device__ void reduceAny(DType t, char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
+  switch (t) {
+    case DType::kFloat32: return reduceRange<float>(out, src, n, bytes, op, avg_n);
+    case DType::kFloat64: return reduceRange<double>(out, src, n, bytes, op, avg_n);
+    case DType::kFloat16: return reduceRange<__half>(out, src, n, bytes, op, avg_n);
+    case DType::kBFloat16: return reduceRange<__nv_bfloat16>(out, src, n, bytes, op, avg_n);
+    case DType::kInt8: return reduceRange<int8_t>(out, src, n, bytes, op, avg_n);
+    case DType::kInt16: return reduceRange<int16_t>(out, src, n, bytes, op, avg_n);
+    case DType::kInt32: return reduceRange<int32_t>(out, src, n, bytes, op, avg_n);
+    case DType::kInt64: return reduceRange<long long>(out, src, n, bytes, op, avg_n);
+    case DType::kUInt8: return reduceRange<uint8_t>(out, src, n, bytes, op, avg_n);
+    case DType::kBool: return reduceRange<Bool>(out, src, n, bytes, op, avg_n);
+    case DType::kComplex64: return reduceComplex<float>(out, src, n, bytes, op, avg_n);
+    case DType::kComplex128: return reduceComplex<double>(out, src, n, bytes, op, avg_n);
+    default: return;
+  }
+}
+
+// Whether this launch has failed, decided once for the whole block (a barrier).
+__device__ bool blockFailed(const Ctx& c) {
+  __shared__ int failed;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    failed = *reinterpret_cast<volatile unsigned*>(&c.counter->failed) >= static_cast<unsigned>(c.seq);
+  __syncthreads();
+  const bool f = failed;
+  __syncthreads();
+  return f;
+}
+
+__device__ int roundsOf(const ExchangeLaunch& a, int q) {
+  uint64_t bytes = a.send_bytes[q] > a.recv_bytes[q] ? a.send_bytes[q] : a.recv_bytes[q];
+  return static_cast<int>((bytes + a.layout.round_bytes - 1) / a.layout.round_bytes);
+}
+
+// The rounds of block b. False when the launch failed.
+__device__ bool runRounds(const Ctx& c) {
+  const ExchangeLaunch& a = *c.a;
+  const int me = a.rank, n = a.size, b = blockIdx.x, G = gridDim.x;
+  const ExchangeLayout& L = a.layout;
+  const uint64_t R = L.round_bytes;
+  char* mine = a.staging[me];
+  const bool reduce = a.mode == static_cast<uint8_t>(ExchangeMode::kReduce);
+  int rounds = 0;
+  for (int q = 0; q < n; ++q) rounds = max(rounds, roundsOf(a, q));
+  if (!reduce && a.send_bytes[me] && a.in + a.send_off[me] != a.out + a.recv_off[me])
+    rounds = max(rounds, static_cast<int>((a.send_bytes[me] + R - 1) / R));
+  if (reduce) rounds = max(rounds, static_cast<int>((a.reduce_bytes + R - 1) / R));
+  __shared__ const char* srcs[kExchangeMaxRanks];
+
+  for (int r = 0; r < rounds; ++r) {
+    const int half = r & 1;
+    const uint64_t tag = tagOf(c.seq, r);
+    // Push this block's piece of round r to each peer (starting after this rank, so that
+    // peers are not all written at once by everyone).
+    for (int k = 1; k < n; ++k) {
+      const int p = (me + k) % n;
+      uint64_t len = exchangeRoundLen(a.send_bytes[p], r, R), lo, hi;
+      exchangePiece(len, b, G, &lo, &hi);
+      if (lo >= hi) continue;
+      if (r >= 2) {  // the consumer has finished round r-2 in this half
+        uint64_t plo, phi;
+        if (threadIdx.x < G) {
+          exchangePiece(R, threadIdx.x, G, &plo, &phi);
+          if (plo < phi && !waitAtLeast(c, ackSlot(mine, L, half, p, threadIdx.x), tagOf(c.seq, r - 2), p))
+            atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+        }
+        if (blockFailed(c)) return false;
+      }
+      copyBytes(dataSlot(a.staging[p], L, n, half, me) + lo, a.in + a.send_off[p] + r * R + lo, hi - lo);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence_system();
+        storeRelease(flagSlot(a.staging[p], L, half, me, b), tag);
+      }
+    }
+    if (!reduce) {
+      // This rank's own block, straight into place.
+      uint64_t len = exchangeRoundLen(a.send_bytes[me], r, R), lo, hi;
+      exchangePiece(len, b, G, &lo, &hi);
+      const char* s = a.in + a.send_off[me] + r * R;
+      char* d = a.out + a.recv_off[me] + r * R;
+      if (lo < hi && s != d) copyBytes(d + lo, s + lo, hi - lo);
+      // What the peers sent.
+      for (int k = 1; k < n; ++k) {
+        const int q = (me + n - k) % n;
+        uint64_t ql = exchangeRoundLen(a.recv_bytes[q], r, R), qlo, qhi;
+        exchangePiece(ql, b, G, &qlo, &qhi);
+        if (qlo >= qhi) continue;
+        if (threadIdx.x == 0 && !waitAtLeast(c, flagSlot(mine, L, half, q, b), tag, q))
+          atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+        if (blockFailed(c)) return false;
+        copyBytes(a.out + a.recv_off[q] + r * R + qlo, dataSlot(mine, L, n, half, q) + qlo, qhi - qlo);
+        __syncthreads();
+        if (threadIdx.x == 0) storeRelease(ackSlot(a.staging[q], L, half, me, b), tag);
+      }
+    } else {
+      uint64_t len = exchangeRoundLen(a.reduce_bytes, r, R), lo, hi;
+      exchangePiece(len, b, G, &lo, &hi);
+      if (lo >= hi) continue;
+      if (threadIdx.x < n && threadIdx.x != me) {
+        const int q = threadIdx.x;
+        if (!waitAtLeast(c, flagSlot(mine, L, half, q, b), tag, q))
+          atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+        srcs[q] = dataSlot(mine, L, n, half, q) + lo;
+      }
+      if (threadIdx.x == 0) srcs[me] = a.in + a.send_off[me] + r * R + lo;
+      if (blockFailed(c)) return false;
+      reduceAny(static_cast<DType>(a.dtype), a.out + r * R + lo, srcs, n, hi - lo, static_cast<ReduceOp>(a.redop), n);
+      __syncthreads();
+      if (threadIdx.x < n && threadIdx.x != me) storeRelease(ackSlot(a.staging[threadIdx.x], L, half, me, b), tag);
+    }
+  }
+  return true;
+}
+
+__global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ ExchangeLaunch a) {
+  const int me = a.rank, n = a.size;
+  char* mine = a.staging[me];
+  Counter* counter = reinterpret_cast<Counter*>(mine + a.layout.counter);
+  Ctx c{&a, *reinterpret_cast<volatile unsigned long long*>(&counter->seq) + 1, counter, 0};
+  __shared__ uint64_t start;
+  __shared__ int bad;
+  if (threadIdx.x == 0) {
+    start = nowNs();
+    bad = 0;
+  }
+  __syncthreads();
+  c.start_ns = start;
+
+  // (1) Headers: block 0 sends, every block checks.
+  if (blockIdx.x == 0 && threadIdx.x < n && threadIdx.x != me) {
+    const int p = threadIdx.x;
+    ExchangeHeader* h = headerSlot(a.staging[p], a.layout, c.seq, me);
+    const uint64_t* src = reinterpret_cast<const uint64_t*>(&a.header[p]);
+    uint64_t* dst = reinterpret_cast<uint64_t*>(h);
+    for (int i = 0; i < 7; ++i) dst[i] = src[i];
+    __threadfence_system();
+    storeRelease(&h->seq, c.seq);
+  }
+  if (threadIdx.x < n && threadIdx.x != me) {
+    const int q = threadIdx.x;
+    ExchangeHeader* h = headerSlot(mine, a.layout, c.seq, q);
+    if (!waitAtLeast(c, &h->seq, c.seq, q)) {
+      bad = 1;
+    } else {
+      ExchangeHeader theirs = *h;
+      if (theirs.seq > c.seq) {
+        fail(c, ExchangeStatus::kAhead, q, &theirs);
+        bad = 1;
+      } else if (!sameHeader(a.header[q], theirs)) {
+        fail(c, ExchangeStatus::kMismatch, q, &theirs);
+        bad = 1;
+      }
+    }
+  }
+  __syncthreads();
+
+  // (2) Rounds.
+  if (!bad) runRounds(c);
+
+  // The last block to finish numbers the next op.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&counter->done, 1u) == gridDim.x - 1) {
+      counter->done = 0;
+      counter->seq = c.seq;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace
+
+void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, ExchangeLaunch& l) {
+  const int n = static_cast<int>(x.send_bytes.size());
+  l.rank = rank;
+  l.size = n;
+  l.blocks = t.blocks;
+  l.mode = static_cast<uint8_t>(x.mode);
+  l.dtype = static_cast<uint8_t>(x.dtype);
+  l.redop = static_cast<uint8_t>(x.redop);
+  l.reduce_bytes = x.reduce_bytes;
+  for (int q = 0; q < n; ++q) {
+    l.send_off[q] = x.send_off[q];
+    l.send_bytes[q] = x.send_bytes[q];
+    l.recv_off[q] = x.recv_off[q];
+    l.recv_bytes[q] = x.recv_bytes[q];
+    if (q != rank) l.header[q] = exchangeHeader(x, q, t);
+  }
+}
+
+cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream) {
+  exchangeKernel<<<l.blocks, 512, 0, stream>>>(l);
+  return cudaGetLastError();
+}
+
+}  // namespace moelink::collective

@@ -1,0 +1,340 @@
+"""Collectives on CUDA tensors over backend "ep", one process per GPU (run by
+test_cuda_collectives.py through harness.run_cases). Every result is checked against what each
+rank computes itself from all ranks' known inputs, and a subset against NCCL on the same inputs."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.uint8, torch.bool]
+SIZES = [0, 1, 1000, 1 << 18, (1 << 24) + 3]
+REDUCE_OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+
+
+def dev(rank):
+    d = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(d)
+    return d
+
+
+def value(rank, n, dtype, device, salt=0):
+    """Rank `rank`'s input: small values, exact in every dtype."""
+    i = torch.arange(n, device=device, dtype=torch.int64)
+    v = (i * 7 + rank * 13 + salt) % 5 + 1  # 1..5
+    if dtype == torch.bool:
+        return ((i + rank + salt) % 3) == 0
+    if dtype == torch.uint8 or dtype == torch.int8:
+        return v.to(dtype)
+    return v.to(dtype)
+
+
+def reduce_ref(xs, op, world):
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        if op in ("SUM", "AVG"):
+            acc = (acc | x) if acc.dtype == torch.bool else acc + x
+        elif op == "PRODUCT":
+            acc = (acc & x) if acc.dtype == torch.bool else acc * x
+        elif op == "MIN":
+            acc = (acc & x) if acc.dtype == torch.bool else torch.minimum(acc, x)
+        elif op == "MAX":
+            acc = (acc | x) if acc.dtype == torch.bool else torch.maximum(acc, x)
+        elif op == "BAND":
+            acc = acc & x
+        elif op == "BOR":
+            acc = acc | x
+        elif op == "BXOR":
+            acc = acc ^ x
+    if op == "AVG":
+        acc = acc / world
+    return acc
+
+
+def valid(dtype, op):
+    floating = dtype.is_floating_point
+    if op in ("BAND", "BOR", "BXOR") and floating:
+        return False
+    if op == "AVG" and not floating:
+        return False
+    return True
+
+
+def same(a, b, what):
+    if a.dtype in (torch.float16, torch.bfloat16):
+        ok = torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    elif a.dtype.is_floating_point:
+        ok = torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        ok = torch.equal(a, b)
+    assert ok, f"{what}: got {a.flatten()[:8].tolist()}..., expected {b.flatten()[:8].tolist()}..."
+
+
+def all_reduce_every_dtype_op_size(rank, world):
+    d = dev(rank)
+    for dtype in DTYPES:
+        for op in REDUCE_OPS:
+            if not valid(dtype, op):
+                continue
+            sizes = SIZES if dtype in (torch.float32, torch.bfloat16) and op in ("SUM", "MAX") else SIZES[:4]
+            for n in sizes:
+                xs = [value(r, n, dtype, d) for r in range(world)]
+                x = xs[rank].clone()
+                dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+                ref = reduce_ref(xs, op, world)
+                if op == "AVG":
+                    ref = ref.to(dtype)
+                same(x, ref, f"all_reduce {dtype} {op} n={n}")
+
+
+def movement_ops_every_dtype(rank, world):
+    d = dev(rank)
+    for dtype in DTYPES + [torch.complex64]:
+        for n in SIZES[:4] + ([SIZES[4]] if dtype in (torch.float32, torch.uint8) else []):
+            xs = [value(r, n, dtype, d, salt=3) if dtype != torch.complex64
+                  else torch.complex(value(r, n, torch.float32, d), value(r, n, torch.float32, d, 1))
+                  for r in range(world)]
+            # broadcast from the last rank
+            x = xs[rank].clone()
+            dist.broadcast(x, src=world - 1)
+            same(x, xs[world - 1], f"broadcast {dtype} n={n}")
+            # all_gather_into_tensor and list all_gather
+            out = torch.empty(world * n, dtype=dtype, device=d)
+            dist.all_gather_into_tensor(out, xs[rank])
+            same(out, torch.cat(xs), f"all_gather_into_tensor {dtype} n={n}")
+            outs = [torch.empty(n, dtype=dtype, device=d) for _ in range(world)]
+            dist.all_gather(outs, xs[rank])
+            for r in range(world):
+                same(outs[r], xs[r], f"all_gather {dtype} n={n} from {r}")
+            # all_to_all_single, even
+            m = n - n % world
+            ins = [x[:m] for x in xs]
+            o = torch.empty(m, dtype=dtype, device=d)
+            dist.all_to_all_single(o, ins[rank])
+            ref = torch.cat([ins[r].view(world, -1)[rank] for r in range(world)]) if m else o
+            same(o, ref, f"all_to_all_single {dtype} n={m}")
+            # gather / scatter to / from rank 0
+            g = [torch.empty(n, dtype=dtype, device=d) for _ in range(world)] if rank == 0 else None
+            dist.gather(xs[rank], gather_list=g, dst=0)
+            if rank == 0:
+                for r in range(world):
+                    same(g[r], xs[r], f"gather {dtype} from {r}")
+            s = torch.empty(n, dtype=dtype, device=d)
+            dist.scatter(s, scatter_list=[xs[r] for r in range(world)] if rank == 0 else None, src=0)
+            same(s, xs[rank], f"scatter {dtype}")
+
+
+def reduce_scatter_and_reduce(rank, world):
+    d = dev(rank)
+    for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8]:
+        for op in ["SUM", "MAX", "MIN", "PRODUCT"]:
+            for n in [0, 1, 1000, 1 << 18] + ([(1 << 22) + 3] if op == "SUM" else []):
+                xs = [value(r, n * world, dtype, d) for r in range(world)]
+                out = torch.empty(n, dtype=dtype, device=d)
+                dist.reduce_scatter_tensor(out, xs[rank], op=getattr(dist.ReduceOp, op))
+                ref = reduce_ref(xs, op, world).view(world, -1)[rank] if n else out
+                same(out, ref, f"reduce_scatter_tensor {dtype} {op} n={n}")
+                outl = torch.empty(n, dtype=dtype, device=d)
+                dist.reduce_scatter(outl, list(xs[rank].chunk(world)) if n else [torch.empty(0, dtype=dtype, device=d)] * world,
+                                    op=getattr(dist.ReduceOp, op))
+                same(outl, ref, f"reduce_scatter {dtype} {op} n={n}")
+                x = xs[rank].clone()
+                dist.reduce(x, dst=world - 1, op=getattr(dist.ReduceOp, op))
+                if rank == world - 1:
+                    same(x, reduce_ref(xs, op, world), f"reduce {dtype} {op} n={n}")
+
+
+def uneven_all_to_all(rank, world):
+    d = dev(rank)
+    # rank r sends (r + 1) * (q + 1) rows of 3 to rank q
+    send = [(rank + 1) * (q + 1) for q in range(world)]
+    recv = [(q + 1) * (rank + 1) for q in range(world)]
+    inp = torch.cat([torch.full((send[q], 3), rank * 100 + q, dtype=torch.float32, device=d) for q in range(world)])
+    out = torch.empty(sum(recv), 3, device=d)
+    dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send)
+    ref = torch.cat([torch.full((recv[q], 3), q * 100 + rank, dtype=torch.float32, device=d) for q in range(world)])
+    same(out, ref, "uneven all_to_all_single")
+    # list form with a non-contiguous input
+    ins = [torch.full((4, 2), rank * 10 + q, device=d).t() for q in range(world)]
+    outs = [torch.empty(2, 4, device=d) for _ in range(world)]
+    dist.all_to_all(outs, ins)
+    for q in range(world):
+        same(outs[q], torch.full((2, 4), q * 10 + rank, device=d), "all_to_all list")
+
+
+def stream_order(rank, world):
+    """Inputs written behind a long sleep, outputs read on the stream with no host sync."""
+    d = dev(rank)
+    n = 1 << 20
+    x = torch.zeros(n, device=d)
+    torch.cuda._sleep(200_000_000)  # ~100 ms on the current stream
+    x.fill_(rank + 1.0)
+    dist.all_reduce(x)
+    y = x * 2  # queued after the op on the same stream
+    g = torch.empty(world * n, device=d)
+    torch.cuda._sleep(100_000_000)
+    x.add_(1)
+    dist.all_gather_into_tensor(g, x)
+    z = g.clone()
+    torch.cuda.synchronize()
+    total = sum(r + 1.0 for r in range(world))
+    same(y, torch.full_like(y, 2 * total), "all_reduce after sleep")
+    same(z, torch.full_like(z, total + 1), "all_gather after sleep")
+
+
+def async_interleaved(rank, world):
+    d = dev(rank)
+    xs = [torch.full((1000 * (k + 1),), float(rank + k), device=d) for k in range(6)]
+    works = [dist.all_reduce(x, async_op=True) for x in xs]
+    g = torch.empty(world * 10, device=d)
+    wg = dist.all_gather_into_tensor(g, torch.full((10,), float(rank), device=d), async_op=True)
+    for w in works:
+        w.wait()
+    wg.wait()
+    fut = wg.get_future()
+    fut.wait()
+    assert wg.is_completed()
+    for k, x in enumerate(xs):
+        same(x, torch.full_like(x, float(sum(r + k for r in range(world)))), f"async all_reduce {k}")
+    same(g, torch.cat([torch.full((10,), float(r), device=d) for r in range(world)]), "async all_gather")
+    # is_completed is honest: not done while the stream sleeps
+    torch.cuda._sleep(500_000_000)
+    w = dist.all_reduce(torch.ones(10, device=d), async_op=True)
+    early = w.is_completed()
+    w.get_future().wait()
+    assert w.is_completed()
+    assert not early, "is_completed() was True while the op was queued behind a sleep"
+
+
+def graph_capture(rank, world):
+    if os.environ.get("MOELINK_RANKS_PER_HOST"):
+        return  # the host-staged route refuses capture (tested in errors)
+    d = dev(rank)
+    n = 4096
+    x = torch.zeros(n, device=d)
+    g_in = torch.zeros(n, device=d)
+    g_out = torch.empty(world * n, device=d)
+    rs_in = torch.zeros(world * n, device=d)
+    rs_out = torch.empty(n, device=d)
+    a_in = torch.zeros(world * 8, device=d)
+    a_out = torch.empty(world * 8, device=d)
+    dist.all_reduce(x)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            dist.all_reduce(x)
+            dist.all_gather_into_tensor(g_out, g_in)
+            dist.reduce_scatter_tensor(rs_out, rs_in)
+            dist.all_to_all_single(a_out, a_in)
+    torch.cuda.current_stream().wait_stream(s)
+    for it in range(3):
+        x.fill_(rank + it)
+        g_in.fill_(rank * 10 + it)
+        rs_in.copy_(torch.arange(world * n, device=d, dtype=torch.float32) + rank + it)
+        a_in.copy_(torch.arange(world * 8, device=d, dtype=torch.float32) + 100 * rank)
+        graph.replay()
+        torch.cuda.synchronize()
+        same(x, torch.full_like(x, float(sum(r + it for r in range(world)))), f"graph all_reduce {it}")
+        same(g_out, torch.cat([torch.full((n,), float(r * 10 + it), device=d) for r in range(world)]), "graph all_gather")
+        base = torch.arange(world * n, device=d, dtype=torch.float32).view(world, n)[rank]
+        same(rs_out, base * world + sum(r + it for r in range(world)), "graph reduce_scatter")
+        ref = torch.cat([(torch.arange(world * 8, device=d, dtype=torch.float32) + 100 * r).view(world, 8)[rank]
+                         for r in range(world)])
+        same(a_out, ref, "graph all_to_all")
+
+
+def point_to_point(rank, world):
+    d = dev(rank)
+    peer = (rank + 1) % world
+    src = (rank - 1) % world
+    x = torch.full((1 << 20,), float(rank), device=d)
+    y = torch.empty_like(x)
+    ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, src)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    same(y, torch.full_like(y, float(src)), "batch_isend_irecv")
+    # recv posted first on both ranks, then send: no deadlock
+    z = torch.empty(1000, device=d)
+    wr = dist.irecv(z, src)
+    ws = dist.isend(torch.full((1000,), rank + 0.5, device=d), peer)
+    wr.wait()
+    ws.wait()
+    same(z, torch.full_like(z, src + 0.5), "irecv before isend")
+    if rank == 0:
+        got = torch.empty(10, device=d)
+        sender = dist.recv(got)
+        same(got, torch.full_like(got, float(sender)), "recv from any source")
+    elif rank == 1:
+        dist.send(torch.full((10,), 1.0, device=d), 0)
+
+
+def against_nccl(rank, world):
+    d = dev(rank)
+    nccl = dist.new_group(backend="nccl")
+    for dtype in [torch.float32, torch.bfloat16, torch.float16]:
+        n = (1 << 20) + 5
+        x = torch.randn(n, device=d, generator=torch.Generator(device=d).manual_seed(rank)).to(dtype)
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a)
+        dist.all_reduce(b, group=nccl)
+        same(a, b, f"all_reduce vs nccl {dtype}")
+        ga = torch.empty(world * n, dtype=dtype, device=d)
+        gb = torch.empty_like(ga)
+        dist.all_gather_into_tensor(ga, x)
+        dist.all_gather_into_tensor(gb, x, group=nccl)
+        assert torch.equal(ga, gb), "all_gather vs nccl"
+        m = n - n % world
+        ra = torch.empty(m // world, dtype=dtype, device=d)
+        rb = torch.empty_like(ra)
+        dist.reduce_scatter_tensor(ra, x[:m].contiguous())
+        dist.reduce_scatter_tensor(rb, x[:m].contiguous(), group=nccl)
+        same(ra, rb, f"reduce_scatter vs nccl {dtype}")
+    dist.destroy_process_group(nccl)
+
+
+def bad_input(rank, world):
+    d = dev(rank)
+    try:
+        dist.all_gather_into_tensor(torch.empty(world * 4), torch.ones(4, device=d))
+        raise AssertionError("mixed CPU/CUDA was accepted")
+    except ValueError as e:
+        assert "mixed" in str(e), e
+    if torch.cuda.device_count() > 1:
+        other = torch.device("cuda", (d.index + 1) % torch.cuda.device_count())
+        try:
+            dist.all_reduce(torch.ones(4, device=other))
+            raise AssertionError("a tensor on another device was accepted")
+        except ValueError as e:
+            assert "cuda:" in str(e), e
+    # a disagreement fails the op on every rank, with the CPU path's wording, and the group
+    # stays usable
+    x = torch.ones(4096 if rank == 0 else 8192, device=d)
+    w = dist.all_reduce(x, async_op=True)
+    try:
+        w.get_future().wait()
+        raise AssertionError("a size mismatch went unnoticed")
+    except RuntimeError as e:
+        assert "expects" in str(e) and "rank" in str(e), e
+    y = torch.ones(16, device=d)
+    dist.all_reduce(y)
+    same(y, torch.full_like(y, float(world)), "all_reduce after a mismatch")
+
+
+def cpu_and_cuda_in_one_group(rank, world):
+    d = dev(rank)
+    c = torch.ones(100)
+    g = torch.ones(100, device=d)
+    dist.all_reduce(c)
+    dist.all_reduce(g)
+    dist.all_reduce(c)
+    same(c, torch.full_like(c, float(world * world)), "CPU all_reduce")
+    same(g, torch.full_like(g, float(world)), "CUDA all_reduce")
+
+
+CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
+         "uneven_all_to_all", "stream_order", "async_interleaved", "graph_capture", "point_to_point",
+         "against_nccl", "bad_input", "cpu_and_cuda_in_one_group"]
