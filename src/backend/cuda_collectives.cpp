@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -153,6 +154,10 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
                       " (its first CUDA op used it); got a tensor on cuda:", device);
     return;
   }
+  const int current = c10::cuda::current_device();
+  TORCH_CHECK_VALUE(device == current, "moelink ", opname, ": got a tensor on cuda:", device, ", but this rank's "
+                    "current CUDA device is cuda:", current, "; call torch.cuda.set_device() with the rank's device "
+                    "before its first CUDA collective");
   c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device));
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(), &cs);

@@ -156,11 +156,11 @@ def uneven_all_to_all(rank, world):
     ref = torch.cat([torch.full((recv[q], 3), q * 100 + rank, dtype=torch.float32, device=d) for q in range(world)])
     same(out, ref, "uneven all_to_all_single")
     # list form with a non-contiguous input
-    ins = [torch.full((4, 2), rank * 10 + q, device=d).t() for q in range(world)]
+    ins = [torch.full((4, 2), float(rank * 10 + q), device=d).t() for q in range(world)]
     outs = [torch.empty(2, 4, device=d) for _ in range(world)]
     dist.all_to_all(outs, ins)
     for q in range(world):
-        same(outs[q], torch.full((2, 4), q * 10 + rank, device=d), "all_to_all list")
+        same(outs[q], torch.full((2, 4), float(q * 10 + rank), device=d), "all_to_all list")
 
 
 def stream_order(rank, world):
