@@ -1,6 +1,8 @@
-// The CUDA unit of EpBackend (see cuda_collectives.h): per op, validate, then run it on the
-// group's communication stream, in-host as exchange kernels or host-staged through the
-// collective worker.
+// The CUDA unit of EpBackend (see cuda_collectives.h). Every op is put on the group's
+// communication stream by run(): the op's GPU-side preparation (contiguous copies, flattened
+// lists) is shared by both routes, and its data movement is one flat collective, which
+// flat() runs as exchange kernels (in-host) or as a worker op over pinned copies
+// (host-staged, hostFlat()).
 #include "cuda_collectives.h"
 
 #include <ATen/ATen.h>
@@ -15,9 +17,10 @@
 #include <glog/logging.h>
 
 #include "cuda_runtime.h"
-#include "ep_work.h"
 #include "moelink/backend/ep_backend.h"
+#include "moelink/collective/algorithms.h"
 #include "moelink/collective/exchange_kernel.h"
+#include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
 
 namespace moelink::backend {
@@ -28,36 +31,48 @@ using c10d::OpType;
 using collective::Exchange;
 using Work = CudaCollectives::Work;
 using Tensors = CudaCollectives::Tensors;
-using TensorLists = CudaCollectives::TensorLists;
+using Timeout = CudaCollectives::Timeout;
+using ReduceOp = collective::ReduceOp;
+namespace algo = collective;
 
 constexpr size_t kSlots = 1024;  // ops in flight per group (status and ticket rings)
 
-uint64_t nbytesOf(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
-char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+char* ptr(const at::Tensor& t) { return t.defined() ? static_cast<char*>(t.data_ptr()) : nullptr; }
 
 at::Tensor pinnedLike(const at::Tensor& t) {
   return at::empty(t.sizes(), at::TensorOptions().dtype(t.dtype()).pinned_memory(true));
 }
-Tensors pinnedLike(const Tensors& ts) {
-  Tensors out;
-  for (const auto& t : ts) out.push_back(pinnedLike(t));
-  return out;
+
+// `t` itself when contiguous, else a contiguous buffer for an output (copy back with settle()).
+at::Tensor contiguousOut(const at::Tensor& t) {
+  return t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous);
 }
 
-// Flat, contiguous concatenation of `ts` (made on the current stream).
+// Copies `buf` into `t` when they differ (an output that was not contiguous).
+void settle(at::Tensor& t, const at::Tensor& buf) {
+  if (!buf.is_same(t)) t.copy_(buf);
+}
+
+// Flat, contiguous concatenation of `ts`.
 at::Tensor flatten(const Tensors& ts) {
   std::vector<at::Tensor> flat;
   for (const auto& t : ts) flat.push_back(t.reshape({-1}));
   return at::cat(flat);
 }
 
-// Copies consecutive slices of `flat` into `outs` (on the current stream).
+// Copies consecutive slices of `flat` into `outs`.
 void unflatten(const at::Tensor& flat, Tensors& outs) {
   int64_t off = 0;
   for (auto& o : outs) {
     o.copy_(flat.narrow(0, off, o.numel()).view(o.sizes()));
     off += o.numel();
   }
+}
+
+Tensors joined(const Tensors& a, const Tensors& b) {
+  Tensors all = a;
+  all.insert(all.end(), b.begin(), b.end());
+  return all;
 }
 
 class CudaCollectivesImpl final : public CudaCollectives {
@@ -70,58 +85,59 @@ class CudaCollectivesImpl final : public CudaCollectives {
     return device_ < 0 ? "" : staging_ ? "nvlink" : "host";
   }
 
-  Work broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) override;
-  Work allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) override;
-  Work allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
-  Work reduce(Tensors& tensors, const c10d::ReduceOptions& opts) override;
-  Work allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) override;
-  Work _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) override;
-  Work allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) override;
-  Work gather(TensorLists& outputs, Tensors& inputs, const c10d::GatherOptions& opts) override;
-  Work scatter(Tensors& outputs, TensorLists& inputs, const c10d::ScatterOptions& opts) override;
-  Work reduce_scatter(Tensors& outputs, TensorLists& inputs, const c10d::ReduceScatterOptions& opts) override;
-  Work _reduce_scatter_base(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
-  Work reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
-                                       const c10d::ReduceScatterOptions& opts) override;
-  Work alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& out_splits,
-                     std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& opts) override;
-  Work alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) override;
-  Work send(Tensors& tensors, int dst, int tag) override;
-  Work recv(Tensors& tensors, int src, int tag) override;
-  Work recvAnysource(Tensors& tensors, int tag) override;
+  Work broadcast(at::Tensor& t, int root, Timeout timeout) override;
+  Work allreduce(Tensors& ts, ReduceOp op, Timeout timeout) override;
+  Work reduce(at::Tensor& t, ReduceOp op, int root, Timeout timeout) override;
+  Work allgather(at::Tensor& output, at::Tensor& input, Timeout timeout) override;
+  Work allgather(Tensors& outputs, at::Tensor& input, Timeout timeout) override;
+  Work allgatherCoalesced(Tensors& outputs, Tensors& inputs, Timeout timeout) override;
+  Work gather(Tensors& outputs, at::Tensor& input, int root, Timeout timeout) override;
+  Work scatter(at::Tensor& output, const Tensors& inputs, int root, Timeout timeout) override;
+  Work reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp op, Timeout timeout) override;
+  Work reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp op, Timeout timeout) override;
+  Work reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp op, Timeout timeout) override;
+  Work alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& layout, Timeout timeout) override;
+  Work alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& layout, Timeout timeout) override;
+  Work send(at::Tensor& t, int dst, int tag, Timeout timeout) override;
+  Work recv(at::Tensor& t, int src, int tag, Timeout timeout) override;
 
  private:
-  // An op being put on a stream: begin() orders it after the caller's current stream and
-  // makes `stream` current; finish() records its end and hands the work on.
+  // An op on its stream (current while the op's body runs).
   struct Op {
     c10::intrusive_ptr<CudaWork> work;
-    cudaStream_t stream = nullptr;
+    std::optional<c10::cuda::CUDAStream> stream;
     bool captured = false;
     size_t slot = 0;
-    std::optional<c10::cuda::CUDAStream> cuda_stream;  // current while the op is put on it
+    Timeout timeout{0};
   };
-  Op begin(OpType type, const char* title, Tensors outputs, int device, bool recv_stream = false);
-  Work finish(Op& op, const Tensors& used);
-  // Runs `body` as op `op`; on an exception the op is retired before it propagates.
+  struct Kind {
+    const char* name;  // for messages
+    OpType type;
+    const char* title;  // the Work's profiling title
+  };
+  enum class Route { kGroup, kHost, kHostRecv };  // the group's route; host-staged (p2p)
+  // Binds the unit (first op), orders a new op after the caller's current stream on the
+  // communication stream (the receive stream for kHostRecv), runs `body` there, records
+  // the op's end and hands its work to the completer. `used`: the caller's CUDA tensors.
   template <typename Body>
-  Work run(Op op, const Tensors& used, Body&& body);
-  // Binds the unit to `device` (the first op; collective) and checks later ops' device.
+  Work run(const Kind& k, Tensors outputs, const Tensors& used, Route route, Timeout timeout, Body&& body);
   void bind(int device, const char* opname);
   bool inHost() const { return staging_ != nullptr; }
+  // One flat collective over contiguous CUDA buffers (`in` or `out` undefined where this rank
+  // has none), by the group's route: the exchange `x`, or the worker op `host(ctx, in, out)`
+  // built over pinned copies.
+  using HostSpec = std::function<collective::OpSpec(const algo::AlgoContext&, char* in, char* out)>;
+  void flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out, const HostSpec& host);
   void exchange(Op& op, const Exchange& x, const void* in, void* out);
-  // The host-staged route: `submit` runs the CPU op on pinned copies; `to_host` pairs
-  // (GPU source, pinned copy) are copied before it, `from_host` pairs (GPU destination,
-  // pinned source) after it.
-  using Pairs = std::vector<std::pair<at::Tensor, at::Tensor>>;
-  Work staged(OpType type, const char* title, const char* opname, Tensors outputs, int device, const Pairs& to_host,
-              const Pairs& from_host, const std::function<c10::intrusive_ptr<c10d::Work>()>& submit,
-              bool recv_stream = false);
-  static Pairs pairs(const Tensors& a, const Tensors& b) {
-    Pairs p;
-    for (size_t i = 0; i < a.size(); ++i) p.emplace_back(a[i], b[i]);
-    return p;
-  }
-  void allreduceFlat(Op& op, const at::Tensor& buf, collective::ReduceOp rop);
+  void hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host);
+  // Tickets number host ops; the stream raises an op's ticket in its slot of ready_ when its
+  // data is in host memory (raiseReady), the worker's callback raises it in done_.
+  uint32_t nextTicket();
+  uint32_t raiseReady(Op& op);
+  std::function<bool()> readyGate(const Op& op, uint32_t ticket) const;
+  // The completion callback of a host op: records the outcome, then raises the done word.
+  std::function<void(const std::string&, int)> doneCallback(Op& op, uint32_t ticket);
+  void allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop);
 
   EpBackend& b_;
   const int rank_, size_;
@@ -182,7 +198,7 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   TORCH_CHECK_VALUE(rph >= 0, "moelink: MOELINK_RANKS_PER_HOST must be a positive integer, got ", rph_env);
   bool one_host = size_ <= collective::kExchangeMaxRanks && (rph == 0 || rph >= size_);
   for (int q = 0; q < size_ && one_host; ++q) one_host = b_.hostIdOf(q) == b_.hostIdOf(rank_);
-  if (one_host && size_ > 1) {
+  if (one_host) {
     std::string why;
     staging_ = ExchangeStaging::open(b_.store(), rank_, size_, device, tuning_, &why);
     if (!staging_) LOG(WARNING) << "moelink: CUDA collectives go through host memory: " << why;
@@ -193,53 +209,59 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
           << (staging_ ? "nvlink" : "host");
 }
 
-CudaCollectivesImpl::Op CudaCollectivesImpl::begin(OpType type, const char* title, Tensors outputs, int device,
-                                                   bool recv_stream) {
-  Op op;
+template <typename Body>
+Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& used, Route route, Timeout timeout,
+                              Body&& body) {
+  int device = -1;
+  for (const auto& t : used)
+    if (t.defined()) {
+      device = t.get_device();
+      break;
+    }
+  TORCH_INTERNAL_ASSERT(device >= 0, "a CUDA op without CUDA tensors");
+  bind(device, k.name);
+  const bool host = route != Route::kGroup || !inHost();
   const auto dev = static_cast<c10::DeviceIndex>(device);
   c10::cuda::CUDAStream user = c10::cuda::getCurrentCUDAStream(dev);
-  c10::cuda::CUDAStream s = recv_stream ? *recv_ : *comm_;
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   cudaCheck(cudaStreamIsCapturing(user.stream(), &cs), "cudaStreamIsCapturing");
+  Op op;
   op.captured = cs != cudaStreamCaptureStatusNone;
-  op.stream = s.stream();
+  TORCH_CHECK_VALUE(!(op.captured && host), "moelink ", k.name, ": in this group the op runs through host memory (",
+                    route != Route::kGroup ? "point-to-point ops always do" : "its ranks are on several hosts",
+                    ") and cannot be captured in a CUDA graph");
+  op.stream = route == Route::kHostRecv ? *recv_ : *comm_;
+  op.timeout = timeout;
   cudaEvent_t start;
   cudaCheck(cudaEventCreateWithFlags(&start, cudaEventDisableTiming), "cudaEventCreate");
   cudaCheck(cudaEventRecord(start, user.stream()), "cudaEventRecord");
-  cudaCheck(cudaStreamWaitEvent(op.stream, start, 0), "cudaStreamWaitEvent");
+  cudaCheck(cudaStreamWaitEvent(op.stream->stream(), start, 0), "cudaStreamWaitEvent");
   cudaEventDestroy(start);
-  op.work = c10::make_intrusive<CudaWork>(rank_, type, title, std::move(outputs), device);
-  op.work->timeout_ms = static_cast<uint64_t>(b_.timeout().count());
+  op.work = c10::make_intrusive<CudaWork>(rank_, k.type, k.title, std::move(outputs), device);
+  op.work->timeout_ms = static_cast<uint64_t>(timeout.count());
   op.slot = op.captured ? kSlots : completer_->reserve();
-  op.cuda_stream = s;
-  return op;
-}
-
-Work CudaCollectivesImpl::finish(Op& op, const Tensors& used) {
-  cudaCheck(cudaEventRecord(op.work->endEvent(), op.stream), "cudaEventRecord");
-  for (const auto& t : used)
-    if (t.defined() && t.is_cuda() && t.storage().data_ptr().get())
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *op.cuda_stream);
+  {
+    c10::cuda::CUDAStreamGuard guard(*op.stream);
+    try {
+      body(op);
+    } catch (...) {
+      // Retire the reserved slot: the work completes once what was queued has run.
+      op.work->status = nullptr;
+      op.work->host.reset();
+      cudaEventRecord(op.work->endEvent(), op.stream->stream());
+      completer_->add(op.work);
+      throw;
+    }
+    cudaCheck(cudaEventRecord(op.work->endEvent(), op.stream->stream()), "cudaEventRecord");
+    for (const auto& t : used)
+      if (t.defined() && t.storage().data_ptr().get())
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *op.stream);
+  }
   if (op.captured)
     op.work->completeCaptured();
   else
     completer_->add(op.work);
   return op.work;
-}
-
-template <typename Body>
-Work CudaCollectivesImpl::run(Op op, const Tensors& used, Body&& body) {
-  c10::cuda::CUDAStreamGuard guard(*op.cuda_stream);
-  try {
-    body(op);
-  } catch (...) {
-    // Retire the reserved slot (the work completes when what was queued has run).
-    op.work->status = nullptr;
-    op.work->inner.reset();
-    finish(op, used);
-    throw;
-  }
-  return finish(op, used);
 }
 
 void CudaCollectivesImpl::exchange(Op& op, const Exchange& x, const void* in, void* out) {
@@ -249,385 +271,214 @@ void CudaCollectivesImpl::exchange(Op& op, const Exchange& x, const void* in, vo
   l.out = static_cast<char*>(out);
   for (int q = 0; q < size_; ++q) l.staging[q] = staging_->area(q);
   l.layout = staging_->layout();
-  l.timeout_ns = static_cast<uint64_t>(b_.timeout().count()) * 1000000ull;
+  l.timeout_ns = static_cast<uint64_t>(op.timeout.count()) * 1000000ull;
   l.status = status_->dev(op.slot);
   op.work->status = op.captured ? nullptr : status_->host(op.slot);
-  cudaCheck(collective::launchExchange(l, op.stream), "launching the exchange kernel");
+  cudaCheck(collective::launchExchange(l, op.stream->stream()), "launching the exchange kernel");
 }
 
-Work CudaCollectivesImpl::staged(OpType type, const char* title, const char* opname, Tensors outputs, int device,
-                                 const Pairs& to_host, const Pairs& from_host,
-                                 const std::function<c10::intrusive_ptr<c10d::Work>()>& submit, bool recv_stream) {
-  Tensors used;
-  for (const auto& p : to_host) used.push_back(p.first);
-  for (const auto& p : from_host) used.push_back(p.first);
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  cudaCheck(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(), &cs),
-            "cudaStreamIsCapturing");
-  TORCH_CHECK_VALUE(cs == cudaStreamCaptureStatusNone, "moelink ", opname,
-                    ": in this group the op runs through host memory (",
-                    inHost() ? "point-to-point ops always do" : "its ranks are on several hosts",
-                    ") and cannot be captured in a CUDA graph");
-  return run(begin(type, title, std::move(outputs), device, recv_stream), used, [&](Op& o) {
-    const uint32_t ticket = ++ticket_ ? ticket_ : ++ticket_;  // never 0 (the words start at 0)
-    for (const auto& [gpu, host] : to_host) {
-      host.copy_(gpu, /*non_blocking=*/true);
-      o.work->keep(host);
-    }
-    StreamMemOps::write(o.stream, ready_->dev(o.slot), ticket);
-    c10::intrusive_ptr<c10d::Work> inner;
-    {
-      uint32_t* word = ready_->host(o.slot);
-      ReadyGateScope gate([word, ticket] { return *reinterpret_cast<volatile uint32_t*>(word) == ticket; });
-      inner = submit();
-    }
-    auto ep = c10::dynamic_intrusive_pointer_cast<EpWork>(inner);
-    TORCH_INTERNAL_ASSERT(ep, "host-staged op without an EpWork");
-    uint32_t* done = done_->host(o.slot);
-    ep->getFuture()->addCallback(
-        [done, ticket](c10::ivalue::Future&) { *reinterpret_cast<volatile uint32_t*>(done) = ticket; });
-    StreamMemOps::wait(o.stream, done_->dev(o.slot), ticket);
-    for (const auto& [gpu, host] : from_host) {
-      gpu.copy_(host, /*non_blocking=*/true);
-      o.work->keep(host);
-    }
-    o.work->inner = ep;
-  });
+uint32_t CudaCollectivesImpl::nextTicket() {
+  return ++ticket_ ? ticket_ : ++ticket_;  // never 0 (the words start at 0)
 }
 
-void CudaCollectivesImpl::allreduceFlat(Op& op, const at::Tensor& buf, collective::ReduceOp rop) {
+uint32_t CudaCollectivesImpl::raiseReady(Op& op) {
+  const uint32_t ticket = nextTicket();
+  StreamMemOps::write(op.stream->stream(), ready_->dev(op.slot), ticket);
+  return ticket;
+}
+
+std::function<bool()> CudaCollectivesImpl::readyGate(const Op& op, uint32_t ticket) const {
+  uint32_t* word = ready_->host(op.slot);
+  return [word, ticket] { return *reinterpret_cast<volatile uint32_t*>(word) == ticket; };
+}
+
+std::function<void(const std::string&, int)> CudaCollectivesImpl::doneCallback(Op& op, uint32_t ticket) {
+  auto outcome = std::make_shared<HostOutcome>();
+  op.work->host = outcome;
+  uint32_t* done = done_->host(op.slot);
+  return [outcome, done, ticket](const std::string& err, int source) {
+    outcome->set(err, source);
+    *reinterpret_cast<volatile uint32_t*>(done) = ticket;
+  };
+}
+
+void CudaCollectivesImpl::hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host) {
+  at::Tensor pin_in, pin_out;
+  if (in.defined()) {
+    pin_in = pinnedLike(in);
+    pin_in.copy_(in, /*non_blocking=*/true);
+    op.work->keep(pin_in);
+  }
+  if (out.defined()) {
+    pin_out = out.is_same(in) ? pin_in : pinnedLike(out);
+    op.work->keep(pin_out);
+  }
+  const uint32_t ticket = raiseReady(op);
+  collective::OpSpec spec = host(b_.worker().context(), ptr(pin_in), ptr(pin_out));
+  if (spec.dtype == collective::DType::kBytes) spec.dtype = toDType((in.defined() ? in : out).scalar_type());
+  spec.ready = readyGate(op, ticket);
+  auto done = doneCallback(op, ticket);
+  b_.worker().submit(std::move(spec), [done](const std::string& err) { done(err, -1); }, op.timeout);
+  StreamMemOps::wait(op.stream->stream(), done_->dev(op.slot), ticket);
+  if (out.defined()) out.copy_(pin_out, /*non_blocking=*/true);
+}
+
+void CudaCollectivesImpl::flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out,
+                               const HostSpec& host) {
+  if (inHost())
+    exchange(op, x, ptr(in), ptr(out));
+  else
+    hostFlat(op, in, out, host);
+}
+
+void CudaCollectivesImpl::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop) {
   const auto t = toDType(buf.scalar_type());
   const uint64_t count = static_cast<uint64_t>(buf.numel());
-  if (tuning_.oneShot(size_, nbytesOf(buf))) {
+  if (!inHost()) {
+    hostFlat(op, buf, buf, [&](const algo::AlgoContext& c, char* in, char*) {
+      return algo::allreduceOp(c, in, count, t, rop);
+    });
+  } else if (tuning_.oneShot(size_, nbytes(buf))) {
     exchange(op, collective::exchangeAllreduceOneShot(size_, rank_, count, t, rop), ptr(buf), ptr(buf));
-    return;
+  } else {
+    auto blocks = collective::allreduceBlocks(size_, count, t);
+    exchange(op, collective::exchangeAllreduceScatter(size_, rank_, count, t, rop), ptr(buf),
+             ptr(buf) + blocks[rank_].first * collective::elementSize(t));
+    exchange(op, collective::exchangeAllreduceGather(size_, rank_, count, t), ptr(buf), ptr(buf));
   }
-  auto blocks = collective::allreduceBlocks(size_, count, t);
-  const uint64_t es = collective::elementSize(t);
-  exchange(op, collective::exchangeAllreduceScatter(size_, rank_, count, t, rop), ptr(buf),
-           ptr(buf) + blocks[rank_].first * es);
-  exchange(op, collective::exchangeAllreduceGather(size_, rank_, count, t), ptr(buf), ptr(buf));
 }
 
 // ---- the collectives ----
 
-Work CudaCollectivesImpl::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
-  checkSingle(tensors, "broadcast");
-  checkRoot(opts.rootRank, size_, "broadcast");
-  TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink broadcast: rootTensor must be 0");
-  const int dev = tensors[0].get_device();
-  bind(dev, "broadcast");
-  if (!inHost()) {
-    Tensors pin = pinnedLike(tensors);
-    auto o = opts;
-    return staged(OpType::BROADCAST, "ep:broadcast", "broadcast", tensors, dev, pairs(tensors, pin),
-                  pairs(tensors, pin), [&] { return b_.broadcast(pin, o); });
-  }
-  return run(begin(OpType::BROADCAST, "ep:broadcast", tensors, dev), tensors, [&](Op& op) {
-    at::Tensor buf = tensors[0].contiguous();
-    exchange(op, collective::exchangeBroadcast(size_, rank_, nbytesOf(buf), static_cast<int>(opts.rootRank)), ptr(buf),
-             ptr(buf));
-    if (!buf.is_same(tensors[0])) tensors[0].copy_(buf);
+Work CudaCollectivesImpl::broadcast(at::Tensor& t, int root, Timeout timeout) {
+  return run({"broadcast", OpType::BROADCAST, "ep:broadcast"}, {t}, {t}, Route::kGroup, timeout, [&](Op& op) {
+    at::Tensor buf = t.contiguous();
+    flat(op, collective::exchangeBroadcast(size_, rank_, nbytes(buf), root), buf, buf,
+         [&](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, nbytes(buf), root); });
+    settle(t, buf);
   });
 }
 
-Work CudaCollectivesImpl::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
-  checkSingle(tensors, "allreduce");
-  auto rop = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce");
-  const int dev = tensors[0].get_device();
-  bind(dev, "allreduce");
-  if (!inHost()) {
-    Tensors pin = pinnedLike(tensors);
-    auto o = opts;
-    return staged(OpType::ALLREDUCE, "ep:all_reduce", "allreduce", tensors, dev, pairs(tensors, pin),
-                  pairs(tensors, pin), [&] { return b_.allreduce(pin, o); });
-  }
-  return run(begin(OpType::ALLREDUCE, "ep:all_reduce", tensors, dev), tensors, [&](Op& op) {
-    at::Tensor buf = tensors[0].contiguous();
+Work CudaCollectivesImpl::allreduce(Tensors& ts, ReduceOp rop, Timeout timeout) {
+  const bool one = ts.size() == 1;
+  Kind k = one ? Kind{"allreduce", OpType::ALLREDUCE, "ep:all_reduce"}
+               : Kind{"allreduce_coalesced", OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced"};
+  return run(k, ts, ts, Route::kGroup, timeout, [&](Op& op) {
+    at::Tensor buf = one ? ts[0].contiguous() : flatten(ts);
     allreduceFlat(op, buf, rop);
-    if (!buf.is_same(tensors[0])) tensors[0].copy_(buf);
+    if (one)
+      settle(ts[0], buf);
+    else
+      unflatten(buf, ts);
   });
 }
 
-Work CudaCollectivesImpl::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  TORCH_CHECK_VALUE(!tensors.empty(), "moelink allreduce_coalesced: no tensors");
-  for (const auto& t : tensors) {
-    checkTensor(t, "allreduce_coalesced");
-    checkSameDtype(t, tensors[0], "allreduce_coalesced");
-  }
-  auto rop = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce_coalesced");
-  const int dev = tensors[0].get_device();
-  bind(dev, "allreduce_coalesced");
-  if (!inHost()) {
-    Tensors pin = pinnedLike(tensors);
-    auto o = opts;
-    return staged(OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced", "allreduce_coalesced", tensors, dev,
-                  pairs(tensors, pin), pairs(tensors, pin), [&] { return b_.allreduce_coalesced(pin, o); });
-  }
-  return run(begin(OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced", tensors, dev), tensors, [&](Op& op) {
-    at::Tensor flat = flatten(tensors);
-    allreduceFlat(op, flat, rop);
-    unflatten(flat, tensors);
+Work CudaCollectivesImpl::reduce(at::Tensor& t, ReduceOp rop, int root, Timeout timeout) {
+  return run({"reduce", OpType::REDUCE, "ep:reduce"}, {t}, {t}, Route::kGroup, timeout, [&](Op& op) {
+    at::Tensor buf = t.contiguous();
+    const auto dt = toDType(buf.scalar_type());
+    const uint64_t count = static_cast<uint64_t>(buf.numel());
+    flat(op, collective::exchangeReduce(size_, rank_, count, dt, rop, root), buf, buf,
+         [&](const algo::AlgoContext& c, char* in, char*) { return algo::reduceOp(c, in, in, count, dt, rop, root); });
+    settle(t, buf);
   });
 }
 
-Work CudaCollectivesImpl::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
-  checkSingle(tensors, "reduce");
-  checkRoot(opts.rootRank, size_, "reduce");
-  TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink reduce: rootTensor must be 0");
-  auto rop = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "reduce");
-  const int dev = tensors[0].get_device();
-  bind(dev, "reduce");
-  if (!inHost()) {
-    Tensors pin = pinnedLike(tensors);
-    auto o = opts;
-    return staged(OpType::REDUCE, "ep:reduce", "reduce", tensors, dev, pairs(tensors, pin), pairs(tensors, pin),
-                  [&] { return b_.reduce(pin, o); });
-  }
-  return run(begin(OpType::REDUCE, "ep:reduce", tensors, dev), tensors, [&](Op& op) {
-    at::Tensor buf = tensors[0].contiguous();
-    exchange(op,
-             collective::exchangeReduce(size_, rank_, buf.numel(), toDType(buf.scalar_type()), rop,
-                                        static_cast<int>(opts.rootRank)),
-             ptr(buf), ptr(buf));
-    if (!buf.is_same(tensors[0])) tensors[0].copy_(buf);
+Work CudaCollectivesImpl::allgather(at::Tensor& output, at::Tensor& input, Timeout timeout) {
+  Kind k{"all_gather_into_tensor", OpType::_ALLGATHER_BASE, "ep:_all_gather_base"};
+  return run(k, {output}, {input, output}, Route::kGroup, timeout, [&](Op& op) {
+    at::Tensor in = input.contiguous(), out = contiguousOut(output);
+    flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
+         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
+    settle(output, out);
   });
 }
 
-Work CudaCollectivesImpl::allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) {
-  checkSingle(inputs, "allgather");
-  TORCH_CHECK_VALUE(outputs.size() == 1, "moelink allgather: expects one output list per process");
-  checkList(outputs[0], inputs[0], size_, "allgather", "the output list");
-  const int dev = inputs[0].get_device();
-  bind(dev, "allgather");
-  if (!inHost()) {
-    Tensors pin_in = pinnedLike(inputs), pin_out = pinnedLike(outputs[0]);
-    TensorLists po{pin_out};
-    auto o = opts;
-    return staged(OpType::ALLGATHER, "ep:all_gather", "allgather", outputs[0], dev, pairs(inputs, pin_in),
-                  pairs(outputs[0], pin_out), [&] { return b_.allgather(po, pin_in, o); });
-  }
-  Tensors used = inputs;
-  used.insert(used.end(), outputs[0].begin(), outputs[0].end());
-  return run(begin(OpType::ALLGATHER, "ep:all_gather", outputs[0], dev), used, [&](Op& op) {
-    at::Tensor in = inputs[0].contiguous();
-    at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-    exchange(op, collective::exchangeAllgather(size_, rank_, nbytesOf(in)), ptr(in), ptr(flat));
-    unflatten(flat, outputs[0]);
-  });
+Work CudaCollectivesImpl::allgather(Tensors& outputs, at::Tensor& input, Timeout timeout) {
+  return run({"allgather", OpType::ALLGATHER, "ep:all_gather"}, outputs, joined(outputs, {input}), Route::kGroup,
+             timeout, [&](Op& op) {
+               at::Tensor in = input.contiguous();
+               at::Tensor out = at::empty({in.numel() * size_}, in.options());
+               flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
+                    [&](const algo::AlgoContext& c, char* i, char* o) {
+                      return algo::allgatherOp(c, i, o, nbytes(in));
+                    });
+               unflatten(out, outputs);
+             });
 }
 
-Work CudaCollectivesImpl::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  const char* name = "all_gather_into_tensor";
-  checkTensor(output, name);
-  checkTensor(input, name);
-  checkSameDtype(output, input, name);
-  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "moelink ", name, ": output has ", output.numel(),
-                    " elements, expected ", input.numel() * size_, " (input ", input.numel(), " x group size ",
-                    size_, ")");
-  const int dev = input.get_device();
-  bind(dev, name);
-  if (!inHost()) {
-    at::Tensor pi = pinnedLike(input), po = pinnedLike(output);
-    auto o = opts;
-    return staged(OpType::_ALLGATHER_BASE, "ep:_all_gather_base", name, {output}, dev, {{input, pi}}, {{output, po}},
-                  [&] { return b_._allgather_base(po, pi, o); });
-  }
-  return run(begin(OpType::_ALLGATHER_BASE, "ep:_all_gather_base", {output}, dev), {input, output}, [&](Op& op) {
-    at::Tensor in = input.contiguous();
-    at::Tensor out = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
-    exchange(op, collective::exchangeAllgather(size_, rank_, nbytesOf(in)), ptr(in), ptr(out));
-    if (!out.is_same(output)) output.copy_(out);
-  });
-}
-
-Work CudaCollectivesImpl::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
-                                                          const c10d::AllgatherOptions& opts) {
-  const char* name = "allgather_into_tensor_coalesced";
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
-                    ": needs as many outputs as inputs (", outputs.size(), " vs ", inputs.size(), ")");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkTensor(inputs[i], name);
-    checkTensor(outputs[i], name);
-    checkSameDtype(inputs[i], inputs[0], name);
-    checkSameDtype(outputs[i], inputs[0], name);
-    TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, "moelink ", name, ": output ", i, " has ",
-                      outputs[i].numel(), " elements, expected ", inputs[i].numel() * size_);
-  }
-  const int dev = inputs[0].get_device();
-  bind(dev, name);
-  if (!inHost()) {
-    Tensors pi = pinnedLike(inputs), po = pinnedLike(outputs);
-    auto o = opts;
-    return staged(OpType::COALESCED, "ep:allgather_into_tensor_coalesced", name, outputs, dev, pairs(inputs, pi),
-                  pairs(outputs, po), [&] { return b_.allgather_into_tensor_coalesced(po, pi, o); });
-  }
-  Tensors used = inputs;
-  used.insert(used.end(), outputs.begin(), outputs.end());
-  return run(begin(OpType::COALESCED, "ep:allgather_into_tensor_coalesced", outputs, dev), used, [&](Op& op) {
+Work CudaCollectivesImpl::allgatherCoalesced(Tensors& outputs, Tensors& inputs, Timeout timeout) {
+  Kind k{"allgather_into_tensor_coalesced", OpType::COALESCED, "ep:allgather_into_tensor_coalesced"};
+  return run(k, outputs, joined(outputs, inputs), Route::kGroup, timeout, [&](Op& op) {
     at::Tensor in = flatten(inputs);
-    at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-    exchange(op, collective::exchangeAllgather(size_, rank_, nbytesOf(in)), ptr(in), ptr(flat));
-    // flat is [rank][input 0 | input 1 | ...]; output i gathers every rank's input i.
-    int64_t per_rank = in.numel(), off = 0;
+    at::Tensor out = at::empty({in.numel() * size_}, in.options());
+    flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
+         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
+    // out is [rank][input 0 | input 1 | ...]; output i gathers every rank's input i.
+    int64_t off = 0;
     for (size_t i = 0; i < outputs.size(); ++i) {
       int64_t n = inputs[i].numel();
-      outputs[i].copy_(flat.view({size_, per_rank}).narrow(1, off, n).reshape(outputs[i].sizes()));
+      outputs[i].copy_(out.view({size_, in.numel()}).narrow(1, off, n).reshape(outputs[i].sizes()));
       off += n;
     }
   });
 }
 
-Work CudaCollectivesImpl::gather(TensorLists& outputs, Tensors& inputs, const c10d::GatherOptions& opts) {
-  checkSingle(inputs, "gather");
-  checkRoot(opts.rootRank, size_, "gather");
-  const int root = static_cast<int>(opts.rootRank);
-  Tensors outs;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(outputs.size() == 1, "moelink gather: the root needs one output list");
-    checkList(outputs[0], inputs[0], size_, "gather", "the root's output list");
-    outs = outputs[0];
-  } else {
-    TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
-                      "moelink gather: only the root (rank ", root, ") takes an output list");
-  }
-  const int dev = inputs[0].get_device();
-  bind(dev, "gather");
-  if (!inHost()) {
-    Tensors pi = pinnedLike(inputs), po = pinnedLike(outs);
-    TensorLists pol;
-    if (rank_ == root) pol.push_back(po);
-    auto o = opts;
-    return staged(OpType::GATHER, "ep:gather", "gather", outs, dev, pairs(inputs, pi), pairs(outs, po),
-                  [&] { return b_.gather(pol, pi, o); });
-  }
-  Tensors used = inputs;
-  used.insert(used.end(), outs.begin(), outs.end());
-  return run(begin(OpType::GATHER, "ep:gather", outs, dev), used, [&](Op& op) {
-    at::Tensor in = inputs[0].contiguous();
-    at::Tensor flat = rank_ == root ? at::empty({in.numel() * size_}, in.options()) : at::Tensor();
-    exchange(op, collective::exchangeGather(size_, rank_, nbytesOf(in), root), ptr(in),
-             flat.defined() ? ptr(flat) : nullptr);
-    if (rank_ == root) unflatten(flat, outs);
-  });
-}
-
-Work CudaCollectivesImpl::scatter(Tensors& outputs, TensorLists& inputs, const c10d::ScatterOptions& opts) {
-  checkSingle(outputs, "scatter");
-  checkRoot(opts.rootRank, size_, "scatter");
-  const int root = static_cast<int>(opts.rootRank);
-  Tensors ins;
-  if (rank_ == root) {
-    TORCH_CHECK_VALUE(inputs.size() == 1, "moelink scatter: the root needs one input list");
-    checkList(inputs[0], outputs[0], size_, "scatter", "the root's input list");
-    ins = inputs[0];
-  } else {
-    TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
-                      "moelink scatter: only the root (rank ", root, ") takes an input list");
-  }
-  const int dev = outputs[0].get_device();
-  bind(dev, "scatter");
-  if (!inHost()) {
-    Tensors pi = pinnedLike(ins), po = pinnedLike(outputs);
-    TensorLists pil;
-    if (rank_ == root) pil.push_back(pi);
-    auto o = opts;
-    return staged(OpType::SCATTER, "ep:scatter", "scatter", outputs, dev, pairs(ins, pi), pairs(outputs, po),
-                  [&] { return b_.scatter(po, pil, o); });
-  }
-  Tensors used = outputs;
-  used.insert(used.end(), ins.begin(), ins.end());
-  return run(begin(OpType::SCATTER, "ep:scatter", outputs, dev), used, [&](Op& op) {
-    at::Tensor in = rank_ == root ? flatten(ins) : at::Tensor();
-    at::Tensor out = outputs[0].is_contiguous() ? outputs[0] : at::empty_like(outputs[0], at::MemoryFormat::Contiguous);
-    exchange(op, collective::exchangeScatter(size_, rank_, nbytesOf(out), root), in.defined() ? ptr(in) : nullptr,
-             ptr(out));
-    if (!out.is_same(outputs[0])) outputs[0].copy_(out);
-  });
-}
-
-Work CudaCollectivesImpl::reduce_scatter(Tensors& outputs, TensorLists& inputs,
-                                         const c10d::ReduceScatterOptions& opts) {
-  checkSingle(outputs, "reduce_scatter");
-  TORCH_CHECK_VALUE(inputs.size() == 1, "moelink reduce_scatter: expects one input list per process");
-  checkList(inputs[0], outputs[0], size_, "reduce_scatter", "the input list");
-  auto rop = toReduceOp(opts.reduceOp, outputs[0].scalar_type(), "reduce_scatter");
-  const int dev = outputs[0].get_device();
-  bind(dev, "reduce_scatter");
-  if (!inHost()) {
-    Tensors pi = pinnedLike(inputs[0]), po = pinnedLike(outputs);
-    TensorLists pil{pi};
-    auto o = opts;
-    return staged(OpType::REDUCE_SCATTER, "ep:reduce_scatter", "reduce_scatter", outputs, dev, pairs(inputs[0], pi),
-                  pairs(outputs, po), [&] { return b_.reduce_scatter(po, pil, o); });
-  }
-  Tensors used = outputs;
-  used.insert(used.end(), inputs[0].begin(), inputs[0].end());
-  return run(begin(OpType::REDUCE_SCATTER, "ep:reduce_scatter", outputs, dev), used, [&](Op& op) {
-    at::Tensor in = flatten(inputs[0]);
-    at::Tensor out = outputs[0].is_contiguous() ? outputs[0] : at::empty_like(outputs[0], at::MemoryFormat::Contiguous);
-    exchange(op, collective::exchangeReduceScatter(size_, rank_, out.numel(), toDType(out.scalar_type()), rop),
-             ptr(in), ptr(out));
-    if (!out.is_same(outputs[0])) outputs[0].copy_(out);
-  });
-}
-
-Work CudaCollectivesImpl::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
-                                               const c10d::ReduceScatterOptions& opts) {
-  const char* name = "reduce_scatter_tensor";
-  checkTensor(output, name);
-  checkTensor(input, name);
-  checkSameDtype(output, input, name);
-  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "moelink ", name, ": input has ", input.numel(),
-                    " elements, expected ", output.numel() * size_, " (output ", output.numel(), " x group size ",
-                    size_, ")");
-  auto rop = toReduceOp(opts.reduceOp, output.scalar_type(), name);
-  const int dev = input.get_device();
-  bind(dev, name);
-  if (!inHost()) {
-    at::Tensor pi = pinnedLike(input), po = pinnedLike(output);
-    auto o = opts;
-    return staged(OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", name, {output}, dev, {{input, pi}},
-                  {{output, po}}, [&] { return b_._reduce_scatter_base(po, pi, o); });
-  }
-  return run(begin(OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", {output}, dev), {input, output},
+Work CudaCollectivesImpl::gather(Tensors& outputs, at::Tensor& input, int root, Timeout timeout) {
+  return run({"gather", OpType::GATHER, "ep:gather"}, outputs, joined(outputs, {input}), Route::kGroup, timeout,
              [&](Op& op) {
                at::Tensor in = input.contiguous();
-               at::Tensor out = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
-               exchange(op,
-                        collective::exchangeReduceScatter(size_, rank_, out.numel(), toDType(out.scalar_type()), rop),
-                        ptr(in), ptr(out));
-               if (!out.is_same(output)) output.copy_(out);
+               at::Tensor out = rank_ == root ? at::empty({in.numel() * size_}, in.options()) : at::Tensor();
+               flat(op, collective::exchangeGather(size_, rank_, nbytes(in), root), in, out,
+                    [&](const algo::AlgoContext& c, char* i, char* o) {
+                      return algo::gatherOp(c, i, o, nbytes(in), root);
+                    });
+               if (rank_ == root) unflatten(out, outputs);
              });
 }
 
-Work CudaCollectivesImpl::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
-                                                          const c10d::ReduceScatterOptions& opts) {
-  const char* name = "reduce_scatter_tensor_coalesced";
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
-                    ": needs as many outputs as inputs");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkTensor(inputs[i], name);
-    checkTensor(outputs[i], name);
-    checkSameDtype(inputs[i], inputs[0], name);
-    checkSameDtype(outputs[i], inputs[0], name);
-    TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, "moelink ", name, ": input ", i, " has ",
-                      inputs[i].numel(), " elements, expected ", outputs[i].numel() * size_);
-  }
-  auto rop = toReduceOp(opts.reduceOp, inputs[0].scalar_type(), name);
-  const int dev = inputs[0].get_device();
-  bind(dev, name);
-  if (!inHost()) {
-    Tensors pi = pinnedLike(inputs), po = pinnedLike(outputs);
-    auto o = opts;
-    return staged(OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced", name, outputs, dev, pairs(inputs, pi),
-                  pairs(outputs, po), [&] { return b_.reduce_scatter_tensor_coalesced(po, pi, o); });
-  }
-  Tensors used = inputs;
-  used.insert(used.end(), outputs.begin(), outputs.end());
-  return run(begin(OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced", outputs, dev), used, [&](Op& op) {
+Work CudaCollectivesImpl::scatter(at::Tensor& output, const Tensors& inputs, int root, Timeout timeout) {
+  return run({"scatter", OpType::SCATTER, "ep:scatter"}, {output}, joined({output}, inputs), Route::kGroup, timeout,
+             [&](Op& op) {
+               at::Tensor in = rank_ == root ? flatten(inputs) : at::Tensor();
+               at::Tensor out = contiguousOut(output);
+               flat(op, collective::exchangeScatter(size_, rank_, nbytes(out), root), in, out,
+                    [&](const algo::AlgoContext& c, char* i, char* o) {
+                      return algo::scatterOp(c, i, o, nbytes(out), root);
+                    });
+               settle(output, out);
+             });
+}
+
+Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp rop, Timeout timeout) {
+  Kind k{"reduce_scatter_tensor", OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base"};
+  return run(k, {output}, {input, output}, Route::kGroup, timeout, [&](Op& op) {
+    at::Tensor in = input.contiguous(), out = contiguousOut(output);
+    const auto dt = toDType(out.scalar_type());
+    const uint64_t count = static_cast<uint64_t>(out.numel());
+    flat(op, collective::exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
+         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
+    settle(output, out);
+  });
+}
+
+Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp rop, Timeout timeout) {
+  Kind k{"reduce_scatter", OpType::REDUCE_SCATTER, "ep:reduce_scatter"};
+  return run(k, {output}, joined({output}, inputs), Route::kGroup, timeout, [&](Op& op) {
+    at::Tensor in = flatten(inputs), out = contiguousOut(output);
+    const auto dt = toDType(out.scalar_type());
+    const uint64_t count = static_cast<uint64_t>(out.numel());
+    flat(op, collective::exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
+         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
+    settle(output, out);
+  });
+}
+
+Work CudaCollectivesImpl::reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp rop, Timeout timeout) {
+  Kind k{"reduce_scatter_tensor_coalesced", OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced"};
+  return run(k, outputs, joined(outputs, inputs), Route::kGroup, timeout, [&](Op& op) {
     // Block layout [rank][output 0 | output 1 | ...] built from each input's rank slices.
-    std::vector<at::Tensor> pieces;
+    Tensors pieces;
     for (int r = 0; r < size_; ++r)
       for (size_t i = 0; i < inputs.size(); ++i) {
         int64_t n = outputs[i].numel();
@@ -635,104 +486,65 @@ Work CudaCollectivesImpl::reduce_scatter_tensor_coalesced(Tensors& outputs, Tens
       }
     at::Tensor in = at::cat(pieces);
     at::Tensor out = at::empty({in.numel() / size_}, in.options());
-    exchange(op, collective::exchangeReduceScatter(size_, rank_, out.numel(), toDType(out.scalar_type()), rop),
-             ptr(in), ptr(out));
+    const auto dt = toDType(out.scalar_type());
+    const uint64_t count = static_cast<uint64_t>(out.numel());
+    flat(op, collective::exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
+         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
     unflatten(out, outputs);
   });
 }
 
-Work CudaCollectivesImpl::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& out_splits,
-                                        std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& opts) {
-  const char* name = "all_to_all_single";
-  checkTensor(output, name);
-  checkTensor(input, name);
-  checkSameDtype(output, input, name);
-  std::vector<uint64_t> soff, sb, roff, rb;
-  alltoallLayout(input, output, in_splits, out_splits, size_, rank_, soff, sb, roff, rb);
-  const int dev = input.get_device();
-  bind(dev, name);
-  if (!inHost()) {
-    at::Tensor pi = pinnedLike(input), po = pinnedLike(output);
-    auto o = opts;
-    auto os = out_splits, is = in_splits;
-    return staged(OpType::ALLTOALL_BASE, "ep:all_to_all", name, {output}, dev, {{input, pi}}, {{output, po}},
-                  [&] { return b_.alltoall_base(po, pi, os, is, o); });
-  }
-  return run(begin(OpType::ALLTOALL_BASE, "ep:all_to_all", {output}, dev), {input, output}, [&](Op& op) {
-    at::Tensor in = input.contiguous();
-    at::Tensor out = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
-    exchange(op, collective::exchangeAlltoall(size_, rank_, soff, sb, roff, rb), ptr(in), ptr(out));
-    if (!out.is_same(output)) output.copy_(out);
+Work CudaCollectivesImpl::alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& l, Timeout timeout) {
+  Kind k{"all_to_all_single", OpType::ALLTOALL_BASE, "ep:all_to_all"};
+  return run(k, {output}, {input, output}, Route::kGroup, timeout, [&](Op& op) {
+    at::Tensor in = input.contiguous(), out = contiguousOut(output);
+    flat(op, collective::exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes), in, out,
+         [&](const algo::AlgoContext& c, char* i, char* o) {
+           return algo::alltoallOp(c, i, l.send_off, l.send_bytes, o, l.recv_off, l.recv_bytes);
+         });
+    settle(output, out);
   });
 }
 
-Work CudaCollectivesImpl::alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) {
-  const char* name = "all_to_all";
-  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
-                    "moelink ", name, ": needs one input and one output tensor per rank (", size_, ")");
-  for (int r = 0; r < size_; ++r) {
-    checkTensor(inputs[r], name);
-    checkTensor(outputs[r], name);
-    checkSameDtype(inputs[r], inputs[0], name);
-    checkSameDtype(outputs[r], inputs[0], name);
-  }
-  TORCH_CHECK_VALUE(inputs[rank_].numel() == outputs[rank_].numel(), "moelink ", name,
-                    ": this rank's own input and output differ in size");
-  const int dev = inputs[0].get_device();
-  bind(dev, name);
-  if (!inHost()) {
-    Tensors pi = pinnedLike(inputs), po = pinnedLike(outputs);
-    auto o = opts;
-    return staged(OpType::ALLTOALL, "ep:all_to_all", name, outputs, dev, pairs(inputs, pi), pairs(outputs, po),
-                  [&] { return b_.alltoall(po, pi, o); });
-  }
-  std::vector<uint64_t> soff(size_), sb(size_), roff(size_), rb(size_);
-  uint64_t so = 0, ro = 0;
-  for (int r = 0; r < size_; ++r) {
-    sb[r] = nbytesOf(inputs[r]);
-    rb[r] = nbytesOf(outputs[r]);
-    soff[r] = so;
-    roff[r] = ro;
-    so += sb[r];
-    ro += rb[r];
-  }
-  Tensors used = inputs;
-  used.insert(used.end(), outputs.begin(), outputs.end());
-  return run(begin(OpType::ALLTOALL, "ep:all_to_all", outputs, dev), used, [&](Op& op) {
-    at::Tensor in = flatten(inputs);
-    at::Tensor flat = at::empty({static_cast<int64_t>(ro / inputs[0].element_size())}, inputs[0].options());
-    exchange(op, collective::exchangeAlltoall(size_, rank_, soff, sb, roff, rb), ptr(in), ptr(flat));
-    unflatten(flat, outputs);
-  });
+Work CudaCollectivesImpl::alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& l, Timeout timeout) {
+  return run({"all_to_all", OpType::ALLTOALL, "ep:all_to_all"}, outputs, joined(outputs, inputs), Route::kGroup,
+             timeout, [&](Op& op) {
+               at::Tensor in = flatten(inputs);
+               const uint64_t total = l.recv_off.back() + l.recv_bytes.back();
+               at::Tensor out = at::empty({static_cast<int64_t>(total / in.element_size())}, in.options());
+               flat(op,
+                    collective::exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes),
+                    in, out, [&](const algo::AlgoContext& c, char* i, char* o) {
+                      return algo::alltoallOp(c, i, l.send_off, l.send_bytes, o, l.recv_off, l.recv_bytes);
+                    });
+               unflatten(out, outputs);
+             });
 }
 
 // ---- point to point: host-staged in every group ----
 
-Work CudaCollectivesImpl::send(Tensors& tensors, int dst, int tag) {
-  checkSingle(tensors, "send");
-  const int dev = tensors[0].get_device();
-  bind(dev, "send");
-  Tensors pin = pinnedLike(tensors);
-  return staged(OpType::SEND, "ep:send", "send", tensors, dev, pairs(tensors, pin), {},
-                [&] { return b_.send(pin, dst, tag); });
+Work CudaCollectivesImpl::send(at::Tensor& t, int dst, int tag, Timeout timeout) {
+  return run({"send", OpType::SEND, "ep:send"}, {t}, {t}, Route::kHost, timeout, [&](Op& op) {
+    at::Tensor pin = pinnedLike(t);
+    pin.copy_(t, /*non_blocking=*/true);
+    op.work->keep(pin);
+    const uint32_t ticket = raiseReady(op);
+    auto done = doneCallback(op, ticket);
+    b_.worker().send(dst, ptr(pin), nbytes(pin), tag, [done](const std::string& err) { done(err, -1); },
+                     timeout, readyGate(op, ticket));
+  });
 }
 
-Work CudaCollectivesImpl::recv(Tensors& tensors, int src, int tag) {
-  checkSingle(tensors, "recv");
-  const int dev = tensors[0].get_device();
-  bind(dev, "recv");
-  Tensors pin = pinnedLike(tensors);
-  return staged(OpType::RECV, "ep:recv", "recv", tensors, dev, {}, pairs(tensors, pin),
-                [&] { return b_.recv(pin, src, tag); }, /*recv_stream=*/true);
-}
-
-Work CudaCollectivesImpl::recvAnysource(Tensors& tensors, int tag) {
-  checkSingle(tensors, "recv");
-  const int dev = tensors[0].get_device();
-  bind(dev, "recv");
-  Tensors pin = pinnedLike(tensors);
-  return staged(OpType::RECVANYSOURCE, "ep:recvAnySource", "recv", tensors, dev, {}, pairs(tensors, pin),
-                [&] { return b_.recvAnysource(pin, tag); }, /*recv_stream=*/true);
+Work CudaCollectivesImpl::recv(at::Tensor& t, int src, int tag, Timeout timeout) {
+  Kind k = src < 0 ? Kind{"recv", OpType::RECVANYSOURCE, "ep:recvAnySource"} : Kind{"recv", OpType::RECV, "ep:recv"};
+  return run(k, {t}, {t}, Route::kHostRecv, timeout, [&](Op& op) {
+    at::Tensor pin = pinnedLike(t);
+    op.work->keep(pin);
+    const uint32_t ticket = nextTicket();
+    b_.worker().recv(src, ptr(pin), nbytes(pin), tag, doneCallback(op, ticket), timeout);
+    StreamMemOps::wait(op.stream->stream(), done_->dev(op.slot), ticket);
+    t.copy_(pin, /*non_blocking=*/true);
+  });
 }
 
 }  // namespace

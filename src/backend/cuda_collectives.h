@@ -11,8 +11,11 @@
 //   (cuStreamWriteValue32); the collective worker runs the CPU op on those copies once it
 //   sees the word, then raises another that the stream waits for (cuStreamWaitValue32)
 //   before copying the results back. No SM waits, and the caller's thread never blocks.
-// Point-to-point ops take the host-staged route in both cases (it matches tags and sources
-// and lets sends and receives progress independently, as batch_isend_irecv needs).
+// Both routes share the GPU-side preparation (flattening lists, contiguous copies); the
+// host-staged route then hands the worker one flat op over pinned copies, so the CPU never
+// reads a copy before the GPU has written it. Point-to-point ops take the host-staged route
+// in both cases (it matches tags and sources and lets sends and receives progress
+// independently, as batch_isend_irecv needs).
 //
 // Streams: an op waits for the work queued so far on the caller's current stream, runs on
 // the group's communication stream, and records an event there; Work::wait() makes the
@@ -27,10 +30,14 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "ep_work.h"
+
 namespace moelink::backend {
 
 class EpBackend;
 
+// Called by EpBackend after it has validated a call (shapes, roots, reduce op, split sizes)
+// and found its tensors on CUDA: the arguments are the validated ones.
 class CudaCollectives {
  public:
   virtual ~CudaCollectives() = default;
@@ -39,28 +46,28 @@ class CudaCollectives {
 
   using Work = c10::intrusive_ptr<c10d::Work>;
   using Tensors = std::vector<at::Tensor>;
-  using TensorLists = std::vector<std::vector<at::Tensor>>;
-  virtual Work broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) = 0;
-  virtual Work allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) = 0;
-  virtual Work allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) = 0;
-  virtual Work reduce(Tensors& tensors, const c10d::ReduceOptions& opts) = 0;
-  virtual Work allgather(TensorLists& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) = 0;
-  virtual Work _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) = 0;
-  virtual Work allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
-                                               const c10d::AllgatherOptions& opts) = 0;
-  virtual Work gather(TensorLists& outputs, Tensors& inputs, const c10d::GatherOptions& opts) = 0;
-  virtual Work scatter(Tensors& outputs, TensorLists& inputs, const c10d::ScatterOptions& opts) = 0;
-  virtual Work reduce_scatter(Tensors& outputs, TensorLists& inputs, const c10d::ReduceScatterOptions& opts) = 0;
-  virtual Work _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
-                                    const c10d::ReduceScatterOptions& opts) = 0;
-  virtual Work reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
-                                               const c10d::ReduceScatterOptions& opts) = 0;
-  virtual Work alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& out_splits,
-                             std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& opts) = 0;
-  virtual Work alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) = 0;
-  virtual Work send(Tensors& tensors, int dst, int tag) = 0;
-  virtual Work recv(Tensors& tensors, int src, int tag) = 0;
-  virtual Work recvAnysource(Tensors& tensors, int tag) = 0;
+  using Timeout = std::chrono::milliseconds;
+  using ReduceOp = collective::ReduceOp;
+  virtual Work broadcast(at::Tensor& t, int root, Timeout timeout) = 0;
+  // One tensor, or several reduced as one (allreduce_coalesced).
+  virtual Work allreduce(Tensors& ts, ReduceOp op, Timeout timeout) = 0;
+  virtual Work reduce(at::Tensor& t, ReduceOp op, int root, Timeout timeout) = 0;
+  // Into one tensor (all_gather_into_tensor) or a list (all_gather).
+  virtual Work allgather(at::Tensor& output, at::Tensor& input, Timeout timeout) = 0;
+  virtual Work allgather(Tensors& outputs, at::Tensor& input, Timeout timeout) = 0;
+  virtual Work allgatherCoalesced(Tensors& outputs, Tensors& inputs, Timeout timeout) = 0;
+  // outputs: the root's list (empty elsewhere).
+  virtual Work gather(Tensors& outputs, at::Tensor& input, int root, Timeout timeout) = 0;
+  // inputs: the root's list (empty elsewhere).
+  virtual Work scatter(at::Tensor& output, const Tensors& inputs, int root, Timeout timeout) = 0;
+  virtual Work reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp op, Timeout timeout) = 0;
+  virtual Work reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp op, Timeout timeout) = 0;
+  virtual Work reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp op, Timeout timeout) = 0;
+  virtual Work alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& layout, Timeout timeout) = 0;
+  virtual Work alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& layout, Timeout timeout) = 0;
+  virtual Work send(at::Tensor& t, int dst, int tag, Timeout timeout) = 0;
+  // src < 0: any source.
+  virtual Work recv(at::Tensor& t, int src, int tag, Timeout timeout) = 0;
 };
 
 // The CUDA unit of `backend`; raises where moelink was built without CUDA.

@@ -52,6 +52,30 @@ void StreamMemOps::wait(cudaStream_t s, uint32_t* dev_word, uint32_t value) {
               "cuStreamWaitValue32");
 }
 
+// ---- HostOutcome ----
+
+void HostOutcome::set(const std::string& error, int source) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    error_ = error;
+    source_ = source;
+    done_ = true;
+  }
+  cv_.notify_all();
+}
+
+std::string HostOutcome::wait() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return done_; });
+  return error_;
+}
+
+int HostOutcome::source() {
+  wait();
+  std::lock_guard<std::mutex> g(mu_);
+  return source_;
+}
+
 // ---- CudaWork ----
 
 CudaWork::CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device)
@@ -72,8 +96,7 @@ void CudaWork::complete(const std::string& error) {
     future_->markCompleted(c10::IValue(outputs_));
     finish();
   } else {
-    auto eptr = std::make_exception_ptr(
-        c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, "moelink " + error));
+    auto eptr = distBackendError(error);
     future_->setError(eptr);
     finish(eptr);
   }
@@ -98,9 +121,7 @@ bool CudaWork::wait(std::chrono::milliseconds) {
 
 int CudaWork::sourceRank() const {
   // Known once the host-staged receive has completed (recv from any source).
-  if (!inner) return -1;
-  inner->getFuture()->wait();
-  return inner->sourceRank();
+  return host ? host->source() : -1;
 }
 
 // ---- Completer ----
@@ -155,20 +176,7 @@ void Completer::loop() {
         *code = collective::ExchangeStatus::kOk;
       }
     }
-    if (error.empty() && w->inner) {
-      auto f = w->inner->getFuture();
-      f->wait();  // done already: the stream waited for it
-      if (f->hasError()) {
-        try {
-          std::rethrow_exception(f->exception_ptr());
-        } catch (const c10::Error& e) {
-          error = e.what_without_backtrace();
-        } catch (const std::exception& e) {
-          error = e.what();
-        }
-        if (error.rfind("moelink ", 0) == 0) error = error.substr(8);
-      }
-    }
+    if (error.empty() && w->host) error = w->host->wait();  // set already: the stream waited for it
     if (!error.empty()) LOG(WARNING) << "moelink: " << error;
     w->complete(error);
     w.reset();

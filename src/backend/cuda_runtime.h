@@ -22,8 +22,6 @@
 
 namespace moelink::backend {
 
-class EpWork;
-
 void cudaCheck(cudaError_t e, const char* what);
 
 // Pinned host memory that the GPU reaches too (cudaHostAllocMapped): `n` zeroed T.
@@ -56,6 +54,22 @@ struct StreamMemOps {
   static void wait(cudaStream_t s, uint32_t* dev_word, uint32_t value);
 };
 
+// What the collective worker reports of a host-staged op: set once, on the worker thread.
+class HostOutcome {
+ public:
+  void set(const std::string& error, int source);
+  // Waits for set(); returns the error ("" on success).
+  std::string wait();
+  int source();
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string error_;
+  int source_ = -1;
+};
+
 // A CUDA op's Work. wait() makes the caller's current stream wait for the op's end event
 // (no host block) and raises the op's error if it is already known; the future and
 // isCompleted() follow the GPU, through the Completer.
@@ -70,8 +84,8 @@ class CudaWork : public c10d::Work {
   // The exchange status slot this op's kernels report into (nullptr: none).
   collective::ExchangeStatus* status = nullptr;
   uint64_t timeout_ms = 0;
-  // The host-staged CPU op this op waits for (nullptr: none).
-  c10::intrusive_ptr<EpWork> inner;
+  // The host-staged worker op this op waits for (nullptr: none).
+  std::shared_ptr<HostOutcome> host;
   // Called by the Completer once the GPU has finished: "" or the error.
   void complete(const std::string& error);
   // Captured into a CUDA graph: nothing to watch, the future is complete at once.

@@ -42,11 +42,15 @@ void EpWork::complete(std::string error, int source_rank) {
     future_->markCompleted(c10::IValue(outputs_));
     finish();
   } else {
-    auto eptr = std::make_exception_ptr(
-        c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, "moelink " + error));
+    auto eptr = distBackendError(error);
     future_->setError(eptr);
     finish(eptr);
   }
+}
+
+std::exception_ptr distBackendError(const std::string& what) {
+  return std::make_exception_ptr(
+      c10::DistBackendError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, "moelink " + what));
 }
 
 // ---- checks and staging ----
@@ -85,18 +89,6 @@ DevicePlacement& DevicePlacement::add(const std::vector<std::vector<at::Tensor>>
   return *this;
 }
 
-namespace {
-thread_local ReadyGateScope* tl_gate = nullptr;
-}
-
-ReadyGateScope::ReadyGateScope(std::function<bool()> ready) : ready_(std::move(ready)), outer_(tl_gate) {
-  tl_gate = this;
-}
-
-ReadyGateScope::~ReadyGateScope() { tl_gate = outer_; }
-
-std::function<bool()> ReadyGateScope::current() { return tl_gate ? tl_gate->ready_ : nullptr; }
-
 void checkSingle(const std::vector<at::Tensor>& ts, const char* op) {
   TORCH_CHECK_VALUE(ts.size() == 1, "moelink ", op, ": expects exactly one tensor per process, got ",
                     ts.size());
@@ -115,9 +107,8 @@ void checkList(const std::vector<at::Tensor>& list, const at::Tensor& like, int 
   }
 }
 
-void alltoallLayout(const at::Tensor& input, const at::Tensor& output, const std::vector<int64_t>& in_splits,
-                    const std::vector<int64_t>& out_splits, int size, int rank, std::vector<uint64_t>& soff,
-                    std::vector<uint64_t>& sb, std::vector<uint64_t>& roff, std::vector<uint64_t>& rb) {
+PairLayout alltoallLayout(const at::Tensor& input, const at::Tensor& output, const std::vector<int64_t>& in_splits,
+                          const std::vector<int64_t>& out_splits, int size, int rank) {
   const char* name = "all_to_all_single";
   auto splits = [&](const at::Tensor& t, std::vector<int64_t> s, const char* which) {
     int64_t rows = t.dim() == 0 ? 1 : t.size(0);
@@ -145,19 +136,31 @@ void alltoallLayout(const at::Tensor& input, const at::Tensor& output, const std
                     ": input and output rows differ in size (", in_row, " vs ", out_row, " bytes)");
   TORCH_CHECK_VALUE(is[rank] == os[rank], "moelink ", name, ": this rank sends itself ", is[rank],
                     " rows but expects ", os[rank]);
-  soff.assign(size, 0);
-  sb.assign(size, 0);
-  roff.assign(size, 0);
-  rb.assign(size, 0);
+  PairLayout l;
   uint64_t so = 0, ro = 0;
   for (int r = 0; r < size; ++r) {
-    sb[r] = static_cast<uint64_t>(is[r]) * in_row;
-    rb[r] = static_cast<uint64_t>(os[r]) * out_row;
-    soff[r] = so;
-    roff[r] = ro;
-    so += sb[r];
-    ro += rb[r];
+    l.send_bytes.push_back(static_cast<uint64_t>(is[r]) * in_row);
+    l.recv_bytes.push_back(static_cast<uint64_t>(os[r]) * out_row);
+    l.send_off.push_back(so);
+    l.recv_off.push_back(ro);
+    so += l.send_bytes.back();
+    ro += l.recv_bytes.back();
   }
+  return l;
+}
+
+PairLayout alltoallLayout(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs) {
+  PairLayout l;
+  uint64_t so = 0, ro = 0;
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    l.send_bytes.push_back(nbytes(inputs[r]));
+    l.recv_bytes.push_back(nbytes(outputs[r]));
+    l.send_off.push_back(so);
+    l.recv_off.push_back(ro);
+    so += l.send_bytes.back();
+    ro += l.recv_bytes.back();
+  }
+  return l;
 }
 
 void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* op) {
@@ -301,7 +304,6 @@ milliseconds EpBackend::timeoutOf(milliseconds requested) const {
 
 c10::intrusive_ptr<c10d::Work> EpBackend::enqueue(c10::intrusive_ptr<EpWork> work,
                                                   collective::OpSpec spec, milliseconds timeout) {
-  spec.ready = ReadyGateScope::current();
   worker().submit(std::move(spec), [work](const std::string& err) { work->complete(err); }, timeout);
   return work;
 }

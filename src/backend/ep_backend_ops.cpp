@@ -50,10 +50,10 @@ char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                     const c10d::BroadcastOptions& opts) {
-  if (DevicePlacement("broadcast").add(tensors).cuda()) return cuda().broadcast(tensors, opts);
   checkSingle(tensors, "broadcast");
   checkRoot(opts.rootRank, size_, "broadcast");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink broadcast: rootTensor must be 0");
+  if (DevicePlacement("broadcast").add(tensors).cuda()) return cuda().broadcast(tensors[0], static_cast<int>(opts.rootRank), timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::BROADCAST, "ep:broadcast", tensors);
   at::Tensor buf = inplaceBuffer(*w, tensors[0]);
   auto spec = algo::broadcastOp(worker().context(), ptr(buf), nbytes(buf), static_cast<int>(opts.rootRank));
@@ -63,9 +63,9 @@ c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts) {
-  if (DevicePlacement("allreduce").add(tensors).cuda()) return cuda().allreduce(tensors, opts);
   checkSingle(tensors, "allreduce");
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce");
+  if (DevicePlacement("allreduce").add(tensors).cuda()) return cuda().allreduce(tensors, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::ALLREDUCE, "ep:all_reduce", tensors);
   at::Tensor buf = inplaceBuffer(*w, tensors[0]);
   auto spec = algo::allreduceOp(worker().context(), ptr(buf), buf.numel(), toDType(buf.scalar_type()), op);
@@ -74,13 +74,13 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  if (DevicePlacement("allreduce_coalesced").add(tensors).cuda()) return cuda().allreduce_coalesced(tensors, opts);
   TORCH_CHECK_VALUE(!tensors.empty(), "moelink allreduce_coalesced: no tensors");
   for (const auto& t : tensors) {
     checkTensor(t, "allreduce_coalesced");
     checkSameDtype(t, tensors[0], "allreduce_coalesced");
   }
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce_coalesced");
+  if (DevicePlacement("allreduce_coalesced").add(tensors).cuda()) return cuda().allreduce(tensors, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced", tensors);
   at::Tensor flat = concat(*w, tensors);
   scatterBack(*w, flat, tensors);
@@ -90,11 +90,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOptions& opts) {
-  if (DevicePlacement("reduce").add(tensors).cuda()) return cuda().reduce(tensors, opts);
   checkSingle(tensors, "reduce");
   checkRoot(opts.rootRank, size_, "reduce");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink reduce: rootTensor must be 0");
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "reduce");
+  if (DevicePlacement("reduce").add(tensors).cuda()) return cuda().reduce(tensors[0], op, static_cast<int>(opts.rootRank), timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::REDUCE, "ep:reduce", tensors);
   at::Tensor buf = inplaceBuffer(*w, tensors[0]);
   auto spec = algo::reduceOp(worker().context(), ptr(buf), ptr(buf), buf.numel(), toDType(buf.scalar_type()),
@@ -105,10 +105,10 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensor
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllgatherOptions& opts) {
-  if (DevicePlacement("allgather").add(outputs).add(inputs).cuda()) return cuda().allgather(outputs, inputs, opts);
   checkSingle(inputs, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1, "moelink allgather: expects one output list per process");
   checkList(outputs[0], inputs[0], size_, "allgather", "the output list");
+  if (DevicePlacement("allgather").add(outputs).add(inputs).cuda()) return cuda().allgather(outputs[0], inputs[0], timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::ALLGATHER, "ep:all_gather", outputs[0]);
   at::Tensor in = inputBuffer(*w, inputs[0]);
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
@@ -120,13 +120,13 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                           const c10d::AllgatherOptions& opts) {
-  if (DevicePlacement("all_gather_into_tensor").add(output).add(input).cuda()) return cuda()._allgather_base(output, input, opts);
   checkTensor(output, "all_gather_into_tensor");
   checkTensor(input, "all_gather_into_tensor");
   checkSameDtype(output, input, "all_gather_into_tensor");
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "moelink all_gather_into_tensor: output has ",
                     output.numel(), " elements, expected ", input.numel() * size_, " (input ",
                     input.numel(), " x group size ", size_, ")");
+  if (DevicePlacement("all_gather_into_tensor").add(output).add(input).cuda()) return cuda().allgather(output, input, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::_ALLGATHER_BASE, "ep:_all_gather_base", {output});
   at::Tensor in = inputBuffer(*w, input);
   at::Tensor out = outputBuffer(*w, output);
@@ -137,7 +137,6 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
-  if (DevicePlacement("allgather_into_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().allgather_into_tensor_coalesced(outputs, inputs, opts);
   const char* name = "allgather_into_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
                     ": needs as many outputs as inputs (", outputs.size(), " vs ", inputs.size(), ")");
@@ -149,6 +148,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
     TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, "moelink ", name, ": output ", i,
                       " has ", outputs[i].numel(), " elements, expected ", inputs[i].numel() * size_);
   }
+  if (DevicePlacement("allgather_into_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().allgatherCoalesced(outputs, inputs, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::COALESCED, "ep:allgather_into_tensor_coalesced", outputs);
   at::Tensor in = concat(*w, inputs);
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
@@ -171,7 +171,6 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                  std::vector<at::Tensor>& inputs,
                                                  const c10d::GatherOptions& opts) {
-  if (DevicePlacement("gather").add(outputs).add(inputs).cuda()) return cuda().gather(outputs, inputs, opts);
   checkSingle(inputs, "gather");
   checkRoot(opts.rootRank, size_, "gather");
   int root = static_cast<int>(opts.rootRank);
@@ -184,6 +183,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Ten
     TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
                       "moelink gather: only the root (rank ", root, ") takes an output list");
   }
+  if (DevicePlacement("gather").add(outputs).add(inputs).cuda()) return cuda().gather(outs, inputs[0], root, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::GATHER, "ep:gather", outs);
   at::Tensor in = inputBuffer(*w, inputs[0]);
   at::Tensor flat;
@@ -199,20 +199,22 @@ c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outputs,
                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                   const c10d::ScatterOptions& opts) {
-  if (DevicePlacement("scatter").add(outputs).add(inputs).cuda()) return cuda().scatter(outputs, inputs, opts);
   checkSingle(outputs, "scatter");
   checkRoot(opts.rootRank, size_, "scatter");
   int root = static_cast<int>(opts.rootRank);
-  auto w = makeWork(rank_, OpType::SCATTER, "ep:scatter", outputs);
-  at::Tensor in;
   if (rank_ == root) {
     TORCH_CHECK_VALUE(inputs.size() == 1, "moelink scatter: the root needs one input list");
     checkList(inputs[0], outputs[0], size_, "scatter", "the root's input list");
-    in = concat(*w, inputs[0]);
   } else {
     TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
                       "moelink scatter: only the root (rank ", root, ") takes an input list");
   }
+  if (DevicePlacement("scatter").add(outputs).add(inputs).cuda())
+    return cuda().scatter(outputs[0], rank_ == root ? inputs[0] : std::vector<at::Tensor>{}, root,
+                          timeoutOf(opts.timeout));
+  auto w = makeWork(rank_, OpType::SCATTER, "ep:scatter", outputs);
+  at::Tensor in;
+  if (rank_ == root) in = concat(*w, inputs[0]);
   at::Tensor out = outputBuffer(*w, outputs[0]);
   auto spec = algo::scatterOp(worker().context(), in.defined() ? ptr(in) : nullptr, ptr(out), nbytes(out), root);
   spec.dtype = toDType(out.scalar_type());
@@ -222,11 +224,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outpu
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                          std::vector<std::vector<at::Tensor>>& inputs,
                                                          const c10d::ReduceScatterOptions& opts) {
-  if (DevicePlacement("reduce_scatter").add(outputs).add(inputs).cuda()) return cuda().reduce_scatter(outputs, inputs, opts);
   checkSingle(outputs, "reduce_scatter");
   TORCH_CHECK_VALUE(inputs.size() == 1, "moelink reduce_scatter: expects one input list per process");
   checkList(inputs[0], outputs[0], size_, "reduce_scatter", "the input list");
   auto op = toReduceOp(opts.reduceOp, outputs[0].scalar_type(), "reduce_scatter");
+  if (DevicePlacement("reduce_scatter").add(outputs).add(inputs).cuda()) return cuda().reduceScatter(outputs[0], inputs[0], op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::REDUCE_SCATTER, "ep:reduce_scatter", outputs);
   at::Tensor in = concat(*w, inputs[0]);
   at::Tensor out = outputBuffer(*w, outputs[0]);
@@ -237,7 +239,6 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::ReduceScatterOptions& opts) {
-  if (DevicePlacement("reduce_scatter_tensor").add(output).add(input).cuda()) return cuda()._reduce_scatter_base(output, input, opts);
   const char* name = "reduce_scatter_tensor";
   checkTensor(output, name);
   checkTensor(input, name);
@@ -246,6 +247,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& outpu
                     " elements, expected ", output.numel() * size_, " (output ", output.numel(),
                     " x group size ", size_, ")");
   auto op = toReduceOp(opts.reduceOp, output.scalar_type(), name);
+  if (DevicePlacement("reduce_scatter_tensor").add(output).add(input).cuda()) return cuda().reduceScatter(output, input, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", {output});
   at::Tensor in = inputBuffer(*w, input);
   at::Tensor out = outputBuffer(*w, output);
@@ -256,7 +258,6 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& outpu
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  if (DevicePlacement("reduce_scatter_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   const char* name = "reduce_scatter_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
                     ": needs as many outputs as inputs");
@@ -269,6 +270,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
                       " has ", inputs[i].numel(), " elements, expected ", outputs[i].numel() * size_);
   }
   auto op = toReduceOp(opts.reduceOp, inputs[0].scalar_type(), name);
+  if (DevicePlacement("reduce_scatter_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().reduceScatterCoalesced(outputs, inputs, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced", outputs);
   // Block layout [rank][output 0 | output 1 | ...] built from each input's rank slices.
   std::vector<at::Tensor> pieces;
@@ -290,17 +292,18 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
                                                         std::vector<int64_t>& out_splits,
                                                         std::vector<int64_t>& in_splits,
                                                         const c10d::AllToAllOptions& opts) {
-  if (DevicePlacement("all_to_all_single").add(output).add(input).cuda()) return cuda().alltoall_base(output, input, out_splits, in_splits, opts);
   const char* name = "all_to_all_single";
   checkTensor(output, name);
   checkTensor(input, name);
   checkSameDtype(output, input, name);
-  std::vector<uint64_t> soff, sb, roff, rb;
-  alltoallLayout(input, output, in_splits, out_splits, size_, rank_, soff, sb, roff, rb);
+  PairLayout l = alltoallLayout(input, output, in_splits, out_splits, size_, rank_);
+  if (DevicePlacement("all_to_all_single").add(output).add(input).cuda())
+    return cuda().alltoall(output, input, l, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::ALLTOALL_BASE, "ep:all_to_all", {output});
   at::Tensor in = inputBuffer(*w, input);
   at::Tensor out = outputBuffer(*w, output);
-  auto spec = algo::alltoallOp(worker().context(), ptr(in), soff, sb, ptr(out), roff, rb);
+  auto spec = algo::alltoallOp(worker().context(), ptr(in), l.send_off, l.send_bytes, ptr(out), l.recv_off,
+                               l.recv_bytes);
   spec.dtype = toDType(in.scalar_type());
   return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
 }
@@ -308,7 +311,6 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
 c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::AllToAllOptions& opts) {
-  if (DevicePlacement("all_to_all").add(outputs).add(inputs).cuda()) return cuda().alltoall(outputs, inputs, opts);
   const char* name = "all_to_all";
   TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
                     "moelink ", name, ": needs one input and one output tensor per rank (", size_, ")");
@@ -320,21 +322,16 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outp
   }
   TORCH_CHECK_VALUE(inputs[rank_].numel() == outputs[rank_].numel(), "moelink ", name,
                     ": this rank's own input and output differ in size");
-  std::vector<uint64_t> soff(size_), sb(size_), roff(size_), rb(size_);
-  uint64_t so = 0, ro = 0;
-  for (int r = 0; r < size_; ++r) {
-    sb[r] = nbytes(inputs[r]);
-    rb[r] = nbytes(outputs[r]);
-    soff[r] = so;
-    roff[r] = ro;
-    so += sb[r];
-    ro += rb[r];
-  }
+  PairLayout l = alltoallLayout(inputs, outputs);
+  if (DevicePlacement("all_to_all").add(outputs).add(inputs).cuda())
+    return cuda().alltoall(outputs, inputs, l, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::ALLTOALL, "ep:all_to_all", outputs);
   at::Tensor in = concat(*w, inputs);
+  const uint64_t ro = l.recv_off.back() + l.recv_bytes.back();
   at::Tensor flat = at::empty({static_cast<int64_t>(ro / inputs[0].element_size())}, inputs[0].options());
   scatterBack(*w, flat, outputs);
-  auto spec = algo::alltoallOp(worker().context(), ptr(in), soff, sb, ptr(flat), roff, rb);
+  auto spec = algo::alltoallOp(worker().context(), ptr(in), l.send_off, l.send_bytes, ptr(flat), l.recv_off,
+                               l.recv_bytes);
   spec.dtype = toDType(in.scalar_type());
   return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
 }
@@ -345,22 +342,21 @@ c10::intrusive_ptr<c10d::Work> EpBackend::barrier(const c10d::BarrierOptions& op
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  if (DevicePlacement("send").add(tensors).cuda()) return cuda().send(tensors, dst, tag);
   checkSingle(tensors, "send");
   TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "moelink send: invalid destination rank ", dst,
                     " (group of ", size_, ", this rank ", rank_, ")");
+  if (DevicePlacement("send").add(tensors).cuda()) return cuda().send(tensors[0], dst, tag, timeout_);
   auto w = makeWork(rank_, OpType::SEND, "ep:send", tensors);
   at::Tensor in = inputBuffer(*w, tensors[0]);
-  worker().send(dst, ptr(in), nbytes(in), tag, [w](const std::string& err) { w->complete(err); }, timeout_,
-                ReadyGateScope::current());
+  worker().send(dst, ptr(in), nbytes(in), tag, [w](const std::string& err) { w->complete(err); }, timeout_);
   return w;
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors, src, tag);
   checkSingle(tensors, "recv");
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "moelink recv: invalid source rank ", src,
                     " (group of ", size_, ", this rank ", rank_, ")");
+  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors[0], src, tag, timeout_);
   auto w = makeWork(rank_, OpType::RECV, "ep:recv", tensors);
   at::Tensor out = outputBuffer(*w, tensors[0]);
   worker().recv(src, ptr(out), nbytes(out), tag,
@@ -369,8 +365,8 @@ c10::intrusive_ptr<c10d::Work> EpBackend::recv(std::vector<at::Tensor>& tensors,
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recvAnysource(tensors, tag);
   checkSingle(tensors, "recv");
+  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors[0], -1, tag, timeout_);
   auto w = makeWork(rank_, OpType::RECVANYSOURCE, "ep:recvAnySource", tensors);
   at::Tensor out = outputBuffer(*w, tensors[0]);
   worker().recv(-1, ptr(out), nbytes(out), tag,

@@ -39,6 +39,9 @@ class EpWork : public c10d::Work {
   std::atomic<int> source_{-1};
 };
 
+// The exception a failed op completes its Work and Future with ("moelink " + what).
+std::exception_ptr distBackendError(const std::string& what);
+
 // Checks that `t` is a defined, dense tensor; raises a ValueError naming `op`. (Which device
 // it is on is DevicePlacement's business.)
 void checkTensor(const at::Tensor& t, const char* op);
@@ -60,34 +63,21 @@ class DevicePlacement {
   int cpu_ = 0, cuda_ = 0, device_ = -1;
 };
 
-// While one is alive on a thread, the collectives and sends that thread submits to the
-// worker wait for `ready` (OpSpec::ready): the CUDA unit's host-staged path runs the CPU
-// ops on pinned copies of GPU tensors that the GPU is still writing.
-class ReadyGateScope {
- public:
-  explicit ReadyGateScope(std::function<bool()> ready);
-  ~ReadyGateScope();
-  ReadyGateScope(const ReadyGateScope&) = delete;
-  ReadyGateScope& operator=(const ReadyGateScope&) = delete;
-  // The gate of the innermost scope on this thread, or nullptr.
-  static std::function<bool()> current();
-
- private:
-  std::function<bool()> ready_;
-  ReadyGateScope* outer_;
-};
 void checkSingle(const std::vector<at::Tensor>& ts, const char* op);
 void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* op);
 void checkRoot(int64_t root, int size, const char* op);
 // Checks a per-rank list (one tensor per rank, each of `like`'s dtype and element count).
 void checkList(const std::vector<at::Tensor>& list, const at::Tensor& like, int size, const char* op,
                const char* what);
-// all_to_all_single: validates the split sizes (empty = even) and gives the byte offsets and
-// sizes sent to / received from each rank.
-void alltoallLayout(const at::Tensor& input, const at::Tensor& output, const std::vector<int64_t>& in_splits,
-                    const std::vector<int64_t>& out_splits, int size, int rank, std::vector<uint64_t>& send_off,
-                    std::vector<uint64_t>& send_bytes, std::vector<uint64_t>& recv_off,
-                    std::vector<uint64_t>& recv_bytes);
+// Bytes an all-to-all sends to / receives from each rank, at these offsets.
+struct PairLayout {
+  std::vector<uint64_t> send_off, send_bytes, recv_off, recv_bytes;
+};
+// all_to_all_single: validates the split sizes (empty = even) into a layout.
+PairLayout alltoallLayout(const at::Tensor& input, const at::Tensor& output, const std::vector<int64_t>& in_splits,
+                          const std::vector<int64_t>& out_splits, int size, int rank);
+// all_to_all (lists): one tensor per rank each way.
+PairLayout alltoallLayout(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs);
 // The dtype as the collective layer knows it; dtypes it cannot reduce become kBytes
 // (moved, never reduced).
 collective::DType toDType(at::ScalarType t);

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "moelink/common/env.h"
 #include "moelink/common/error.h"
 
 namespace moelink::collective {
@@ -22,15 +23,6 @@ Exchange base(OpKind kind, ExchangeMode mode, int n, DType t, ReduceOp op, int r
   x.send_bytes.assign(n, 0);
   x.recv_off.assign(n, 0);
   x.recv_bytes.assign(n, 0);
-  return x;
-}
-
-uint64_t envNumber(const char* name, uint64_t dflt) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return dflt;
-  char* end = nullptr;
-  unsigned long long x = std::strtoull(v, &end, 10);
-  MOELINK_CHECK(end && *end == '\0', name, " must be a number, got '", v, "'");
   return x;
 }
 

@@ -7,6 +7,7 @@
 
 #include <glog/logging.h>
 
+#include "moelink/common/env.h"
 #include "moelink/common/error.h"
 #include "worker_internal.h"
 
@@ -18,15 +19,6 @@ namespace {
 
 constexpr transfer::SegmentId kCollectiveSegment = 1;
 constexpr transfer::SegmentId kP2PSegment = 2;
-
-uint64_t envBytes(const char* name, uint64_t dflt) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return dflt;
-  char* end = nullptr;
-  unsigned long long x = std::strtoull(v, &end, 10);
-  MOELINK_CHECK(end && *end == '\0', name, " must be a number, got '", v, "'");
-  return x;
-}
 
 }  // namespace
 
@@ -40,11 +32,11 @@ std::string describeTimeout(const char* what, uint64_t seq, milliseconds timeout
 
 WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
   WorkerOptions o;
-  o.chunk_bytes = envBytes("MOELINK_CHUNK_BYTES", o.chunk_bytes);
-  o.depth = static_cast<int>(envBytes("MOELINK_MAILBOX_DEPTH", static_cast<uint64_t>(o.depth)));
-  o.allreduce_small_bytes = envBytes("MOELINK_ALLREDUCE_SMALL_BYTES", o.allreduce_small_bytes);
+  o.chunk_bytes = envNumber("MOELINK_CHUNK_BYTES", o.chunk_bytes);
+  o.depth = static_cast<int>(envNumber("MOELINK_MAILBOX_DEPTH", static_cast<uint64_t>(o.depth)));
+  o.allreduce_small_bytes = envNumber("MOELINK_ALLREDUCE_SMALL_BYTES", o.allreduce_small_bytes);
   if (const char* v = std::getenv("MOELINK_CHAIN_BROADCAST_BYTES"); v && *v)
-    o.chain_broadcast_bytes = static_cast<int64_t>(envBytes("MOELINK_CHAIN_BROADCAST_BYTES", 0));
+    o.chain_broadcast_bytes = static_cast<int64_t>(envNumber("MOELINK_CHAIN_BROADCAST_BYTES", 0));
   MOELINK_CHECK(o.chunk_bytes >= 64, "MOELINK_CHUNK_BYTES must be at least 64");
   MOELINK_CHECK(o.depth >= 1 && o.depth <= 64, "MOELINK_MAILBOX_DEPTH must be 1..64");
   o.timeout = timeout;
@@ -82,7 +74,7 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   for (int p = 0; p < world_; ++p) local_ranks += coll_->transportTo(p) != "tcp";
   cpu_set_t cpus;
   int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  spin_ = static_cast<int>(envBytes("MOELINK_WORKER_SPIN", ncpu >= local_ranks ? 256 : 0));
+  spin_ = static_cast<int>(envNumber("MOELINK_WORKER_SPIN", ncpu >= local_ranks ? 256 : 0));
   thread_ = std::thread([this] { loop(); });
 }
 

@@ -102,9 +102,10 @@ class EpBackend : public c10d::Backend {
   // How CUDA tensors travel in this group: "nvlink" (in-host kernels), "host" (staged
   // through host memory and the collective worker), or "" before the first CUDA op.
   std::string cudaPath() const;
+  // The group's collective worker (the CUDA unit's host-staged route submits to it).
+  collective::CollectiveWorker& worker() const;
 
  private:
-  collective::CollectiveWorker& worker() const;
   // The CUDA unit, created by the first op on CUDA tensors.
   CudaCollectives& cuda();
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;

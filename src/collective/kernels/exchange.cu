@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 
 #include "moelink/collective/exchange_kernel.h"
+#include "moelink/common/device_sync.cuh"
 
 namespace moelink::collective {
 
@@ -29,22 +30,6 @@ struct Counter {
   unsigned int done;       // blocks of the current launch that have finished
   unsigned int failed;     // seq of a failed launch (blocks stop waiting)
 };
-
-__device__ __forceinline__ uint64_t loadAcquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void storeRelease(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t nowNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ uint64_t tagOf(uint64_t seq, uint64_t round) { return (seq << 24) | (round + 1); }
 
@@ -74,10 +59,10 @@ __device__ void fail(const Ctx& c, uint32_t code, int peer, const ExchangeHeader
 // Spins until *p >= want. False when the launch failed or the deadline passed (recorded).
 __device__ bool waitAtLeast(const Ctx& c, const uint64_t* p, uint64_t want, int peer) {
   uint32_t spins = 0;
-  while (loadAcquire(p) < want) {
+  while (device::ldAcquireSys64(p) < want) {
     if ((++spins & 1023) == 0) {
       if (*reinterpret_cast<volatile unsigned*>(&c.counter->failed) >= static_cast<unsigned>(c.seq)) return false;
-      if (c.a->timeout_ns && nowNs() - c.start_ns > c.a->timeout_ns) {
+      if (c.a->timeout_ns && device::globalTimerNs() - c.start_ns > c.a->timeout_ns) {
         fail(c, ExchangeStatus::kTimeout, peer, nullptr);
         return false;
       }
@@ -300,7 +285,7 @@ __device__ bool runRounds(const Ctx& c) {
       __syncthreads();
       if (threadIdx.x == 0) {
         __threadfence_system();
-        storeRelease(flagSlot(a.staging[p], L, half, me, b), tag);
+        device::stReleaseSys64(flagSlot(a.staging[p], L, half, me, b), tag);
       }
     }
     if (!reduce) {
@@ -321,7 +306,7 @@ __device__ bool runRounds(const Ctx& c) {
         if (blockFailed(c)) return false;
         copyBytes(a.out + a.recv_off[q] + r * R + qlo, dataSlot(mine, L, n, half, q) + qlo, qhi - qlo);
         __syncthreads();
-        if (threadIdx.x == 0) storeRelease(ackSlot(a.staging[q], L, half, me, b), tag);
+        if (threadIdx.x == 0) device::stReleaseSys64(ackSlot(a.staging[q], L, half, me, b), tag);
       }
     } else {
       uint64_t len = exchangeRoundLen(a.reduce_bytes, r, R), lo, hi;
@@ -337,7 +322,7 @@ __device__ bool runRounds(const Ctx& c) {
       if (blockFailed(c)) return false;
       reduceAny(static_cast<DType>(a.dtype), a.out + r * R + lo, srcs, n, hi - lo, static_cast<ReduceOp>(a.redop), n);
       __syncthreads();
-      if (threadIdx.x < n && threadIdx.x != me) storeRelease(ackSlot(a.staging[threadIdx.x], L, half, me, b), tag);
+      if (threadIdx.x < n && threadIdx.x != me) device::stReleaseSys64(ackSlot(a.staging[threadIdx.x], L, half, me, b), tag);
     }
   }
   return true;
@@ -351,7 +336,7 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
   __shared__ uint64_t start;
   __shared__ int bad;
   if (threadIdx.x == 0) {
-    start = nowNs();
+    start = device::globalTimerNs();
     bad = 0;
   }
   __syncthreads();
@@ -365,7 +350,7 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
     uint64_t* dst = reinterpret_cast<uint64_t*>(h);
     for (int i = 0; i < 7; ++i) dst[i] = src[i];
     __threadfence_system();
-    storeRelease(&h->seq, c.seq);
+    device::stReleaseSys64(&h->seq, c.seq);
   }
   if (threadIdx.x < n && threadIdx.x != me) {
     const int q = threadIdx.x;

@@ -5,9 +5,14 @@
 
 #include <cstdint>
 
+#include "moelink/common/device_sync.cuh"
 #include "moelink/ep/kernels.h"
 
 namespace moelink::ep::kernels {
+
+using device::globalTimerNs;
+using device::ldAcquireSys64;
+using device::stReleaseSys64;
 
 __device__ __forceinline__ int ldAcquireSys(const int* p) {
   int v;
@@ -19,12 +24,6 @@ __device__ __forceinline__ int ldAcquireSys(const int* p) {
 __device__ __forceinline__ int ldRelaxedSys(const int* p) {
   int v;
   asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ uint64_t ldAcquireSys64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -40,10 +39,6 @@ __device__ __forceinline__ void stReleaseGpu(int* p, int v) {
 
 __device__ __forceinline__ void stReleaseSys(int* p, int v) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void stReleaseSys64(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ int atomicAddAcqRelGpu(int* p, int v) {
@@ -108,12 +103,6 @@ __device__ __forceinline__ void bulkStoreAndWait(void* dst, const void* smem_src
 
 // Makes this thread's generic-proxy writes to shared memory visible to bulk copies.
 __device__ __forceinline__ void fenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-__device__ __forceinline__ uint64_t globalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ void tracePoint(const Common& c, int point) {
   if (c.trace != nullptr) c.trace[blockIdx.x * kTracePoints + point] = globalTimerNs();

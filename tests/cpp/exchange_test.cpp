@@ -1,0 +1,291 @@
+// The in-host GPU collectives' plans (collective/exchange.h), run on the CPU: a model of the
+// exchange kernel moves the bytes of every (source, destination) pair round by round and
+// piece by piece, exactly as the kernel splits them, and each builder's result is checked
+// against the collective it stands for. Plus the piece split, the layout and the mismatch
+// messages.
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "moelink/collective/exchange.h"
+#include "moelink/collective/reduce.h"
+#include "moelink/common/error.h"
+
+using namespace moelink::collective;
+
+namespace {
+
+using Bytes = std::vector<char>;
+
+// Runs one exchange per rank (xs[r] with in[r] / out[r]) the way the kernel does: for each
+// round and block, the piece of every pair; then the consumer's copy or rank-ordered reduce.
+void model(const std::vector<Exchange>& xs, std::vector<Bytes>& in, std::vector<Bytes>& out,
+           const ExchangeTuning& t, std::vector<uint64_t> out_base = {}) {
+  const int n = static_cast<int>(xs.size());
+  if (out_base.empty()) out_base.assign(n, 0);
+  const uint64_t R = t.round_bytes;
+  // What each consumer received from each source, assembled from pieces.
+  std::vector<std::vector<Bytes>> got(n, std::vector<Bytes>(n));
+  for (int p = 0; p < n; ++p)
+    for (int q = 0; q < n; ++q) {
+      ASSERT_EQ(xs[q].send_bytes[p], p == q ? xs[q].send_bytes[p] : xs[p].recv_bytes[q]) << q << "->" << p;
+      got[p][q].assign(xs[q].send_bytes[p], 0);
+    }
+  for (int q = 0; q < n; ++q)
+    for (int p = 0; p < n; ++p) {
+      const uint64_t bytes = xs[q].send_bytes[p];
+      std::vector<int> covered(bytes, 0);
+      for (uint64_t r = 0; r * R < bytes; ++r) {
+        const uint64_t len = exchangeRoundLen(bytes, r, R);
+        for (int b = 0; b < t.blocks; ++b) {
+          uint64_t lo, hi;
+          exchangePiece(len, b, t.blocks, &lo, &hi);
+          for (uint64_t i = lo; i < hi; ++i) {
+            got[p][q][r * R + i] = in[q][xs[q].send_off[p] + r * R + i];
+            covered[r * R + i]++;
+          }
+        }
+      }
+      for (uint64_t i = 0; i < bytes; ++i) ASSERT_EQ(covered[i], 1) << "byte " << i << " of " << q << "->" << p;
+    }
+  for (int p = 0; p < n; ++p) {
+    const Exchange& x = xs[p];
+    if (x.mode == ExchangeMode::kCopy) {
+      for (int q = 0; q < n; ++q) {
+        const uint64_t bytes = q == p ? x.send_bytes[p] : x.recv_bytes[q];
+        if (bytes) std::memcpy(out[p].data() + out_base[p] + x.recv_off[q], got[p][q].data(), bytes);
+      }
+    } else if (x.reduce_bytes) {
+      std::vector<const void*> srcs;
+      for (int q = 0; q < n; ++q) srcs.push_back(q == p ? in[p].data() + x.send_off[p] : got[p][q].data());
+      std::vector<char> scratch;
+      const size_t count = x.reduce_bytes / elementSize(x.dtype);
+      Bytes res(x.reduce_bytes);
+      reduceOrdered(res.data(), srcs, count, x.dtype, x.redop, scratch);
+      if (x.redop == ReduceOp::kAvg) divideInPlace(res.data(), count, x.dtype, n);
+      std::memcpy(out[p].data() + out_base[p], res.data(), x.reduce_bytes);
+    }
+  }
+}
+
+// Rank r's input of `count` floats: r * 1000 + i.
+Bytes floats(int r, uint64_t count) {
+  std::vector<float> v(count);
+  for (uint64_t i = 0; i < count; ++i) v[i] = static_cast<float>(r * 1000 + i % 997);
+  Bytes b(count * 4);
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+float at(const Bytes& b, uint64_t i) {
+  float f;
+  std::memcpy(&f, b.data() + 4 * i, 4);
+  return f;
+}
+
+ExchangeTuning small() {
+  ExchangeTuning t;
+  t.round_bytes = 64 << 10;  // several rounds at the sizes below
+  t.blocks = 3;
+  return t;
+}
+
+class ExchangePlan : public ::testing::TestWithParam<std::tuple<int, uint64_t>> {};
+
+TEST_P(ExchangePlan, AllreduceOneShotAndTwoShot) {
+  auto [n, count] = GetParam();
+  for (bool two : {false, true}) {
+    std::vector<Exchange> a, b;
+    std::vector<Bytes> in, out;
+    std::vector<uint64_t> base;
+    for (int r = 0; r < n; ++r) {
+      in.push_back(floats(r, count));
+      out.push_back(in.back());  // in place
+    }
+    if (!two) {
+      for (int r = 0; r < n; ++r) a.push_back(exchangeAllreduceOneShot(n, r, count, DType::kFloat32, ReduceOp::kSum));
+      model(a, in, out, small());
+    } else {
+      auto blocks = allreduceBlocks(n, count, DType::kFloat32);
+      for (int r = 0; r < n; ++r) {
+        a.push_back(exchangeAllreduceScatter(n, r, count, DType::kFloat32, ReduceOp::kSum));
+        b.push_back(exchangeAllreduceGather(n, r, count, DType::kFloat32));
+        base.push_back(blocks[r].first * 4);
+      }
+      model(a, in, out, small(), base);
+      std::vector<Bytes> mid = out;
+      model(b, mid, out, small());
+    }
+    for (int r = 0; r < n; ++r)
+      for (uint64_t i = 0; i < count; ++i) {
+        float want = 0;
+        for (int q = 0; q < n; ++q) want += at(in[q], i);
+        ASSERT_EQ(at(out[r], i), want) << "rank " << r << " element " << i << (two ? " two-shot" : " one-shot");
+      }
+  }
+}
+
+TEST_P(ExchangePlan, AllgatherGatherScatterBroadcast) {
+  auto [n, count] = GetParam();
+  const uint64_t bytes = count * 4;
+  std::vector<Bytes> in, out;
+  std::vector<Exchange> ag, ga, sc, bc;
+  const int root = n - 1;
+  for (int r = 0; r < n; ++r) {
+    in.push_back(floats(r, count));
+    ag.push_back(exchangeAllgather(n, r, bytes));
+    ga.push_back(exchangeGather(n, r, bytes, root));
+    bc.push_back(exchangeBroadcast(n, r, bytes, root));
+  }
+  out.assign(n, Bytes(n * bytes));
+  model(ag, in, out, small());
+  for (int r = 0; r < n; ++r)
+    for (int q = 0; q < n; ++q) ASSERT_EQ(0, std::memcmp(out[r].data() + q * bytes, in[q].data(), bytes));
+
+  out.assign(n, Bytes(n * bytes, 0));
+  model(ga, in, out, small());
+  for (int q = 0; q < n; ++q) ASSERT_EQ(0, std::memcmp(out[root].data() + q * bytes, in[q].data(), bytes));
+
+  std::vector<Bytes> io = in;
+  model(bc, io, io, small());
+  for (int r = 0; r < n; ++r) ASSERT_EQ(io[r], in[root]);
+
+  std::vector<Bytes> sin(n);
+  sin[root] = Bytes(n * bytes);
+  for (int q = 0; q < n; ++q) std::memcpy(sin[root].data() + q * bytes, in[q].data(), bytes);
+  for (int r = 0; r < n; ++r) sc.push_back(exchangeScatter(n, r, bytes, root));
+  out.assign(n, Bytes(bytes));
+  model(sc, sin, out, small());
+  for (int r = 0; r < n; ++r) ASSERT_EQ(out[r], in[r]);
+}
+
+TEST_P(ExchangePlan, ReduceScatterAndReduce) {
+  auto [n, count] = GetParam();
+  std::vector<Bytes> in, out;
+  std::vector<Exchange> rs, rd;
+  for (int r = 0; r < n; ++r) {
+    in.push_back(floats(r, count * n));
+    rs.push_back(exchangeReduceScatter(n, r, count, DType::kFloat32, ReduceOp::kMax));
+    rd.push_back(exchangeReduce(n, r, count * n, DType::kFloat32, ReduceOp::kSum, 0));
+  }
+  out.assign(n, Bytes(count * 4));
+  model(rs, in, out, small());
+  for (int r = 0; r < n; ++r)
+    for (uint64_t i = 0; i < count; ++i) {
+      float want = at(in[0], r * count + i);
+      for (int q = 1; q < n; ++q) want = std::max(want, at(in[q], r * count + i));
+      ASSERT_EQ(at(out[r], i), want);
+    }
+  std::vector<Bytes> io = in;
+  model(rd, io, io, small());
+  for (uint64_t i = 0; i < count * n; ++i) {
+    float want = 0;
+    for (int q = 0; q < n; ++q) want += at(in[q], i);
+    ASSERT_EQ(at(io[0], i), want);
+  }
+}
+
+TEST_P(ExchangePlan, UnevenAlltoall) {
+  auto [n, count] = GetParam();
+  // rank r sends (r + 1) * (q + 1) * count / 4 bytes to q (odd sizes included)
+  auto bytes = [&](int r, int q) { return static_cast<uint64_t>((r + 1) * (q + 1)) * (count / 4 + 1) + r; };
+  std::vector<Bytes> in(n), out(n);
+  std::vector<Exchange> xs;
+  for (int r = 0; r < n; ++r) {
+    std::vector<uint64_t> so(n), sb(n), ro(n), rb(n);
+    uint64_t s = 0, t = 0;
+    for (int q = 0; q < n; ++q) {
+      sb[q] = bytes(r, q);
+      rb[q] = bytes(q, r);
+      so[q] = s;
+      ro[q] = t;
+      s += sb[q];
+      t += rb[q];
+    }
+    in[r].resize(s);
+    for (uint64_t i = 0; i < s; ++i) in[r][i] = static_cast<char>(r * 31 + i * 7);
+    out[r].assign(t, 0);
+    xs.push_back(exchangeAlltoall(n, r, so, sb, ro, rb));
+  }
+  model(xs, in, out, small());
+  for (int r = 0; r < n; ++r)
+    for (int q = 0; q < n; ++q)
+      ASSERT_EQ(0, std::memcmp(out[r].data() + xs[r].recv_off[q], in[q].data() + xs[q].send_off[r], bytes(q, r)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ExchangePlan,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 8),
+                                            ::testing::Values(uint64_t{0}, uint64_t{1}, uint64_t{1000},
+                                                              uint64_t{70001})));
+
+TEST(ExchangePiece, PartitionsEveryRound) {
+  for (uint64_t len : {0ull, 1ull, 15ull, 16ull, 16385ull, 1000000ull, 8388608ull})
+    for (int blocks : {1, 3, 24, 64}) {
+      uint64_t next = 0;
+      for (int b = 0; b < blocks; ++b) {
+        uint64_t lo, hi;
+        exchangePiece(len, b, blocks, &lo, &hi);
+        ASSERT_EQ(lo, next < len ? next : len);
+        ASSERT_LE(lo, hi);
+        if (lo < len) {
+          ASSERT_EQ(lo % 16, 0u);
+        }
+        if (hi < len) {
+          ASSERT_GE(hi - lo, kExchangeMinPiece);
+        }
+        next = hi > next ? hi : next;
+      }
+      ASSERT_EQ(next, len) << "len " << len << " blocks " << blocks;
+    }
+}
+
+TEST(ExchangeLayout, FitsTheRoundsAndAligns) {
+  auto l = ExchangeLayout::make(4, 8 << 20);
+  EXPECT_EQ(l.data % 4096, 0u);
+  EXPECT_EQ(l.total, l.data + 2ull * 4 * (8 << 20));
+  EXPECT_GE(l.flags, l.counter + 16);
+  EXPECT_THROW(ExchangeLayout::make(kExchangeMaxRanks + 1, 1 << 20), moelink::Error);
+}
+
+TEST(ExchangeHeader, MismatchesReadLikeTheCpuPath) {
+  ExchangeTuning t;
+  auto mine = exchangeHeader(exchangeAllreduceOneShot(2, 0, 2048, DType::kFloat32, ReduceOp::kSum), 1, t);
+  auto theirs = exchangeHeader(exchangeAllreduceOneShot(2, 1, 1024, DType::kFloat32, ReduceOp::kSum), 0, t);
+  mine.seq = theirs.seq = 17;
+  EXPECT_EQ(describeMismatch(mine, theirs, 1), "allreduce #17: rank 1 sent 4096 bytes, this rank expects 8192");
+  auto same = exchangeHeader(exchangeAllreduceOneShot(2, 1, 2048, DType::kFloat32, ReduceOp::kSum), 0, t);
+  same.seq = 17;
+  EXPECT_EQ(describeMismatch(mine, same, 1), "");
+  auto maxop = exchangeHeader(exchangeAllreduceOneShot(2, 1, 2048, DType::kFloat32, ReduceOp::kMax), 0, t);
+  maxop.seq = 17;
+  EXPECT_NE(describeMismatch(mine, maxop, 1).find("reduces with MAX, this rank with SUM"), std::string::npos);
+  auto bc = exchangeHeader(exchangeBroadcast(2, 1, 8192, 1), 0, t);
+  bc.seq = 17;
+  EXPECT_NE(describeMismatch(mine, bc, 1).find("called broadcast"), std::string::npos);
+  ExchangeStatus s{};
+  s.code = ExchangeStatus::kTimeout;
+  s.peer = 1;
+  s.seq = 17;
+  s.mine = mine;
+  EXPECT_NE(describeStatus(s, 5000).find("timed out after 5000 ms waiting for rank 1"), std::string::npos);
+}
+
+TEST(ExchangeTuning, ReadsAndChecksTheEnvironment) {
+  setenv("MOELINK_CUDA_BLOCKS", "65", 1);
+  EXPECT_THROW(ExchangeTuning::fromEnv(), moelink::Error);
+  setenv("MOELINK_CUDA_BLOCKS", "8", 1);
+  setenv("MOELINK_CUDA_ROUND_BYTES", "1000", 1);
+  EXPECT_THROW(ExchangeTuning::fromEnv(), moelink::Error);
+  setenv("MOELINK_CUDA_ROUND_BYTES", "1048576", 1);
+  auto t = ExchangeTuning::fromEnv();
+  EXPECT_EQ(t.blocks, 8);
+  EXPECT_EQ(t.round_bytes, 1048576u);
+  EXPECT_TRUE(t.oneShot(2, 1ull << 30));
+  EXPECT_FALSE(t.oneShot(4, 2ull << 20));
+  unsetenv("MOELINK_CUDA_BLOCKS");
+  unsetenv("MOELINK_CUDA_ROUND_BYTES");
+}
+
+}  // namespace
