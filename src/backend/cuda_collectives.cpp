@@ -141,7 +141,8 @@ class CudaCollectivesImpl final : public CudaCollectives {
 
   EpBackend& b_;
   const int rank_, size_;
-  mutable std::mutex mu_;
+  mutable std::mutex mu_;  // binding
+  std::mutex submit_mu_;   // putting an op on its stream
   int device_ = -1;
   collective::ExchangeTuning tuning_;
   std::optional<c10::cuda::CUDAStream> comm_, recv_;
@@ -149,6 +150,7 @@ class CudaCollectivesImpl final : public CudaCollectives {
   std::unique_ptr<MappedArray<collective::ExchangeStatus>> status_;  // kSlots + a sink for captured ops
   std::unique_ptr<MappedArray<uint32_t>> ready_, done_;
   std::unique_ptr<Completer> completer_;
+  cudaEvent_t start_ = nullptr;  // recorded on the caller's stream at each op's start
   uint32_t ticket_ = 0;
 };
 
@@ -161,6 +163,7 @@ CudaCollectivesImpl::~CudaCollectivesImpl() {
   cudaStreamSynchronize(comm_->stream());
   cudaStreamSynchronize(recv_->stream());
   staging_.reset();
+  cudaEventDestroy(start_);
 }
 
 void CudaCollectivesImpl::bind(int device, const char* opname) {
@@ -204,6 +207,7 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
     if (!staging_) LOG(WARNING) << "moelink: CUDA collectives go through host memory: " << why;
   }
   completer_ = std::make_unique<Completer>(device, kSlots);
+  cudaCheck(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming), "cudaEventCreate");
   device_ = device;
   VLOG(1) << "moelink: rank " << rank_ << " CUDA collectives on cuda:" << device << " via "
           << (staging_ ? "nvlink" : "host");
@@ -220,6 +224,9 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
     }
   TORCH_INTERNAL_ASSERT(device >= 0, "a CUDA op without CUDA tensors");
   bind(device, k.name);
+  // One op at a time per group: ranks must queue ops in one order, and start_ and the
+  // tickets are shared.
+  std::lock_guard<std::mutex> submitting(submit_mu_);
   const bool host = route != Route::kGroup || !inHost();
   const auto dev = static_cast<c10::DeviceIndex>(device);
   c10::cuda::CUDAStream user = c10::cuda::getCurrentCUDAStream(dev);
@@ -232,11 +239,9 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
                     ") and cannot be captured in a CUDA graph");
   op.stream = route == Route::kHostRecv ? *recv_ : *comm_;
   op.timeout = timeout;
-  cudaEvent_t start;
-  cudaCheck(cudaEventCreateWithFlags(&start, cudaEventDisableTiming), "cudaEventCreate");
-  cudaCheck(cudaEventRecord(start, user.stream()), "cudaEventRecord");
-  cudaCheck(cudaStreamWaitEvent(op.stream->stream(), start, 0), "cudaStreamWaitEvent");
-  cudaEventDestroy(start);
+  // The wait takes the event's state at this call, so one event serves every op.
+  cudaCheck(cudaEventRecord(start_, user.stream()), "cudaEventRecord");
+  cudaCheck(cudaStreamWaitEvent(op.stream->stream(), start_, 0), "cudaStreamWaitEvent");
   op.work = c10::make_intrusive<CudaWork>(rank_, k.type, k.title, std::move(outputs), device);
   op.work->timeout_ms = static_cast<uint64_t>(timeout.count());
   op.slot = op.captured ? kSlots : completer_->reserve();

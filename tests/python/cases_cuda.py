@@ -335,6 +335,32 @@ def cpu_and_cuda_in_one_group(rank, world):
     same(g, torch.full_like(g, float(world)), "CUDA all_reduce")
 
 
+def ddp_matches_nccl(rank, world):
+    """A few DDP training steps on "ep" and on NCCL from the same start: same parameters."""
+    d = dev(rank)
+    nccl = dist.new_group(backend="nccl")
+
+    def train(group):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(d)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[d.index], process_group=group,
+                                                        bucket_cap_mb=0.01)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator(device=d).manual_seed(100 + rank)
+        for _ in range(5):
+            loss = ddp(torch.randn(16, 32, device=d, generator=g)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours, theirs = train(dist.group.WORLD), train(nccl)
+    for a, b in zip(ours, theirs):
+        same(a, b, "DDP parameters, ep vs nccl")
+    dist.destroy_process_group(nccl)
+
+
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "stream_order", "async_interleaved", "graph_capture", "point_to_point",
-         "against_nccl", "bad_input", "cpu_and_cuda_in_one_group"]
+         "against_nccl", "bad_input", "cpu_and_cuda_in_one_group", "ddp_matches_nccl"]

@@ -157,16 +157,55 @@ struct Bool {};
 template <> struct AccOf<Bool> { using type = bool; };
 
 template <typename T>
+__device__ __forceinline__ T finishAcc(typename AccOf<T>::type acc, ReduceOp op, int avg_n) {
+  using A = typename AccOf<T>::type;
+  if (op == ReduceOp::kAvg) acc = static_cast<A>(acc / static_cast<A>(avg_n));
+  return fromAcc<T>(acc);
+}
+
+// out = op over the n sources, in source order. When every pointer and the length are
+// 16-byte aligned, each thread loads a 16-byte vector of every source before reducing it
+// (the loads are in flight together); the rest goes element by element.
+template <typename T>
 __device__ void reduceRange(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
   using A = typename AccOf<T>::type;
+  constexpr int V = 16 / sizeof(T);
+  uintptr_t align = reinterpret_cast<uintptr_t>(out) | bytes;
+  for (int q = 0; q < n; ++q) align |= reinterpret_cast<uintptr_t>(src[q]);
+  uint64_t first = 0;  // elements done by the vector path
+  if ((align & 15) == 0) {
+    const uint64_t vectors = bytes / 16;
+    for (uint64_t i = threadIdx.x; i < vectors; i += blockDim.x) {
+      int4 w[kExchangeMaxRanks];
+#pragma unroll
+      for (int q = 0; q < kExchangeMaxRanks; ++q)
+        if (q < n) w[q] = reinterpret_cast<const int4*>(src[q])[i];
+      A acc[V];
+      const T* e0 = reinterpret_cast<const T*>(&w[0]);
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = toAcc<T>(e0[k]);
+#pragma unroll
+      for (int q = 1; q < kExchangeMaxRanks; ++q) {
+        if (q >= n) break;
+        const T* e = reinterpret_cast<const T*>(&w[q]);
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] = apply<A>(acc[k], toAcc<T>(e[k]), op);
+      }
+      int4 r;
+      T* o = reinterpret_cast<T*>(&r);
+#pragma unroll
+      for (int k = 0; k < V; ++k) o[k] = finishAcc<T>(acc[k], op, avg_n);
+      reinterpret_cast<int4*>(out)[i] = r;
+    }
+    first = vectors * V;
+  }
   const uint64_t count = bytes / sizeof(T);
   const T* const* s = reinterpret_cast<const T* const*>(src);
   T* o = reinterpret_cast<T*>(out);
-  for (uint64_t i = threadIdx.x; i < count; i += blockDim.x) {
+  for (uint64_t i = first + threadIdx.x; i < count; i += blockDim.x) {
     A acc = toAcc<T>(s[0][i]);
     for (int q = 1; q < n; ++q) acc = apply<A>(acc, toAcc<T>(s[q][i]), op);
-    if (op == ReduceOp::kAvg) acc = static_cast<A>(acc / static_cast<A>(avg_n));
-    o[i] = fromAcc<T>(acc);
+    o[i] = finishAcc<T>(acc, op, avg_n);
   }
 }
 
@@ -212,23 +251,23 @@ __device__ void reduceComplex(char* out, const char* const* src, int n, uint64_t
   }
 }
 
-__device__ void reduceAny(DType t, char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
-  switch (t) {
-    case DType::kFloat32: return reduceRange<float>(out, src, n, bytes, op, avg_n);
-    case DType::kFloat64: return reduceRange<double>(out, src, n, bytes, op, avg_n);
-    case DType::kFloat16: return reduceRange<__half>(out, src, n, bytes, op, avg_n);
-    case DType::kBFloat16: return reduceRange<__nv_bfloat16>(out, src, n, bytes, op, avg_n);
-    case DType::kInt8: return reduceRange<int8_t>(out, src, n, bytes, op, avg_n);
-    case DType::kInt16: return reduceRange<int16_t>(out, src, n, bytes, op, avg_n);
-    case DType::kInt32: return reduceRange<int32_t>(out, src, n, bytes, op, avg_n);
-    case DType::kInt64: return reduceRange<long long>(out, src, n, bytes, op, avg_n);
-    case DType::kUInt8: return reduceRange<uint8_t>(out, src, n, bytes, op, avg_n);
-    case DType::kBool: return reduceRange<Bool>(out, src, n, bytes, op, avg_n);
-    case DType::kComplex64: return reduceComplex<float>(out, src, n, bytes, op, avg_n);
-    case DType::kComplex128: return reduceComplex<double>(out, src, n, bytes, op, avg_n);
-    default: return;
+// The reduction a kernel instance is compiled for (one instance per dtype, and one that only
+// copies), so that each instance carries a single reduction loop.
+template <typename T>
+struct ReduceAs {
+  __device__ static void run(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
+    reduceRange<T>(out, src, n, bytes, op, avg_n);
   }
-}
+};
+template <typename R>
+struct ReduceComplex {
+  __device__ static void run(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
+    reduceComplex<R>(out, src, n, bytes, op, avg_n);
+  }
+};
+struct CopyOnly {
+  __device__ static void run(char*, const char* const*, int, uint64_t, ReduceOp, int) {}
+};
 
 // Whether this launch has failed, decided once for the whole block (a barrier).
 __device__ bool blockFailed(const Ctx& c) {
@@ -248,6 +287,7 @@ __device__ int roundsOf(const ExchangeLaunch& a, int q) {
 }
 
 // The rounds of block b. False when the launch failed.
+template <typename Reduce>
 __device__ bool runRounds(const Ctx& c) {
   const ExchangeLaunch& a = *c.a;
   const int me = a.rank, n = a.size, b = blockIdx.x, G = gridDim.x;
@@ -320,7 +360,7 @@ __device__ bool runRounds(const Ctx& c) {
       }
       if (threadIdx.x == 0) srcs[me] = a.in + a.send_off[me] + r * R + lo;
       if (blockFailed(c)) return false;
-      reduceAny(static_cast<DType>(a.dtype), a.out + r * R + lo, srcs, n, hi - lo, static_cast<ReduceOp>(a.redop), n);
+      Reduce::run(a.out + r * R + lo, srcs, n, hi - lo, static_cast<ReduceOp>(a.redop), n);
       __syncthreads();
       if (threadIdx.x < n && threadIdx.x != me) device::stReleaseSys64(ackSlot(a.staging[threadIdx.x], L, half, me, b), tag);
     }
@@ -328,6 +368,7 @@ __device__ bool runRounds(const Ctx& c) {
   return true;
 }
 
+template <typename Reduce>
 __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ ExchangeLaunch a) {
   const int me = a.rank, n = a.size;
   char* mine = a.staging[me];
@@ -371,7 +412,7 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
   __syncthreads();
 
   // (2) Rounds.
-  if (!bad) runRounds(c);
+  if (!bad) runRounds<Reduce>(c);
 
   // The last block to finish numbers the next op.
   __syncthreads();
@@ -406,7 +447,25 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
 }
 
 cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream) {
-  exchangeKernel<<<l.blocks, 512, 0, stream>>>(l);
+  if (l.mode != static_cast<uint8_t>(ExchangeMode::kReduce)) {
+    exchangeKernel<CopyOnly><<<l.blocks, 512, 0, stream>>>(l);
+    return cudaGetLastError();
+  }
+  switch (static_cast<DType>(l.dtype)) {
+    case DType::kFloat32: exchangeKernel<ReduceAs<float>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kFloat64: exchangeKernel<ReduceAs<double>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kFloat16: exchangeKernel<ReduceAs<__half>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kBFloat16: exchangeKernel<ReduceAs<__nv_bfloat16>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kInt8: exchangeKernel<ReduceAs<int8_t>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kInt16: exchangeKernel<ReduceAs<int16_t>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kInt32: exchangeKernel<ReduceAs<int32_t>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kInt64: exchangeKernel<ReduceAs<long long>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kUInt8: exchangeKernel<ReduceAs<uint8_t>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kBool: exchangeKernel<ReduceAs<Bool>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kComplex64: exchangeKernel<ReduceComplex<float>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kComplex128: exchangeKernel<ReduceComplex<double>><<<l.blocks, 512, 0, stream>>>(l); break;
+    default: return cudaErrorInvalidValue;
+  }
   return cudaGetLastError();
 }
 
