@@ -84,7 +84,7 @@ Exchange exchangeAlltoall(int n, int me, const std::vector<uint64_t>& send_off,
 // Tunables every rank must share (checked in the header).
 struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
-  int blocks = 24;                  // MOELINK_CUDA_BLOCKS
+  int blocks = 64;                  // MOELINK_CUDA_BLOCKS (SMs the kernel occupies)
   uint64_t one_shot_bytes = 1 << 20;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always)
   // Reads MOELINK_CUDA_* over the defaults; throws moelink::Error on a bad value.
   static ExchangeTuning fromEnv();
