@@ -22,6 +22,14 @@ Environment variables (read when a group is created):
   rank's data to every rank (one round); above, reduce-scatter + allgather.
 - ``MOELINK_WORKER_SPIN`` (default 256, or 0 when the host has fewer cores than local
   ranks): busy-wait iterations before the worker sleeps on its doorbell.
+
+CUDA tensors (read at a group's first CUDA op; see the README's "CUDA tensors"):
+
+- ``MOELINK_CUDA_BLOCKS`` (default 64), ``MOELINK_CUDA_ROUND_BYTES`` (default 8 MiB),
+  ``MOELINK_CUDA_ONESHOT_BYTES`` (default 1 MiB): the in-host exchange kernel's shape; the same
+  on every rank.
+- ``MOELINK_RANKS_PER_HOST``: virtual hosts of this many ranks; a group they split takes the
+  host-staged route. ``get_backend(group).cuda_path()`` says which route a group took.
 """
 
 from __future__ import annotations
