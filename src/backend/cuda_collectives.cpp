@@ -203,7 +203,7 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   for (int q = 0; q < size_ && one_host; ++q) one_host = b_.hostIdOf(q) == b_.hostIdOf(rank_);
   if (one_host) {
     std::string why;
-    staging_ = ExchangeStaging::open(b_.store(), rank_, size_, device, tuning_, &why);
+    staging_ = ExchangeStaging::open(b_.store(), rank_, size_, tuning_, &why);
     if (!staging_) LOG(WARNING) << "moelink: CUDA collectives go through host memory: " << why;
   }
   completer_ = std::make_unique<Completer>(device, kSlots);

@@ -176,7 +176,8 @@ void Completer::loop() {
         *code = collective::ExchangeStatus::kOk;
       }
     }
-    if (error.empty() && w->host) error = w->host->wait();  // set already: the stream waited for it
+    // Receives and collectives: set already (the stream waited for it); sends: once delivered.
+    if (error.empty() && w->host) error = w->host->wait();
     if (!error.empty()) LOG(WARNING) << "moelink: " << error;
     w->complete(error);
     w.reset();
@@ -198,8 +199,7 @@ std::vector<uint8_t> bytesOf(const void* p, size_t n) {
 }  // namespace
 
 std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                                       int size, int device,
-                                                       const collective::ExchangeTuning& tuning,
+                                                       int size, const collective::ExchangeTuning& tuning,
                                                        std::string* why_not) {
   std::unique_ptr<ExchangeStaging> s(new ExchangeStaging());
   s->rank_ = rank;
@@ -236,7 +236,6 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
     auto v = store->get("moelink_cuda/ok/" + std::to_string(q));
     if (!v.empty() && why.empty()) why.assign(v.begin(), v.end());
   }
-  (void)device;
   if (!why.empty()) {
     if (why_not) *why_not = why;
     return nullptr;  // the destructor closes what was mapped

@@ -134,7 +134,7 @@ class Completer {
 class ExchangeStaging {
  public:
   static std::unique_ptr<ExchangeStaging> open(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                               int device, const collective::ExchangeTuning& tuning,
+                                               const collective::ExchangeTuning& tuning,
                                                std::string* why_not);
   ~ExchangeStaging();
   const collective::ExchangeLayout& layout() const { return layout_; }
