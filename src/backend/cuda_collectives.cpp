@@ -158,7 +158,7 @@ CudaCollectivesImpl::~CudaCollectivesImpl() {
   if (device_ < 0) return;
   c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device_));
   // Kernels still waiting on peers give up, so that the streams drain.
-  if (staging_) staging_->abortWaits(recv_->stream());
+  if (staging_) staging_->abortWaits();
   completer_.reset();  // completes what was handed in
   cudaStreamSynchronize(comm_->stream());
   cudaStreamSynchronize(recv_->stream());

@@ -243,10 +243,14 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
   return s;
 }
 
-void ExchangeStaging::abortWaits(cudaStream_t stream) {
+void ExchangeStaging::abortWaits() {
   // Counter::failed (exchange.cu) at counter + 12: the largest value fails every wait.
   static const uint32_t kAll = 0xffffffffu;
-  cudaMemcpyAsync(areas_[rank_] + layout_.counter + 12, &kAll, sizeof kAll, cudaMemcpyHostToDevice, stream);
+  cudaStream_t s = nullptr;
+  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return;
+  cudaMemcpyAsync(areas_[rank_] + layout_.counter + 12, &kAll, sizeof kAll, cudaMemcpyHostToDevice, s);
+  cudaStreamSynchronize(s);
+  cudaStreamDestroy(s);
 }
 
 ExchangeStaging::~ExchangeStaging() {

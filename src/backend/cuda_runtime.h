@@ -139,8 +139,9 @@ class ExchangeStaging {
   ~ExchangeStaging();
   const collective::ExchangeLayout& layout() const { return layout_; }
   char* area(int rank) const { return areas_[rank]; }
-  // Makes running kernels give up their waits (at shutdown).
-  void abortWaits(cudaStream_t s);
+  // Makes running kernels give up their waits (at shutdown): written through a stream of its
+  // own, since the group's streams may be the ones blocked.
+  void abortWaits();
 
  private:
   ExchangeStaging() = default;

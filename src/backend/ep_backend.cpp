@@ -267,11 +267,13 @@ EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int
 EpBackend::~EpBackend() { shutdown(); }
 
 void EpBackend::shutdown() {
+  // The worker first: it fails what has not finished, which also releases GPU streams that
+  // wait for host-staged ops; then the CUDA unit drains its streams; the engine last.
+  worker_.reset();
   {
     std::lock_guard<std::mutex> g(cuda_mu_);
-    cuda_.reset();  // first: its host-staged ops are the worker's
+    cuda_.reset();
   }
-  worker_.reset();  // stops the worker thread next: it uses the engine
   engine_.reset();
 }
 
