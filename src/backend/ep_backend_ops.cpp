@@ -1,4 +1,7 @@
 // The collectives of EpBackend: validate, stage, build the op, enqueue.
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
 #include <numeric>
 
 #include <ATen/ATen.h>
@@ -168,6 +171,84 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
   return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
 }
 
+c10::intrusive_ptr<c10d::Work> EpBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                              std::vector<at::Tensor>& inputs,
+                                                              const c10d::AllgatherOptions& opts) {
+  const char* name = "all_gather_coalesced";
+  TORCH_CHECK_VALUE(!inputs.empty(), "moelink ", name, ": no input tensors");
+  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "moelink ", name,
+                    ": needs one output list per rank (", size_, "), got ", outputs.size());
+  std::vector<at::Tensor> all_out;
+  for (const auto& t : inputs) {
+    checkTensor(t, name);
+    checkSameDtype(t, inputs[0], name);
+  }
+  for (int r = 0; r < size_; ++r) {
+    TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "moelink ", name, ": output list ", r, " has ",
+                      outputs[r].size(), " tensors, expected one per input (", inputs.size(), ")");
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      checkTensor(outputs[r][j], name);
+      checkSameDtype(outputs[r][j], inputs[0], name);
+      TORCH_CHECK_VALUE(outputs[r][j].numel() == inputs[j].numel(), "moelink ", name, ": output ", r, "/", j,
+                        " has ", outputs[r][j].numel(), " elements, input ", j, " has ", inputs[j].numel());
+      all_out.push_back(outputs[r][j]);
+    }
+  }
+  // outputs[r][j] <- flat[r][input j]: one all-gather of the concatenated inputs.
+  auto place = [outputs, inputs, size = size_](const at::Tensor& flat) mutable {
+    const int64_t per_rank = flat.numel() / size;
+    for (int r = 0; r < size; ++r) {
+      int64_t off = 0;
+      for (size_t j = 0; j < inputs.size(); ++j) {
+        const int64_t n = inputs[j].numel();
+        outputs[r][j].copy_(flat.narrow(0, r * per_rank + off, n).view(outputs[r][j].sizes()));
+        off += n;
+      }
+    }
+  };
+  if (DevicePlacement(name).add(outputs).add(inputs).cuda()) {
+    int64_t total = 0;
+    for (const auto& t : inputs) total += t.numel();
+    std::vector<at::Tensor> flat_in{at::cat([&] {
+      std::vector<at::Tensor> v;
+      for (const auto& t : inputs) v.push_back(t.reshape({-1}));
+      return v;
+    }())};
+    at::Tensor flat = at::empty({total * size_}, inputs[0].options());
+    auto work = cuda().allgather(flat, flat_in[0], timeoutOf(opts.timeout));
+    work->wait();  // the current stream waits for the op; the copies below follow it
+    place(flat);
+    return work;
+  }
+  auto w = makeWork(rank_, OpType::ALLGATHER_COALESCED, "ep:all_gather_coalesced", all_out);
+  at::Tensor in = concat(*w, inputs);
+  at::Tensor flat = at::empty({in.numel() * size_}, in.options());
+  w->keep(flat);
+  w->onSuccess([flat, place]() mutable { place(flat); });
+  auto spec = algo::allgatherOp(worker().context(), ptr(in), ptr(flat), nbytes(in));
+  spec.dtype = toDType(in.scalar_type());
+  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+c10::intrusive_ptr<c10d::Work> EpBackend::gather_into_tensor(at::Tensor& output, at::Tensor& input,
+                                                             const c10d::GatherOptions& opts) {
+  const char* name = "gather_into_tensor";
+  checkTensor(input, name);
+  checkRoot(opts.rootRank, size_, name);
+  std::vector<std::vector<at::Tensor>> outputs;
+  if (rank_ == opts.rootRank) {
+    checkTensor(output, name);
+    checkSameDtype(output, input, name);
+    TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "moelink ", name, ": output has ", output.numel(),
+                      " elements, expected ", input.numel() * size_, " (input ", input.numel(), " x group size ",
+                      size_, ")");
+    TORCH_CHECK_VALUE(output.is_contiguous(), "moelink ", name, ": the root's output must be contiguous");
+    outputs.push_back(output.view({size_, -1}).unbind(0));
+  }
+  std::vector<at::Tensor> inputs{input};
+  return gather(outputs, inputs, opts);
+}
+
 c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                  std::vector<at::Tensor>& inputs,
                                                  const c10d::GatherOptions& opts) {
@@ -334,6 +415,66 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outp
                                l.recv_bytes);
   spec.dtype = toDType(in.scalar_type());
   return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+}
+
+void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  // A tag of its own, far from what applications use.
+  constexpr int kTag = -0x6d6c6d62;
+  const std::chrono::milliseconds limit = timeoutOf(opts.timeout);
+  struct Outcome {
+    std::mutex mu;
+    std::condition_variable cv;
+    int pending = 0;
+    std::vector<std::string> errors;
+  };
+  auto outcome = std::make_shared<Outcome>();
+  auto track = [outcome](size_t slot) {
+    return [outcome, slot](const std::string& err, int = -1) {
+      std::lock_guard<std::mutex> g(outcome->mu);
+      outcome->errors[slot] = err;
+      if (--outcome->pending == 0) outcome->cv.notify_all();
+    };
+  };
+  auto waitAll = [outcome] {
+    std::unique_lock<std::mutex> lk(outcome->mu);
+    outcome->cv.wait(lk, [&] { return outcome->pending == 0; });
+  };
+  std::vector<uint8_t> bytes(size_, 0);  // rank 0: one check-in byte per rank; others: rank 0's answer
+  if (rank_ != 0) {
+    outcome->errors.assign(2, "");
+    outcome->pending = 2;
+    uint8_t hello = 1;
+    worker().send(0, &hello, 1, kTag, track(0), limit);
+    // Rank 0 answers once it has heard from everyone or waited `limit` for them.
+    worker().recv(0, &bytes[0], 1, kTag, track(1), 2 * limit);
+    waitAll();
+    TORCH_CHECK(outcome->errors[1].empty() && bytes[0] == 1, "moelink monitored_barrier: rank ", rank_,
+                bytes[0] == 2 ? ": rank 0 reports that other ranks failed to pass the barrier"
+                              : ": no answer from rank 0 within the timeout");
+    return;
+  }
+  outcome->errors.assign(size_, "");
+  outcome->pending = size_ - 1;
+  for (int r = 1; r < size_; ++r) worker().recv(r, &bytes[r], 1, kTag, track(r), limit);
+  waitAll();
+  std::vector<int> missing;
+  for (int r = 1; r < size_; ++r)
+    if (!outcome->errors[r].empty()) missing.push_back(r);
+  // Answer the ranks that arrived (1: passed, 2: others failed), so that they do not wait out
+  // the timeout; sends to missing ranks would only wait for them.
+  std::vector<uint8_t> answer(size_, missing.empty() ? 1 : 2);
+  outcome->errors.assign(size_, "");
+  outcome->pending = size_ - 1 - static_cast<int>(missing.size());
+  for (int r = 1; r < size_; ++r)
+    if (std::find(missing.begin(), missing.end(), r) == missing.end())
+      worker().send(r, &answer[r], 1, kTag, track(r), limit);
+  if (outcome->pending > 0) waitAll();
+  if (missing.empty()) return;
+  std::string who;
+  const size_t shown = wait_all_ranks ? missing.size() : 1;
+  for (size_t i = 0; i < shown; ++i) who += (i ? ", " : "") + std::to_string(missing[i]);
+  TORCH_CHECK(false, "moelink monitored_barrier: rank", shown > 1 ? "s " : " ", who, " failed to pass the barrier in ",
+              limit.count(), " ms");
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -361,6 +361,21 @@ def ddp_matches_nccl(rank, world):
     dist.destroy_process_group(nccl)
 
 
+def c10d_extras(rank, world):
+    """all_gather_coalesced and gather_into_tensor on CUDA tensors."""
+    d = dev(rank)
+    ins = [torch.full((3,), float(rank), device=d), torch.arange(4, device=d, dtype=torch.float32) + 10 * rank]
+    outs = [[torch.empty(3, device=d), torch.empty(4, device=d)] for _ in range(world)]
+    dist.all_gather_coalesced(outs, ins)
+    for r in range(world):
+        same(outs[r][0], torch.full((3,), float(r), device=d), "all_gather_coalesced 0")
+        same(outs[r][1], torch.arange(4, device=d, dtype=torch.float32) + 10 * r, "all_gather_coalesced 1")
+    out = torch.empty(world * 4, device=d) if rank == 0 else None
+    dist.gather_into_tensor(torch.full((4,), float(rank), device=d), out, dst=0)
+    if rank == 0:
+        same(out, torch.arange(world, device=d, dtype=torch.float32).repeat_interleave(4), "gather_into_tensor")
+
+
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "stream_order", "async_interleaved", "graph_capture", "point_to_point",
-         "against_nccl", "bad_input", "cpu_and_cuda_in_one_group", "ddp_matches_nccl"]
+         "against_nccl", "bad_input", "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras"]

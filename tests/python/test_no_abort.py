@@ -28,9 +28,9 @@ def all_gather_coalesced(rank, world):
 
 
 def gather_into_tensor(rank, world):
-    out = torch.empty(world * 4)
+    out = torch.empty(world * 4) if rank == 0 else None
     try:
-        dist.gather_into_tensor(out, torch.full((4,), float(rank)), dst=0)
+        dist.gather_into_tensor(torch.full((4,), float(rank)), out, dst=0)
         if rank == 0:
             assert torch.equal(out, torch.arange(world).repeat_interleave(4).float())
     except (RuntimeError, ValueError, NotImplementedError):

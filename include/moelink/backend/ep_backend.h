@@ -60,9 +60,17 @@ class EpBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
+  // outputs[r][j]: rank r's inputs[j].
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override;
+  // The root's output holds every rank's input in rank order. Declared without `override`:
+  // torch >= 2.14 has this virtual (dist.gather_into_tensor), older releases do not.
+  c10::intrusive_ptr<c10d::Work> gather_into_tensor(at::Tensor& output, at::Tensor& input,
+                                                    const c10d::GatherOptions& opts);
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
                                          std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts) override;
@@ -82,6 +90,10 @@ class EpBackend : public c10d::Backend {
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // As gloo's: every rank checks in with rank 0, which waits for each up to the timeout and
+  // raises naming the ranks that did not arrive (the first, or all with wait_all_ranks);
+  // the others raise too, once rank 0 has told them (or its answer timed out). Blocking.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,

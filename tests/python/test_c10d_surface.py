@@ -1,0 +1,60 @@
+"""c10d methods beyond the core collectives, on CPU tensors over "ep", checked against values
+each rank computes itself: all_gather_coalesced, gather_into_tensor, monitored_barrier (passing,
+and failing with the missing rank named)."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_group
+
+
+def coalesced_and_gather_into_tensor(rank, world):
+    ins = [torch.full((3,), float(rank)), torch.arange(4, dtype=torch.float32).view(2, 2) + 10 * rank]
+    outs = [[torch.empty(3), torch.empty(2, 2)] for _ in range(world)]
+    dist.all_gather_coalesced(outs, ins)
+    for r in range(world):
+        assert torch.equal(outs[r][0], torch.full((3,), float(r)))
+        assert torch.equal(outs[r][1], torch.arange(4, dtype=torch.float32).view(2, 2) + 10 * r)
+    out = torch.empty(world * 4, dtype=torch.int64) if rank == world - 1 else None
+    dist.gather_into_tensor(torch.full((4,), rank, dtype=torch.int64), out, dst=world - 1)
+    if rank == world - 1:
+        assert torch.equal(out, torch.arange(world).repeat_interleave(4))
+    with pytest.raises(ValueError, match="expected"):
+        dist.gather_into_tensor(torch.ones(4), torch.empty(3), dst=rank)  # each rank its own root: bad size
+
+
+def monitored_barrier_passes(rank, world):
+    for _ in range(3):
+        dist.monitored_barrier(timeout=timedelta(seconds=20), wait_all_ranks=True)
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    assert torch.all(x == world)
+
+
+def monitored_barrier_names_the_missing(rank, world):
+    if rank == world - 1:
+        return  # never arrives
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
+        raise AssertionError("the barrier passed without the last rank")
+    except RuntimeError as e:
+        if rank == 0:
+            assert f"rank {world - 1} failed to pass" in str(e), e
+        else:
+            assert "other ranks failed" in str(e), e
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_and_gather_into_tensor(world):
+    run_group(world, coalesced_and_gather_into_tensor, timeout=120, pg_timeout=30)
+
+
+def test_monitored_barrier_passes():
+    run_group(3, monitored_barrier_passes, timeout=120, pg_timeout=30)
+
+
+def test_monitored_barrier_names_the_missing():
+    run_group(3, monitored_barrier_names_the_missing, timeout=120, pg_timeout=30)
