@@ -109,6 +109,15 @@ OpSpec base(OpKind k, DType t, ReduceOp op, int root, uint64_t op_bytes) {
 OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root) {
   size_t r = indexOf(c, root);
   OpSpec s = base(OpKind::kBroadcast, DType::kBytes, ReduceOp::kNone, root, bytes);
+  // First every other rank tells the root it takes part, with this root in its header: a rank
+  // that disagrees about the root then receives a message naming another root, and the op
+  // fails on the ranks that disagree instead of leaving them with diverged data.
+  Step roll_call;
+  if (c.me == root)
+    roll_call.recvs = fromAllPeers(c, 0);
+  else
+    roll_call.sends = {{root, static_cast<const char*>(buf), 0}};
+  s.steps.push_back(std::move(roll_call));
   Pieces pc{bytes, c.chunk};
   size_t n = c.ranks.size();
   if (c.chain_broadcast_bytes && bytes > c.chain_broadcast_bytes && n > 2) {

@@ -29,12 +29,10 @@ def dtypes_differ_across_ranks(rank, world):
 
 
 def broadcast_sizes_differ(rank, world):
+    """Every rank raises: the receivers on the root's data, the root on their roll calls."""
     x = torch.ones(100 if rank == 0 else 200)
-    if rank == 0:
-        dist.broadcast(x, 0)  # the root sends and completes
-    else:
-        with pytest.raises(RuntimeError, match="broadcast #"):
-            dist.broadcast(x, 0)
+    with pytest.raises(RuntimeError, match="broadcast #.*bytes"):
+        dist.broadcast(x, 0)
     _group_still_works(world)
 
 
@@ -64,6 +62,14 @@ def unsupported_reduction(rank, world):
         dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND)
     with pytest.raises((TypeError, RuntimeError), match="AVG needs a floating-point"):
         dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.AVG)
+    _group_still_works(world)
+
+
+def root_disagreement(rank, world):
+    """Every rank broadcasts as the root: each receives the others' data where it expects their
+    roll call, and raises naming both roots."""
+    with pytest.raises(RuntimeError, match="used root"):
+        dist.broadcast(torch.full((8,), float(rank)), src=rank)
     _group_still_works(world)
 
 
