@@ -122,6 +122,30 @@ bool CollectiveWorker::progressSends() {
 
 bool CollectiveWorker::progressRecvs() {
   bool progressed = false;
+  // Posted recvs take stashed sends first (they arrived before anything in the mailboxes).
+  for (auto it = posted_.begin(); it != posted_.end();) {
+    RecvOp& r = **it;
+    auto m = std::find_if(stash_.begin(), stash_.end(), [&](const Stashed& s) {
+      return s.complete && (r.peer == s.peer || r.peer < 0) && s.tag == r.tag;
+    });
+    if (m == stash_.end()) {
+      ++it;
+      continue;
+    }
+    std::string bad;
+    if (m->bytes != r.bytes)
+      bad = str("recv from rank ", m->peer, " (tag ", r.tag, "): rank ", m->peer, " sent ", m->bytes,
+                " bytes, this rank expects ", r.bytes);
+    else if (r.bytes)
+      std::memcpy(r.data, m->data.data(), r.bytes);
+    const int from = m->peer;
+    stash_.erase(m);
+    auto op = std::move(*it);
+    it = posted_.erase(it);
+    if (!bad.empty()) LOG(WARNING) << "moelink: rank " << rank_ << ": " << bad;
+    op->done(bad, from);
+    progressed = true;
+  }
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
     // Skip the rest of a send whose recv failed.
@@ -133,7 +157,7 @@ bool CollectiveWorker::progressRecvs() {
       progressed = true;
     }
     if (discarding_[p]) continue;
-    if (!bound_[p]) {
+    if (!bound_[p] && !stashing_[p]) {
       const MsgHeader* h = p2p_->peek(p);
       if (!h) continue;
       if (h->flags & kAbort) {  // a sender gave up on a send we never matched
@@ -141,29 +165,57 @@ bool CollectiveWorker::progressRecvs() {
         progressed = true;
         continue;
       }
-      // A recv naming this source takes its next send (a tag mismatch is then an error);
-      // a recv from any source only takes a send with its tag.
       auto it = std::find_if(posted_.begin(), posted_.end(), [&](const std::unique_ptr<RecvOp>& r) {
-        return r->peer == p || (r->peer < 0 && r->tag == h->tag);
+        return (r->peer == p || r->peer < 0) && r->tag == h->tag;
       });
-      if (it == posted_.end()) continue;  // no recv for it yet
-      std::unique_ptr<RecvOp> r = std::move(*it);
-      posted_.erase(it);
-      std::string bad;
-      if (h->tag != r->tag)
-        bad = str("recv from rank ", p, ": rank ", p, " sent tag ", h->tag, ", this rank expects tag ", r->tag);
-      else if (h->pair_bytes != r->bytes)
-        bad = str("recv from rank ", p, " (tag ", r->tag, "): rank ", p, " sent ", h->pair_bytes,
-                  " bytes, this rank expects ", r->bytes);
-      progressed = true;
-      if (!bad.empty()) {
-        LOG(WARNING) << "moelink: rank " << rank_ << ": " << bad;
-        discarding_[p] = 1;
-        r->done(bad, p);
-        --p;  // discard this send now
-        continue;
+      if (it == posted_.end()) {
+        // No recv for this send yet. If one waits on this source (another tag), the sends
+        // behind this one may be what it waits for: stash this one.
+        bool waiting = std::any_of(posted_.begin(), posted_.end(),
+                                   [&](const std::unique_ptr<RecvOp>& r) { return r->peer == p || r->peer < 0; });
+        if (!waiting) continue;
+        Stashed& m = stash_.emplace_back();
+        m.peer = p;
+        m.tag = h->tag;
+        m.bytes = h->pair_bytes;
+        m.data.reserve(h->pair_bytes);
+        stashing_[p] = &m;
+      } else {
+        std::unique_ptr<RecvOp> r = std::move(*it);
+        posted_.erase(it);
+        progressed = true;
+        if (h->pair_bytes != r->bytes) {
+          std::string bad = str("recv from rank ", p, " (tag ", r->tag, "): rank ", p, " sent ", h->pair_bytes,
+                                " bytes, this rank expects ", r->bytes);
+          LOG(WARNING) << "moelink: rank " << rank_ << ": " << bad;
+          discarding_[p] = 1;
+          r->done(bad, p);
+          --p;  // discard this send now
+          continue;
+        }
+        bound_[p] = std::move(r);
       }
-      bound_[p] = std::move(r);
+    }
+    if (stashing_[p]) {
+      Stashed& m = *stashing_[p];
+      while (const MsgHeader* h = p2p_->peek(p)) {
+        progressed = true;
+        if (h->flags & kAbort) {  // the sender gave up half way: forget the partial send
+          p2p_->release(p);
+          stashing_[p] = nullptr;
+          stash_.remove_if([&](const Stashed& s) { return &s == &m; });
+          break;
+        }
+        m.data.insert(m.data.end(), p2p_->payload(p), p2p_->payload(p) + h->bytes);
+        const bool last = h->flags & kLast;
+        p2p_->release(p);
+        if (last) {
+          m.complete = true;
+          stashing_[p] = nullptr;
+          break;
+        }
+      }
+      continue;
     }
     RecvOp& r = *bound_[p];
     while (const MsgHeader* h = p2p_->peek(p)) {
@@ -199,8 +251,12 @@ bool CollectiveWorker::progressRecvs() {
       auto op = std::move(*it);
       it = posted_.erase(it);
       std::string from = op->peer < 0 ? std::string("any rank") : str("rank ", op->peer);
-      op->done(str("recv from ", from, " (tag ", op->tag, ", ", op->bytes,
-                   " bytes): timed out; nothing was sent"), op->peer);
+      std::string other;  // what did arrive from that source, under other tags
+      for (const Stashed& m : stash_)
+        if (op->peer < 0 || m.peer == op->peer) other += str(other.empty() ? "" : ", ", m.tag);
+      op->done(str("recv from ", from, " (tag ", op->tag, ", ", op->bytes, " bytes): timed out; nothing was sent",
+                   other.empty() ? std::string() : str(" with this tag (unmatched sends with tags ", other, ")")),
+               op->peer);
       progressed = true;
     } else {
       ++it;

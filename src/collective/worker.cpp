@@ -64,6 +64,7 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   active_.assign(world_, 1);
   sends_.resize(world_);
   bound_.resize(world_);
+  stashing_.assign(world_, nullptr);
   discarding_.assign(world_, 0);
   abort_pending_.assign(world_, 0);
   p2p_sent_.assign(world_, 0);
@@ -184,7 +185,7 @@ void CollectiveWorker::loop() {
       }
     }
     for (int p = 0; p < world_; ++p)
-      if (!sends_[p].empty() || bound_[p] || discarding_[p]) busy = true;
+      if (!sends_[p].empty() || bound_[p] || discarding_[p] || stashing_[p]) busy = true;
     if (!posted_.empty()) busy = true;
     if (busy) {
       progressed |= progressSends();

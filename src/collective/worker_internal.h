@@ -61,6 +61,15 @@ struct CollectiveWorker::RecvOp {
   uint64_t got = 0;
 };
 
+// A send that arrived before a recv matched it (see worker.h).
+struct CollectiveWorker::Stashed {
+  int peer = -1;
+  int tag = 0;
+  uint64_t bytes = 0;  // the whole send's size
+  std::vector<char> data;
+  bool complete = false;
+};
+
 std::string describeTimeout(const char* what, uint64_t seq, std::chrono::milliseconds timeout,
                             const std::vector<int>& waiting_for);
 

@@ -260,6 +260,21 @@ def send_recv_and_any_source(rank, world):
             assert r.item() == 0.5
 
 
+def tags_out_of_order(rank, world):
+    """isend(tag=2); isend(tag=1) against irecv(tag=1); irecv(tag=2): matched by (source, tag)."""
+    if rank == 0:
+        works = [dist.isend(torch.full((1000,), 2.0), 1, tag=2), dist.isend(torch.full((1000,), 1.0), 1, tag=1)]
+    elif rank == 1:
+        one, two = torch.empty(1000), torch.empty(1000)
+        works = [dist.irecv(one, 0, tag=1), dist.irecv(two, 0, tag=2)]
+    else:
+        works = []
+    for w in works:
+        w.wait()
+    if rank == 1:
+        assert torch.all(one == 1.0) and torch.all(two == 2.0)
+
+
 def sizes_up_to_64mib(rank, world):
     n = (16 << 20) // world * world  # about 64 MiB of float32, divisible by the group
     x = torch.full((n,), float(rank + 1))

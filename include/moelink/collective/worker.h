@@ -9,9 +9,12 @@
 // they still send for it, so the next op starts on clean mailboxes. Every op has a
 // deadline; nothing waits forever.
 //
-// Point-to-point: sends to a peer go out in order; a send is matched with the earliest
-// posted recv that names its source (tag and size must then match, else that recv fails)
-// or that takes any source with the same tag.
+// Point-to-point: sends to a peer go out in order; a send is matched, by (source, tag) as
+// gloo matches, with the earliest posted recv that names its source or takes any source and
+// has its tag (the sizes must then agree, else that recv fails). A send that no posted recv
+// matches while a recv waits on its source (with another tag) is taken out of the mailbox
+// into host memory, so that the sends behind it can reach their recvs; later recvs match
+// such stashed sends first, in arrival order.
 //
 // Waiting: peers ring this rank's doorbell (transfer/doorbell.h) with every message and
 // credit they send, and submitters ring it with every new op. The thread spins a little
@@ -114,6 +117,9 @@ class CollectiveWorker {
   std::vector<std::deque<std::unique_ptr<SendOp>>> sends_;  // per peer
   std::list<std::unique_ptr<RecvOp>> posted_;               // unmatched, in post order
   std::vector<std::unique_ptr<RecvOp>> bound_;              // per source: receiving
+  struct Stashed;
+  std::list<Stashed> stash_;                                // unmatched sends, arrival order
+  std::vector<Stashed*> stashing_;                          // per source: being stashed
   std::vector<char> discarding_;                            // per source: skip to LAST
   std::vector<char> abort_pending_;                         // per peer: owe an ABORT
   std::vector<uint64_t> p2p_sent_;                          // per peer: sends started
