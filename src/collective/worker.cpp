@@ -220,6 +220,7 @@ void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) 
   op.recv_done.assign(world, 0);
   op.last_sent.assign(world, 0);
   op.last_seen.assign(world, 0);
+  op.abort_sent.assign(world, 0);
   op.sends_issued.assign(op.spec.steps.size(), 0);
   op.step_batches.assign(op.spec.steps.size(), {});
   for (uint32_t s = 0; s < op.spec.steps.size(); ++s) {
@@ -386,6 +387,19 @@ bool CollectiveWorker::progressCollective(Collective& op) {
   bool all_sent = true;
   for (int p = 0; p < world_; ++p) all_sent &= op.sendpos[p] == op.sendq[p].size();
   if (op.next_step == steps.size() && all_sent && op.inflight.empty()) {
+    // A peer that failed this op after sending its part left an ABORT behind it: then this
+    // rank's result rests on an op that failed there, and it fails too (a late rank meets
+    // the ABORT of a peer that timed out waiting for it).
+    for (int p = 0; p < world_; ++p) {
+      const MsgHeader* h = op.recv_msgs[p] ? coll_->peek(p) : nullptr;
+      if (h && h->op_seq == op.seq && (h->flags & kAbort)) {
+        coll_->release(p);
+        failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": rank ", p,
+                               " gave up on this op after sending its part (it failed there, e.g. timed out "
+                               "waiting for this rank)"));
+        return true;
+      }
+    }
     if (op.spec.finish) op.spec.finish();
     op.started = false;  // tells the loop it is finished
     return true;
@@ -415,18 +429,20 @@ void CollectiveWorker::failCollective(Collective& op, const std::string& why) {
   op.drain_deadline = std::max(op.deadline, Clock::now() + milliseconds(200));
 }
 
-// After a failure: owe every send-peer an ABORT|LAST, discard what recv-peers still send
-// for this op, wait for our own writes to finish (they read the caller's memory).
+// After a failure: owe every send-peer an ABORT|LAST (also those that have had all their
+// data: they fail the op when they find it behind that data), discard what recv-peers still
+// send for this op, wait for our own writes to finish (they read the caller's memory).
 bool CollectiveWorker::progressDrain(Collective& op) {
   bool progressed = false, pending = false;
   for (int p = 0; p < world_; ++p) {
-    if (!op.sendq[p].empty() && !op.last_sent[p]) {
+    if (!op.sendq[p].empty() && !op.abort_sent[p]) {
       if (coll_->canSend(p)) {
         MsgHeader h = headerFor(op, rank_);
         h.flags = kAbort | kLast;
         h.pair_bytes = op.pair_send[p];
         op.inflight.push_back(coll_->send(p, h, nullptr));
         op.last_sent[p] = 1;
+        op.abort_sent[p] = 1;
         progressed = true;
       } else {
         pending = true;

@@ -30,6 +30,7 @@ struct CollectiveWorker::Collective {
   std::vector<std::vector<transfer::BatchPtr>> step_batches;
   std::vector<transfer::BatchPtr> inflight;
   std::vector<char> last_sent, last_seen;      // per peer
+  std::vector<char> abort_sent;                // per peer: told that this op failed here
   size_t next_step = 0;
   std::string error;
   bool draining = false;

@@ -65,6 +65,25 @@ def unsupported_reduction(rank, world):
     _group_still_works(world)
 
 
+def late_rank_after_a_timeout(rank, world):
+    """The last rank arrives after the others timed out: it gets an error, not a result built
+    on their failed op, and the group's next op is exact."""
+    import time
+    from datetime import timedelta
+
+    g = dist.new_group(timeout=timedelta(seconds=1))
+    x = torch.full((8,), 100.0 if rank == 0 else 1.0)
+    if rank == world - 1:
+        time.sleep(3)
+    with pytest.raises(RuntimeError, match="timed out|gave up"):
+        dist.all_reduce(x, group=g)
+    dist.barrier()  # every rank past the failed op
+    y = torch.full((8,), float(rank + 1))
+    dist.all_reduce(y, group=g)
+    assert torch.all(y == world * (world + 1) / 2), y
+    dist.destroy_process_group(g)
+
+
 def root_disagreement(rank, world):
     """Every rank broadcasts as the root: each receives the others' data where it expects their
     roll call, and raises naming both roots."""
