@@ -68,6 +68,7 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   discarding_.assign(world_, 0);
   abort_pending_.assign(world_, 0);
   p2p_sent_.assign(world_, 0);
+  lost_.assign(world_, "");
   // MOELINK_WORKER_SPIN: pause-loop iterations before the worker sleeps on its doorbell.
   // Default: 256 when this host has a core for each of its ranks' workers, else 0:
   // spinning on an oversubscribed host steals the peers' time slices.
@@ -280,6 +281,14 @@ std::string CollectiveWorker::checkHeader(const Collective& op, int p, const Msg
   return "";
 }
 
+const std::string& CollectiveWorker::lostPeer(int peer) {
+  if (uint64_t n = engine_.losses(); n != losses_seen_) {
+    losses_seen_ = n;
+    for (int p = 0; p < world_; ++p) lost_[p] = engine_.lostReason(p);
+  }
+  return lost_[peer];
+}
+
 // The next message of op `seq` or later from `peer`, discarding leftovers of earlier ops.
 const MsgHeader* CollectiveWorker::nextFresh(int peer, uint64_t seq) {
   while (const MsgHeader* h = coll_->peek(peer)) {
@@ -404,17 +413,24 @@ bool CollectiveWorker::progressCollective(Collective& op) {
     op.started = false;  // tells the loop it is finished
     return true;
   }
+  if (progressed) return true;
+  // Stalled: on whom, and is one of them known to be gone?
+  std::vector<int> waiting;
+  if (op.next_step < steps.size())
+    for (const auto& r : steps[op.next_step].recvs)
+      if (!coll_->peek(r.peer)) waiting.push_back(r.peer);
+  for (int p = 0; p < world_; ++p)
+    if (op.sendpos[p] < op.sendq[p].size() && !coll_->canSend(p)) waiting.push_back(p);
+  for (int p : waiting)
+    if (const std::string& lost = lostPeer(p); !lost.empty()) {
+      failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": rank ", p, " is gone (", lost, ")"));
+      return true;
+    }
   if (Clock::now() > op.deadline) {
-    std::vector<int> waiting;
-    if (op.next_step < steps.size())
-      for (const auto& r : steps[op.next_step].recvs)
-        if (!coll_->peek(r.peer)) waiting.push_back(r.peer);
-    for (int p = 0; p < world_; ++p)
-      if (op.sendpos[p] < op.sendq[p].size() && !coll_->canSend(p)) waiting.push_back(p);
     failCollective(op, describeTimeout(opKindName(op.spec.kind), op.seq, op.timeout, waiting));
     return true;
   }
-  return progressed;
+  return false;
 }
 
 void CollectiveWorker::failCollective(Collective& op, const std::string& why) {
@@ -435,6 +451,10 @@ void CollectiveWorker::failCollective(Collective& op, const std::string& why) {
 bool CollectiveWorker::progressDrain(Collective& op) {
   bool progressed = false, pending = false;
   for (int p = 0; p < world_; ++p) {
+    if (!lostPeer(p).empty()) {  // gone: nothing to tell it, nothing more will come from it
+      op.abort_sent[p] = op.last_sent[p] = op.last_seen[p] = 1;
+      continue;
+    }
     if (!op.sendq[p].empty() && !op.abort_sent[p]) {
       if (coll_->canSend(p)) {
         MsgHeader h = headerFor(op, rank_);

@@ -271,6 +271,10 @@ void TransferEngine::notify(int peer) {
   }
 }
 
+std::string TransferEngine::lostReason(int peer) const { return tcp_ ? tcp_->lostReason(peer) : ""; }
+
+uint64_t TransferEngine::losses() const { return tcp_ ? tcp_->losses() : 0; }
+
 BatchPtr TransferEngine::submit(const std::vector<TransferRequest>& requests) {
   auto batch = std::make_shared<TransferBatch>(requests.size());
   for (size_t i = 0; i < requests.size(); ++i) {

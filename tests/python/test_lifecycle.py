@@ -62,3 +62,28 @@ def test_backend_registered_with_devices():
     assert "EP" in dist.Backend._plugins
     assert moelink.BACKEND_NAME == "ep"
     assert dist.Backend.backend_capability["ep"] == ["cpu", "cuda"]
+
+
+def survivors_of_a_kill(rank, world):
+    import signal
+    import time
+
+    x = torch.ones(4)
+    dist.all_reduce(x)  # everyone connected and in step
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        raise AssertionError("an all_reduce with a killed rank succeeded")
+    except RuntimeError as e:
+        assert f"rank {world - 1} is gone" in str(e) or f"connection to rank {world - 1} lost" in str(e), e
+    return time.monotonic() - t0
+
+
+def test_killed_peer_over_tcp_fails_the_op_at_once():
+    """A rank SIGKILLed over tcp: the survivors' op fails within seconds, naming it, instead
+    of waiting out the 30 s group timeout."""
+    took = run_group(3, survivors_of_a_kill, env={"MOELINK_TRANSPORT": "tcp"}, pg_timeout=30, timeout=120,
+                     killed=(2,))
+    assert all(t < 10 for t in took[:2]), took

@@ -95,6 +95,9 @@ class CollectiveWorker {
   bool progressRecvs();
   void failCollective(Collective& op, const std::string& why);
   const MsgHeader* nextFresh(int peer, uint64_t seq);
+  // Why `peer` is gone ("" while it is not known to be), refreshed from the engine when it
+  // reports a new loss.
+  const std::string& lostPeer(int peer);
   std::string checkHeader(const Collective& op, int peer, const MsgHeader& h, uint64_t expect) const;
 
   transfer::TransferEngine& engine_;
@@ -123,6 +126,8 @@ class CollectiveWorker {
   std::vector<char> discarding_;                            // per source: skip to LAST
   std::vector<char> abort_pending_;                         // per peer: owe an ABORT
   std::vector<uint64_t> p2p_sent_;                          // per peer: sends started
+  std::vector<std::string> lost_;                           // per peer: why it is gone
+  uint64_t losses_seen_ = 0;
   int spin_;
   std::thread thread_;
 };

@@ -114,6 +114,10 @@ class TransferEngine {
   void ringLocal() { ringDoorbell(doorbell_); }
   // Rings `peer`'s doorbell (its segments must have been opened).
   void notify(int peer);
+  // Why `peer` is known to be unreachable (a tcp connection to it broke), or ""; losses()
+  // counts the peers lost so far (an atomic load: poll it, then ask lostReason).
+  std::string lostReason(int peer) const;
+  uint64_t losses() const;
 
   // Receive redirection, for transports that receive into memory themselves (tcp): the
   // next incoming write of at most `length` bytes at (id, offset) of this rank's segment

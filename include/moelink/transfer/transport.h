@@ -43,6 +43,10 @@ class Transport {
   // Starts request `index` of `batch`. Requests are pre-validated by the engine.
   virtual void post(const TransferRequest& req, const RemoteSegment& seg, const BatchPtr& batch,
                     size_t index) = 0;
+  // Why `peer` can no longer be reached through this transport (its connection broke), or ""
+  // while nothing is known against it; losses() counts the peers lost so far (cheap to poll).
+  virtual std::string lostReason(int peer) const { return ""; }
+  virtual uint64_t losses() const { return 0; }
 };
 
 }  // namespace moelink::transfer

@@ -195,6 +195,15 @@ class TcpTransport::Impl {
 
   const std::string& address() const { return address_; }
 
+  // Why the connection to `peer` broke ("" while it has not).
+  std::string lostReason(int peer) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = dead_.find(peer);
+    return it == dead_.end() ? std::string() : it->second;
+  }
+  uint64_t losses() const { return losses_.load(std::memory_order_acquire); }
+
+
   // Connects to `peer` once (caller's thread); later calls reuse the connection.
   void connectPeer(const PeerInfo& peer) {
     std::lock_guard<std::mutex> og(open_mu_);
@@ -628,6 +637,7 @@ class TcpTransport::Impl {
       outbound_.erase(c.peer);
       std::lock_guard<std::mutex> g(mu_);
       dead_[c.peer] = reason;
+      losses_.fetch_add(1, std::memory_order_release);
       // Fail what was submitted but not yet moved onto the connection.
       for (auto it = submissions_.begin(); it != submissions_.end();) {
         if (it->peer == c.peer) {
@@ -664,6 +674,7 @@ class TcpTransport::Impl {
   std::vector<std::unique_ptr<Conn>> new_conns_;
   std::set<int> connected_;
   std::map<int, std::string> dead_;
+  std::atomic<uint64_t> losses_{0};  // entries added to dead_
 
   // Progress thread only.
   std::map<int, std::unique_ptr<Conn>> conns_;
@@ -693,6 +704,10 @@ void TcpTransport::post(const TransferRequest& req, const RemoteSegment&, const 
 }
 
 std::string TcpTransport::address() const { return impl_->address(); }
+
+std::string TcpTransport::lostReason(int peer) const { return impl_->lostReason(peer); }
+
+uint64_t TcpTransport::losses() const { return impl_->losses(); }
 
 void TcpTransport::shutdown() { impl_->shutdown(); }
 

@@ -37,6 +37,8 @@ class TcpTransport : public Transport {
   void close(RemoteSegment& seg) override;
   void post(const TransferRequest& req, const RemoteSegment& seg, const BatchPtr& batch,
             size_t index) override;
+  std::string lostReason(int peer) const override;
+  uint64_t losses() const override;
 
   // "ip:port" that peers connect to.
   std::string address() const;
