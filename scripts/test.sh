@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test: the C++ tests (GoogleTest through ctest) and the Python tests (pytest,
-# multi-process groups over backend "ep"). Installs and builds first. GPU tests skip
-# cleanly without a GPU.
+# Runs every test: the C++ tests (GoogleTest through ctest, then again under ASan + UBSan,
+# scripts/sanitize.sh) and the Python tests (pytest, multi-process groups over backend "ep").
+# Installs and builds first. GPU tests skip cleanly without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -9,6 +9,10 @@ PY=${PYTHON:-python3}
 BUILD_DIR=${MOELINK_BUILD_DIR:-build}
 echo "[moelink test] C++ tests"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
+if [ "${MOELINK_SKIP_SANITIZERS:-0}" != 1 ]; then
+  echo "[moelink test] C++ tests under ASan + UBSan"
+  bash scripts/sanitize.sh
+fi
 echo "[moelink test] Python tests"
 export PYTHONPATH="$(pwd)/integration${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -m pytest tests/python -q "$@"

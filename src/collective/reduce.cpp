@@ -212,7 +212,7 @@ void divideInPlace(void* buf, size_t n, DType t, double d) {
 
 void reduceOrdered(void* out, const std::vector<const void*>& inputs, size_t count, DType t,
                    ReduceOp op, std::vector<char>& scratch) {
-  if (inputs.empty()) return;
+  if (inputs.empty() || count == 0) return;
   size_t bytes = count * elementSize(t);
   bool aliased = false;
   for (size_t i = 1; i < inputs.size(); ++i) aliased |= inputs[i] == out;

@@ -149,8 +149,12 @@ void* TransferEngine::allocateSegment(SegmentId id, uint64_t length) {
   s.length = length;
   s.owned = true;
   if (mode_ == "tcp") {
-    s.addr = std::calloc(1, length ? length : 1);
+    // Page-aligned and zeroed, as shared-memory segments are (the layouts in them assume
+    // cache-line alignment).
+    const uint64_t bytes = (length ? length + 4095 : 4096) / 4096 * 4096;
+    s.addr = std::aligned_alloc(4096, bytes);
     MOELINK_CHECK(s.addr, "out of memory allocating segment ", id, " of ", length, " bytes");
+    std::memset(s.addr, 0, bytes);
   } else {
     auto r = shm::createRegion(opts_.rank, id, length);
     s.addr = r.addr;

@@ -75,7 +75,7 @@ Bytes floats(int r, uint64_t count) {
   std::vector<float> v(count);
   for (uint64_t i = 0; i < count; ++i) v[i] = static_cast<float>(r * 1000 + i % 997);
   Bytes b(count * 4);
-  std::memcpy(b.data(), v.data(), b.size());
+  if (count) std::memcpy(b.data(), v.data(), b.size());
   return b;
 }
 
@@ -142,11 +142,11 @@ TEST_P(ExchangePlan, AllgatherGatherScatterBroadcast) {
   out.assign(n, Bytes(n * bytes));
   model(ag, in, out, small());
   for (int r = 0; r < n; ++r)
-    for (int q = 0; q < n; ++q) ASSERT_EQ(0, std::memcmp(out[r].data() + q * bytes, in[q].data(), bytes));
+    for (int q = 0; q < n; ++q) if (bytes) ASSERT_EQ(0, std::memcmp(out[r].data() + q * bytes, in[q].data(), bytes));
 
   out.assign(n, Bytes(n * bytes, 0));
   model(ga, in, out, small());
-  for (int q = 0; q < n; ++q) ASSERT_EQ(0, std::memcmp(out[root].data() + q * bytes, in[q].data(), bytes));
+  for (int q = 0; q < n && bytes; ++q) ASSERT_EQ(0, std::memcmp(out[root].data() + q * bytes, in[q].data(), bytes));
 
   std::vector<Bytes> io = in;
   model(bc, io, io, small());
@@ -154,7 +154,7 @@ TEST_P(ExchangePlan, AllgatherGatherScatterBroadcast) {
 
   std::vector<Bytes> sin(n);
   sin[root] = Bytes(n * bytes);
-  for (int q = 0; q < n; ++q) std::memcpy(sin[root].data() + q * bytes, in[q].data(), bytes);
+  for (int q = 0; q < n && bytes; ++q) std::memcpy(sin[root].data() + q * bytes, in[q].data(), bytes);
   for (int r = 0; r < n; ++r) sc.push_back(exchangeScatter(n, r, bytes, root));
   out.assign(n, Bytes(bytes));
   model(sc, sin, out, small());

@@ -106,20 +106,33 @@ struct Pending {
   uint64_t length = 0;
 };
 
+// Payloads up to this size travel in the frame itself, copied when the write is posted:
+// headers, signals and credits are small staging words that their owner may reuse or free
+// (a mailbox torn down) while the frame still waits on the socket.
+constexpr uint64_t kInlinePayload = 128;
+
 struct OutFrame {
   char head[sizeof(wire::FrameHeader)];
   size_t head_len = 0;
-  const char* payload = nullptr;
+  const char* payload = nullptr;  // unless inline
   uint64_t payload_len = 0;
+  bool inline_payload = false;
+  char small[kInlinePayload];
   uint64_t sent = 0;  // bytes of head + payload already sent
+  const char* payloadData() const { return inline_payload ? small : payload; }
 };
 
 OutFrame makeFrame(const wire::FrameHeader& h, const void* payload, uint64_t payload_len) {
   OutFrame f;
   std::memcpy(f.head, &h, sizeof h);
   f.head_len = sizeof h;
-  f.payload = static_cast<const char*>(payload);
   f.payload_len = payload_len;
+  if (payload && payload_len <= kInlinePayload) {
+    std::memcpy(f.small, payload, payload_len);
+    f.inline_payload = true;
+  } else {
+    f.payload = static_cast<const char*>(payload);
+  }
   return f;
 }
 
@@ -592,7 +605,7 @@ class TcpTransport::Impl {
         }
         if (f.payload_len > s - f.head_len) {
           uint64_t off = s - f.head_len;
-          iov[n++] = {const_cast<char*>(f.payload + off), f.payload_len - off};
+          iov[n++] = {const_cast<char*>(f.payloadData() + off), f.payload_len - off};
         }
       }
       ssize_t r = ::writev(c.fd, iov, n);
