@@ -62,7 +62,9 @@ TEST_P(TransferEngineTest, RingWriteThenRead) {
     auto rd = engine.submit({{Opcode::kRead, back.data(), right, 7, 0, bytes}});
     ASSERT_TRUE(rd->wait(seconds(60)));
     ASSERT_FALSE(rd->failed()) << rd->error();
-    if (bytes) ASSERT_EQ(0, std::memcmp(back.data(), mine.data(), bytes));
+    if (bytes) {
+      ASSERT_EQ(0, std::memcmp(back.data(), mine.data(), bytes));
+    }
     storeBarrier(*store, "read", world, seconds(60));
   });
 }
