@@ -16,6 +16,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+def _shm_prefix():
+    """moelink's /dev/shm names start with moelink.<pid namespace inode>.<pid>."""
+    return f"moelink.{os.stat('/proc/self/ns/pid').st_ino}."
+
+
 def _counts():
     return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
 
@@ -34,9 +39,9 @@ def create_use_destroy(rank, world):
     after = _counts()
     assert after[0] == base[0], f"threads: {base[0]} before, {after[0]} after destroy"
     assert after[1] <= base[1], f"file descriptors: {base[1]} before, {after[1]} after destroy"
-    assert not glob.glob(f"/dev/shm/moelink.{os.getpid()}.*"), "shared memory left behind"
+    assert not glob.glob(f"/dev/shm/{_shm_prefix()}{os.getpid()}.*"), "shared memory left behind"
     dist.destroy_process_group()
-    assert not glob.glob(f"/dev/shm/moelink.{os.getpid()}.*")
+    assert not glob.glob(f"/dev/shm/{_shm_prefix()}{os.getpid()}.*")
     return after[0]
 
 
@@ -87,3 +92,23 @@ def test_killed_peer_over_tcp_fails_the_op_at_once():
     took = run_group(3, survivors_of_a_kill, env={"MOELINK_TRANSPORT": "tcp"}, pg_timeout=30, timeout=120,
                      killed=(2,))
     assert all(t < 10 for t in took[:2]), took
+
+
+def test_names_of_dead_processes_are_reclaimed():
+    """A process that died before unlinking its shared memory (killed during group creation)
+    leaves names behind; the next group created on the host removes them."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = f"/dev/shm/{_shm_prefix()}{dead.pid}.0.1.0.deadbeef"
+    with open(orphan, "wb") as f:
+        f.write(b"\0" * 64)
+    try:
+        run_group(2, _noop, timeout=120)
+        assert not os.path.exists(orphan), "a dead process's shared memory was not reclaimed"
+    finally:
+        if os.path.exists(orphan):
+            os.unlink(orphan)
+
+
+def _noop(rank, world):
+    return rank

@@ -1,25 +1,64 @@
 #include "moelink/transfer/shm/transport.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <random>
 
 #include "moelink/common/error.h"
 
 namespace moelink::transfer::shm {
 
+namespace {
+
+// The pid namespace this process's pids mean something in (its /proc/self/ns/pid inode): names
+// carry it, so that only names of this namespace are judged by their pid.
+uint64_t pidNamespace() {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+}  // namespace
+
+std::string regionPrefix() { return str("moelink.", pidNamespace(), "."); }
+
+int reclaimOrphanedRegions() {
+  const std::string prefix = regionPrefix();
+  DIR* dir = opendir("/dev/shm");
+  if (!dir) return 0;
+  int reclaimed = 0;
+  while (dirent* e = readdir(dir)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + prefix.size(), &end, 10);
+    if (pid <= 0 || !end || *end != '.') continue;
+    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    if (shm_unlink(("/" + name).c_str()) == 0) ++reclaimed;
+  }
+  closedir(dir);
+  return reclaimed;
+}
+
 SharedRegion createRegion(int rank, SegmentId id, uint64_t length) {
   static std::atomic<uint64_t> counter{0};
+  // Names whose process died before unlinking them (a crash during group creation) are
+  // removed by the next process of the namespace that creates one.
+  static std::once_flag reclaim;
+  std::call_once(reclaim, [] { reclaimOrphanedRegions(); });
   std::random_device rd;
   SharedRegion r;
   r.length = length;
-  r.name = str("/moelink.", getpid(), ".", rank, ".", id, ".", counter.fetch_add(1), ".",
-               std::hex, rd());
+  r.name = str("/", regionPrefix(), getpid(), ".", rank, ".", id, ".", counter.fetch_add(1), ".", std::hex, rd());
   int fd = shm_open(r.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   MOELINK_SYSCHECK(fd, "shm_open(", r.name, ")");
   size_t map_len = length ? length : 1;

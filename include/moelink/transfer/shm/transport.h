@@ -16,7 +16,13 @@ struct SharedRegion {
 };
 
 // Creates a zeroed region named uniquely for (rank, segment id).
+// Names are /moelink.<pid namespace>.<pid>.<rank>.<segment>.<n>.<random>.
 SharedRegion createRegion(int rank, SegmentId id, uint64_t length);
+// "moelink.<pid namespace>.": the start of this namespace's names in /dev/shm.
+std::string regionPrefix();
+// Unlinks this namespace's names whose process is gone; returns how many. createRegion calls it
+// once per process.
+int reclaimOrphanedRegions();
 void destroyRegion(SharedRegion& region, bool unlink);
 
 class ShmTransport : public Transport {
