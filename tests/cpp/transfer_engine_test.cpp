@@ -178,6 +178,33 @@ TEST(TcpTransport, UnauthenticatedConnectionIsClosed) {
   close(fd);
 }
 
+TEST(TcpTransport, IdleConnectionFloodIsBoundedAndExpires) {
+  // 300 connections that never send a handshake: beyond the cap they are dropped at once, the
+  // rest within the handshake deadline, and two engines keep talking throughout.
+  auto store = std::make_shared<InProcessStore>();
+  auto e0 = std::make_unique<TransferEngine>(store, opts(0, 2, "tcp"));
+  auto e1 = std::make_unique<TransferEngine>(store, opts(1, 2, "tcp"));
+  e1->allocateSegment(1, 4096);
+  std::vector<int> idle;
+  for (int i = 0; i < 300; ++i) idle.push_back(rawConnect(e1->tcpAddress()));
+  e0->openSegment(1, 1);
+  std::vector<char> buf(4096, 7);
+  auto b = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, buf.size()}});
+  ASSERT_TRUE(b->wait(seconds(10)));
+  ASSERT_FALSE(b->failed()) << b->error();
+  // Every idle connection is closed by the server (EOF) within the deadline plus slack.
+  auto deadline = steady_clock::now() + seconds(12);
+  size_t closed = 0;
+  for (int fd : idle) {
+    char c;
+    int left = static_cast<int>(std::chrono::duration_cast<milliseconds>(deadline - steady_clock::now()).count());
+    pollfd pf{fd, POLLIN, 0};
+    if (left > 0 && poll(&pf, 1, left) > 0 && recv(fd, &c, 1, 0) == 0) ++closed;
+    close(fd);
+  }
+  EXPECT_EQ(closed, idle.size());
+}
+
 TEST(TcpTransport, PeerGoingAwayFailsRequests) {
   auto store = std::make_shared<InProcessStore>();
   auto e0 = std::make_unique<TransferEngine>(store, opts(0, 2, "tcp"));

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -137,6 +138,11 @@ OutFrame makeFrame(const wire::FrameHeader& h, const void* payload, uint64_t pay
 }
 
 constexpr size_t kReadBuffer = 256 << 10;
+// Connections that have not presented the group's secret: at most this many at once, each for
+// at most kHandshakeDeadline, with a read buffer only the size of the hello. A flood of idle
+// connections then costs neither file descriptors nor memory beyond these.
+constexpr size_t kMaxUnauthenticated = 64;
+constexpr std::chrono::seconds kHandshakeDeadline{5};
 constexpr size_t kDirectRecv = 32 << 10;  // payload remainders this large skip the buffer
 
 }  // namespace
@@ -158,6 +164,8 @@ class TcpTransport::Impl {
     char sigbuf[8];
     size_t sigpos = 0;
     uint32_t reply_status = wire::kOk;
+    std::chrono::steady_clock::time_point accepted;  // inbound, until authenticated
+    std::string from;                                 // inbound: the remote address
     // send side
     std::deque<OutFrame> out;
     bool want_out = false;
@@ -173,13 +181,22 @@ class TcpTransport::Impl {
     setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     sockaddr_in a{};
     a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    // Listen on the address peers are told to use (MOELINK_HOST_IP or the first interface),
+    // not on every interface; all interfaces only when that address is not local.
+    const std::string ip = advertisedIp();
     a.sin_port = 0;
-    MOELINK_SYSCHECK(bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a), "bind");
+    if (inet_pton(AF_INET, ip.c_str(), &a.sin_addr) != 1 ||
+        bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) < 0) {
+      LOG(WARNING) << "moelink tcp: cannot listen on " << ip << " (" << std::strerror(errno)
+                   << "); listening on all interfaces";
+      a.sin_addr.s_addr = htonl(INADDR_ANY);
+      MOELINK_SYSCHECK(bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a), "bind");
+    }
     MOELINK_SYSCHECK(listen(listen_fd_, 128), "listen");
     socklen_t len = sizeof a;
     MOELINK_SYSCHECK(getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len), "getsockname");
-    address_ = str(advertisedIp(), ":", ntohs(a.sin_port));
+    address_ = str(ip, ":", ntohs(a.sin_port));
+    spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     setNonBlocking(listen_fd_);
     epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
     MOELINK_SYSCHECK(epoll_fd_, "epoll_create1");
@@ -202,6 +219,8 @@ class TcpTransport::Impl {
     for (auto& s : submissions_) s.pending.batch->fail(s.pending.index, "tcp transport shut down");
     submissions_.clear();
     ::close(listen_fd_);
+    if (spare_fd_ >= 0) ::close(spare_fd_);
+    spare_fd_ = -1;
     ::close(epoll_fd_);
     ::close(event_fd_);
   }
@@ -343,6 +362,7 @@ class TcpTransport::Impl {
       takeSubmissions();
       for (auto& [fd, c] : conns_)
         if (!c->out.empty()) flushConn(*c);
+      expireHandshakes();
       reapClosed();
       if (ring_) {  // something completed or a notify arrived during this pass
         ring_ = false;
@@ -381,16 +401,74 @@ class TcpTransport::Impl {
 
   void acceptAll() {
     while (true) {
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;
+      sockaddr_in from{};
+      socklen_t len = sizeof from;
+      int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if ((errno == EMFILE || errno == ENFILE) && spare_fd_ >= 0) {
+          // Out of descriptors: take the connection with the one kept in reserve and drop it,
+          // so the listener does not stay readable (and this loop spinning) until one frees.
+          ::close(spare_fd_);
+          int dropped = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+          if (dropped >= 0) ::close(dropped);
+          spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+          logRejection("out-of-fds", "out of file descriptors: refusing tcp connections");
+          continue;
+        }
+        return;
+      }
+      char ip[INET_ADDRSTRLEN] = "?";
+      inet_ntop(AF_INET, &from.sin_addr, ip, sizeof ip);
+      if (unauthenticated_ >= kMaxUnauthenticated) evictOldestUnauthenticated(ip);
       setNoDelay(fd);
       auto c = std::make_unique<Conn>();
       c->fd = fd;
       c->in = Conn::In::kHello;
-      c->rbuf.resize(kReadBuffer);
+      c->rbuf.resize(sizeof(wire::Hello));  // the full buffer once authenticated
+      c->accepted = std::chrono::steady_clock::now();
+      c->from = ip;
+      ++unauthenticated_;
+      handshaking_.push_back(fd);
       conns_[fd] = std::move(c);
       addToEpoll(fd, EPOLLIN);
     }
+  }
+
+  // The inbound connection at the front of handshaking_ that is still in its handshake, or
+  // nullptr (entries of connections that authenticated or closed are dropped on the way).
+  Conn* oldestUnauthenticated() {
+    while (!handshaking_.empty()) {
+      auto it = conns_.find(handshaking_.front());
+      if (it != conns_.end() && it->second->fd >= 0 && it->second->in == Conn::In::kHello) return it->second.get();
+      handshaking_.pop_front();
+    }
+    return nullptr;
+  }
+
+  // At the cap, the oldest connection still without a handshake makes room: a flood of idle
+  // connections then cannot keep a real peer out, which authenticates at once.
+  void evictOldestUnauthenticated(const std::string& newcomer) {
+    if (Conn* c = oldestUnauthenticated()) {
+      logRejection("cap", str("more than ", kMaxUnauthenticated, " connections without a handshake (the newest from ",
+                              newcomer, "): closing the oldest ones"));
+      closeConn(*c, "too many connections without a handshake", false);
+    }
+  }
+
+  // Closes connections that have not presented the secret within the deadline.
+  void expireHandshakes() {
+    const auto now = std::chrono::steady_clock::now();
+    while (Conn* c = oldestUnauthenticated()) {
+      if (now - c->accepted <= kHandshakeDeadline) break;
+      logRejection(c->from, str("closed a connection from ", c->from, " that sent no handshake within ",
+                                kHandshakeDeadline.count(), " s"));
+      closeConn(*c, "no handshake", false);
+    }
+  }
+
+  // Logs a rejection once per key (a remote address), not once per connection.
+  void logRejection(const std::string& key, const std::string& what) {
+    if (logged_rejections_.insert(key).second) LOG(WARNING) << "moelink tcp: " << what;
   }
 
   // Reads and handles everything available; false when the connection was closed.
@@ -436,13 +514,16 @@ class TcpTransport::Impl {
         std::memcpy(&h, p, sizeof h);
         c.rpos += sizeof h;
         if (h.magic != wire::kHelloMagic || h.secret != secret_) {
-          LOG(WARNING) << "moelink tcp: rejected a connection that claimed rank " << h.rank
-                       << " (bad magic or group secret)";
+          logRejection(c.from, str("rejected a connection from ", c.from, " that claimed rank ", h.rank,
+                                   " (bad magic or group secret)"));
           closeConn(c, "bad handshake", false);
           return false;
         }
         c.peer = h.rank;
         c.in = Conn::In::kHeader;
+        --unauthenticated_;
+        compactPartial(c);
+        c.rbuf.resize(kReadBuffer);
         OutFrame f;
         uint64_t magic = wire::kHelloMagic;
         std::memcpy(f.head, &magic, sizeof magic);
@@ -637,6 +718,7 @@ class TcpTransport::Impl {
 
   void closeConn(Conn& c, const std::string& why, bool log) {
     if (c.fd < 0) return;
+    if (c.in == Conn::In::kHello && !c.outbound) --unauthenticated_;
     std::string reason = str("tcp connection to rank ", c.peer, " lost: ", why);
     if (log && c.outbound && !stopped_) LOG(WARNING) << "moelink " << reason;
     epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
@@ -694,6 +776,10 @@ class TcpTransport::Impl {
   std::map<int, Conn*> outbound_;
   uint64_t next_id_ = 1;
   bool closed_any_ = false;
+  size_t unauthenticated_ = 0;             // inbound connections still in their handshake
+  std::deque<int> handshaking_;            // their fds in accept order (may hold stale entries)
+  int spare_fd_ = -1;                      // given up to drain the listener when out of fds
+  std::set<std::string> logged_rejections_;
   bool ring_ = false;
   std::function<void()> ring_local_;
 };
