@@ -281,11 +281,20 @@ std::string CollectiveWorker::checkHeader(const Collective& op, int p, const Msg
   return "";
 }
 
-const std::string& CollectiveWorker::lostPeer(int peer) {
+bool CollectiveWorker::anyPeerLost() {
   if (uint64_t n = engine_.losses(); n != losses_seen_) {
     losses_seen_ = n;
-    for (int p = 0; p < world_; ++p) lost_[p] = engine_.lostReason(p);
+    any_lost_ = false;
+    for (int p = 0; p < world_; ++p) {
+      lost_[p] = engine_.lostReason(p);
+      any_lost_ |= !lost_[p].empty();
+    }
   }
+  return any_lost_;
+}
+
+const std::string& CollectiveWorker::lostPeer(int peer) {
+  anyPeerLost();
   return lost_[peer];
 }
 
@@ -414,7 +423,9 @@ bool CollectiveWorker::progressCollective(Collective& op) {
     return true;
   }
   if (progressed) return true;
-  // Stalled: on whom, and is one of them known to be gone?
+  const bool late = Clock::now() > op.deadline;
+  if (!late && !anyPeerLost()) return false;
+  // Stalled past the deadline, or with a peer gone: on whom?
   std::vector<int> waiting;
   if (op.next_step < steps.size())
     for (const auto& r : steps[op.next_step].recvs)
@@ -426,7 +437,7 @@ bool CollectiveWorker::progressCollective(Collective& op) {
       failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": rank ", p, " is gone (", lost, ")"));
       return true;
     }
-  if (Clock::now() > op.deadline) {
+  if (late) {
     failCollective(op, describeTimeout(opKindName(op.spec.kind), op.seq, op.timeout, waiting));
     return true;
   }

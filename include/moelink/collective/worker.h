@@ -98,6 +98,7 @@ class CollectiveWorker {
   // Why `peer` is gone ("" while it is not known to be), refreshed from the engine when it
   // reports a new loss.
   const std::string& lostPeer(int peer);
+  bool anyPeerLost();  // one atomic load unless the engine reports a new loss
   std::string checkHeader(const Collective& op, int peer, const MsgHeader& h, uint64_t expect) const;
 
   transfer::TransferEngine& engine_;
@@ -128,6 +129,7 @@ class CollectiveWorker {
   std::vector<uint64_t> p2p_sent_;                          // per peer: sends started
   std::vector<std::string> lost_;                           // per peer: why it is gone
   uint64_t losses_seen_ = 0;
+  bool any_lost_ = false;
   int spin_;
   std::thread thread_;
 };
