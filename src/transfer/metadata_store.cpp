@@ -22,6 +22,11 @@ std::string InProcessStore::get(const std::string& key, std::chrono::millisecond
   return kv_[key];
 }
 
+bool InProcessStore::check(const std::string& key) {
+  std::lock_guard<std::mutex> g(mu_);
+  return kv_.count(key) > 0;
+}
+
 int64_t InProcessStore::add(const std::string& key, int64_t delta) {
   int64_t v;
   {

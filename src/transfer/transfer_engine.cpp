@@ -1,6 +1,10 @@
 #include "moelink/transfer/transfer_engine.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -16,6 +20,8 @@
 #include "moelink/transfer/tcp/transport.h"
 
 namespace moelink::transfer {
+
+using std::chrono::milliseconds;
 
 void LocalSegments::add(SegmentId id, void* addr, uint64_t length) {
   std::unique_lock<std::shared_mutex> g(mu_);
@@ -95,8 +101,64 @@ std::string modeFromEnv(const std::string& given) {
   return m;
 }
 
+// Field 22 of /proc/<pid>/stat (start time in clock ticks) and the state letter; {0, 0}
+// when the process does not exist.
+std::pair<uint64_t, char> processStart(int64_t pid) {
+  std::ifstream f(str("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(f, line)) return {0, 0};
+  auto close = line.rfind(')');  // the command name may hold spaces and parentheses
+  if (close == std::string::npos) return {0, 0};
+  std::istringstream rest(line.substr(close + 2));
+  std::string field;
+  char state = 0;
+  uint64_t start = 0;
+  for (int i = 3; i <= 22 && rest >> field; ++i) {
+    if (i == 3) state = field[0];
+    if (i == 22) start = std::stoull(field);
+  }
+  return {start, state};
+}
+
+std::string pidNamespace() {
+  char buf[128] = {0};
+  ssize_t n = readlink("/proc/self/ns/pid", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, n) : std::string();
+}
+
 std::string endpointRecord(const std::string& host, const std::string& tcp) {
-  return host + "\n" + tcp;
+  int64_t pid = getpid();
+  return str(host, "\n", tcp, "\n", pid, "\n", processStart(pid).first, "\n", pidNamespace());
+}
+
+// Whether a tcp connection to "ip:port" is accepted within `timeout` ("" if so).
+std::string tcpReachable(const std::string& address, milliseconds timeout) {
+  auto colon = address.rfind(':');
+  if (colon == std::string::npos) return str("bad address '", address, "'");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  if (inet_pton(AF_INET, address.substr(0, colon).c_str(), &a.sin_addr) != 1)
+    return str("bad address '", address, "'");
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return str("socket: ", std::strerror(errno));
+  std::string why;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    if (errno != EINPROGRESS) {
+      why = std::strerror(errno);
+    } else {
+      pollfd pf{fd, POLLOUT, 0};
+      int r = poll(&pf, 1, static_cast<int>(timeout.count()));
+      int err = 0;
+      socklen_t len = sizeof err;
+      if (r <= 0)
+        why = str("no answer within ", timeout.count(), " ms");
+      else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err != 0)
+        why = std::strerror(err);
+    }
+  }
+  ::close(fd);
+  return why.empty() ? "" : str("its listener at ", address, " is unreachable (", why, ")");
 }
 
 }  // namespace
@@ -107,7 +169,8 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
                 "bad rank ", opts_.rank, " for world size ", opts_.world_size);
   mode_ = modeFromEnv(opts_.transport);
   host_id_ = localHostId();
-  if (opts_.rank == 0) {
+  incarnation_ = store_->add(str("engine/incarnation/", opts_.rank), 1);
+  if (opts_.rank == 0 && !opts_.extension) {
     std::random_device rd;
     uint64_t s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
     store_->set("engine/secret", std::to_string(s ? s : 1));
@@ -118,7 +181,64 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
   tcp_ = std::make_unique<tcp::TcpTransport>(opts_.rank, secret_, local_, opts_.timeout,
                                              [this] { ringDoorbell(doorbell_); });
   shm_ = std::make_unique<shm::ShmTransport>(host_id_);
-  store_->set(str("engine/peer/", opts_.rank), endpointRecord(host_id_, tcp_->address()));
+  store_->set(key(opts_.rank, "peer"), endpointRecord(host_id_, tcp_->address()));
+}
+
+std::string TransferEngine::key(int rank, const std::string& what) {
+  int64_t inc = rank == opts_.rank ? incarnation_ : 0;
+  if (!inc) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = incarnations_.find(rank);
+    if (it != incarnations_.end()) inc = it->second;
+  }
+  if (!inc) {
+    // The counter exists once the rank's process has started; wait for it as for any key.
+    std::string k = str("engine/incarnation/", rank);
+    store_->get(k, opts_.timeout);
+    inc = store_->add(k, 0);
+    std::lock_guard<std::mutex> g(mu_);
+    incarnations_[rank] = inc;
+  }
+  return str("engine/", what, "/", rank, ".", inc);
+}
+
+std::string TransferEngine::probe(int peer, milliseconds timeout, int64_t incarnation, bool* certain) {
+  MOELINK_CHECK(peer >= 0 && peer < opts_.world_size && peer != opts_.rank, "cannot probe rank ", peer);
+  PeerInfo info = incarnation > 0 ? readPeerInfo(peer, str("engine/peer/", peer, ".", incarnation)) : peerInfo(peer);
+  if (certain) *certain = false;
+  if (info.host_id == host_id_ && info.pid > 0 && info.pid_ns == pidNamespace()) {
+    if (certain) *certain = true;
+    auto [start, state] = processStart(info.pid);
+    if (start == 0) return str("its process (pid ", info.pid, ") has exited");
+    if (state == 'Z' || state == 'X') return str("its process (pid ", info.pid, ") has exited");
+    if (start != info.start_time) return str("its process (pid ", info.pid, ") has exited (the pid is reused)");
+    return "";
+  }
+  std::string why = tcpReachable(info.tcp_address, timeout);
+  if (certain) *certain = why.find("refused") != std::string::npos;
+  return why;
+}
+
+void TransferEngine::forgetPeer(int peer) {
+  MOELINK_CHECK(peer >= 0 && peer < opts_.world_size && peer != opts_.rank, "cannot forget rank ", peer);
+  std::vector<std::unique_ptr<RemoteSegment>> closing;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto it = opened_.begin(); it != opened_.end();) {
+      if (it->first.first == peer) {
+        closing.push_back(std::move(it->second));
+        it = opened_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    peers_.erase(peer);
+    incarnations_.erase(peer);
+    peer_doorbells_[peer] = nullptr;
+  }
+  for (auto& seg : closing)
+    if (seg->via) seg->via->close(*seg);
+  tcp_->forget(peer);
 }
 
 TransferEngine::~TransferEngine() {
@@ -167,8 +287,7 @@ void* TransferEngine::allocateSegment(SegmentId id, uint64_t length) {
     segments_[id] = s;
   }
   local_.add(id, s.addr, length);
-  store_->set(str("engine/seg/", opts_.rank, "/", id),
-              SegmentDesc{opts_.rank, id, length, s.shm_name}.serialize());
+  store_->set(str(key(opts_.rank, "seg"), "/", id), SegmentDesc{opts_.rank, id, length, s.shm_name}.serialize());
   return s.addr;
 }
 
@@ -179,8 +298,7 @@ void TransferEngine::registerSegment(SegmentId id, void* addr, uint64_t length) 
     segments_[id] = OwnedSegment{addr, length, "", false, false};
   }
   local_.add(id, addr, length);
-  store_->set(str("engine/seg/", opts_.rank, "/", id),
-              SegmentDesc{opts_.rank, id, length, ""}.serialize());
+  store_->set(str(key(opts_.rank, "seg"), "/", id), SegmentDesc{opts_.rank, id, length, ""}.serialize());
 }
 
 void TransferEngine::unregisterSegment(SegmentId id) {
@@ -208,12 +326,24 @@ const PeerInfo& TransferEngine::peerInfo(int peer) {
     auto it = peers_.find(peer);
     if (it != peers_.end()) return it->second;
   }
-  std::string rec = store_->get(str("engine/peer/", peer), opts_.timeout);
-  auto nl = rec.find('\n');
-  MOELINK_CHECK(nl != std::string::npos, "malformed endpoint record of rank ", peer);
-  PeerInfo info{peer, rec.substr(0, nl), rec.substr(nl + 1)};
+  PeerInfo info = readPeerInfo(peer, key(peer, "peer"));
   std::lock_guard<std::mutex> g(mu_);
   return peers_.emplace(peer, info).first->second;
+}
+
+PeerInfo TransferEngine::readPeerInfo(int peer, const std::string& k) {
+  std::string rec = store_->get(k, opts_.timeout);
+  std::vector<std::string> f;
+  std::istringstream in(rec);
+  for (std::string line; std::getline(in, line);) f.push_back(line);
+  MOELINK_CHECK(f.size() >= 2, "malformed endpoint record of rank ", peer);
+  PeerInfo info{peer, f[0], f[1]};
+  if (f.size() >= 5) {
+    info.pid = std::stoll(f[2]);
+    info.start_time = std::stoull(f[3]);
+    info.pid_ns = f[4];
+  }
+  return info;
 }
 
 std::string TransferEngine::openSegment(int peer, SegmentId id) {
@@ -221,7 +351,7 @@ std::string TransferEngine::openSegment(int peer, SegmentId id) {
                 " out of range for world size ", opts_.world_size);
   if (auto* s = findOpened(peer, id)) return s->via ? s->via->name() : "local";
   auto seg = std::make_unique<RemoteSegment>();
-  seg->desc = SegmentDesc::parse(store_->get(str("engine/seg/", peer, "/", id), opts_.timeout));
+  seg->desc = SegmentDesc::parse(store_->get(str(key(peer, "seg"), "/", id), opts_.timeout));
   if (peer != opts_.rank) {
     const PeerInfo& info = peerInfo(peer);
     if (mode_ != "tcp" && shm_->open(info, *seg)) {

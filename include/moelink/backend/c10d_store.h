@@ -23,6 +23,7 @@ class C10dStore : public transfer::MetadataStore {
     return std::string(v.begin(), v.end());
   }
   int64_t add(const std::string& key, int64_t delta) override { return s_->add(key, delta); }
+  bool check(const std::string& key) override { return s_->check({key}); }
 
  private:
   c10::intrusive_ptr<c10d::Store> s_;

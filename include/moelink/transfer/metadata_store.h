@@ -24,6 +24,8 @@ class MetadataStore {
   virtual void set(const std::string& key, const std::string& value) = 0;
   virtual std::string get(const std::string& key, std::chrono::milliseconds timeout) = 0;
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // Whether the key exists (does not wait).
+  virtual bool check(const std::string& key) = 0;
 };
 
 // Shared by threads of one process.
@@ -32,6 +34,7 @@ class InProcessStore : public MetadataStore {
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
+  bool check(const std::string& key) override;
 
  private:
   std::mutex mu_;
@@ -53,6 +56,7 @@ class PrefixStore : public MetadataStore {
   int64_t add(const std::string& key, int64_t delta) override {
     return base_->add(prefix_ + key, delta);
   }
+  bool check(const std::string& key) override { return base_->check(prefix_ + key); }
 
  private:
   std::string prefix_;

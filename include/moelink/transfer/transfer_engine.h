@@ -71,6 +71,9 @@ struct EngineOptions {
   int world_size = 1;
   std::string transport;  // "" reads MOELINK_TRANSPORT (auto|tcp|shm)
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  // A process that takes the place of a failed rank (or grows the group): it joins a
+  // running group instead of creating one (it does not make the group's secret).
+  bool extension = false;
 };
 
 class TransferEngine {
@@ -131,6 +134,22 @@ class TransferEngine {
   void* claimExpected(SegmentId id, uint64_t offset) { return local_.claim(id, offset); }
   void clearExpected(SegmentId id) { local_.clearExpectations(id); }
 
+  // Liveness of `peer`, independent of its collective progress: "" when it is alive, else
+  // why not. A peer on this host (same pid namespace) is checked through /proc (a gone or
+  // zombie process, or a reused pid, is dead); another host's through a tcp connection to
+  // its listener (refused or unanswered within `timeout`: dead). Blocks up to `timeout`.
+  // `incarnation` > 0 probes that incarnation's process (read afresh from the store).
+  // `certain`, when given, is set when the answer cannot be a partition (the process is
+  // gone on this host, or the peer's host refused the connection).
+  std::string probe(int peer, std::chrono::milliseconds timeout, int64_t incarnation = 0,
+                    bool* certain = nullptr);
+  // Forgets `peer`: closes its opened segments and its connection, drops its endpoint, so
+  // that openSegment() reaches the process that now has its rank (its current incarnation).
+  void forgetPeer(int peer);
+  // How many processes have had `rank` in this group (1 for the first); the store keys of a
+  // rank carry it, so that a replacement never reads its predecessor's addresses.
+  int64_t incarnation() const { return incarnation_; }
+
   // The tcp listen address published for this rank ("ip:port").
   std::string tcpAddress() const;
   const std::string& hostId() const { return host_id_; }
@@ -148,13 +167,16 @@ class TransferEngine {
   };
   static void releaseOwned(OwnedSegment& seg);
   const PeerInfo& peerInfo(int peer);
+  PeerInfo readPeerInfo(int peer, const std::string& key);
   RemoteSegment* findOpened(int peer, SegmentId id);
+  std::string key(int rank, const std::string& what);  // "engine/<what>/<rank>.<incarnation>"
 
   std::shared_ptr<MetadataStore> store_;
   EngineOptions opts_;
   std::string mode_;
   std::string host_id_;
   uint64_t secret_ = 0;
+  int64_t incarnation_ = 1;
   LocalSegments local_;
   std::unique_ptr<tcp::TcpTransport> tcp_;
   std::unique_ptr<shm::ShmTransport> shm_;
@@ -162,6 +184,7 @@ class TransferEngine {
   mutable std::mutex mu_;  // guards the maps below (not the data path's fast lookups)
   std::map<SegmentId, OwnedSegment> segments_;
   std::map<int, PeerInfo> peers_;
+  std::map<int, int64_t> incarnations_;  // peers' current incarnations, once read
   std::map<std::pair<int, SegmentId>, std::unique_ptr<RemoteSegment>> opened_;
   DoorbellWord* doorbell_ = nullptr;
   std::vector<RemoteSegment*> peer_doorbells_;  // by rank, once opened

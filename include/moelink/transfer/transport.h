@@ -22,6 +22,10 @@ struct PeerInfo {
   int rank = -1;
   std::string host_id;
   std::string tcp_address;  // "ip:port"
+  // The process behind the rank, for liveness checks on its host (0: not published).
+  int64_t pid = 0;
+  uint64_t start_time = 0;  // /proc/<pid>/stat field 22 (tells a reused pid apart)
+  std::string pid_ns;       // /proc/self/ns/pid link text
 };
 
 // A peer's segment as opened by this rank.

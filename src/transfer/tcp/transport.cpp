@@ -235,6 +235,17 @@ class TcpTransport::Impl {
   }
   uint64_t losses() const { return losses_.load(std::memory_order_acquire); }
 
+  // Caller's thread: the progress thread closes the old outbound connection (a cut link may
+  // not have broken it); the next open() connects again.
+  void forget(int peer) {
+    std::lock_guard<std::mutex> og(open_mu_);
+    std::lock_guard<std::mutex> g(mu_);
+    connected_.erase(peer);
+    dead_.erase(peer);
+    forgotten_.push_back(peer);
+    losses_.fetch_add(1, std::memory_order_release);  // pollers re-read lostReason()
+    wake();
+  }
 
   // Connects to `peer` once (caller's thread); later calls reuse the connection.
   void connectPeer(const PeerInfo& peer) {
@@ -374,10 +385,26 @@ class TcpTransport::Impl {
   void takeSubmissions() {
     std::vector<std::unique_ptr<Conn>> fresh;
     std::vector<Submission> subs;
+    std::vector<int> forgotten;
     {
       std::lock_guard<std::mutex> g(mu_);
       fresh.swap(new_conns_);
       subs.swap(submissions_);
+      forgotten.swap(forgotten_);
+    }
+    for (int peer : forgotten) {  // before `fresh`: a new connection to it may be there
+      auto it = outbound_.find(peer);
+      if (it == outbound_.end()) continue;
+      Conn& c = *it->second;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
+      ::close(c.fd);
+      c.fd = -1;
+      for (auto& [id, p] : c.pending) p.batch->fail(p.index, str("rank ", peer, " was replaced"));
+      if (!c.pending.empty()) ring_ = true;
+      c.pending.clear();
+      c.out.clear();
+      outbound_.erase(it);
+      closed_any_ = true;
     }
     for (auto& c : fresh) {
       int fd = c->fd;
@@ -769,7 +796,8 @@ class TcpTransport::Impl {
   std::vector<std::unique_ptr<Conn>> new_conns_;
   std::set<int> connected_;
   std::map<int, std::string> dead_;
-  std::atomic<uint64_t> losses_{0};  // entries added to dead_
+  std::vector<int> forgotten_;       // peers whose outbound connection is to go
+  std::atomic<uint64_t> losses_{0};  // entries added to dead_ (and peers forgotten)
 
   // Progress thread only.
   std::map<int, std::unique_ptr<Conn>> conns_;
@@ -809,5 +837,7 @@ std::string TcpTransport::lostReason(int peer) const { return impl_->lostReason(
 uint64_t TcpTransport::losses() const { return impl_->losses(); }
 
 void TcpTransport::shutdown() { impl_->shutdown(); }
+
+void TcpTransport::forget(int peer) { impl_->forget(peer); }
 
 }  // namespace moelink::transfer::tcp

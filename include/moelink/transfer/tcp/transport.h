@@ -44,6 +44,9 @@ class TcpTransport : public Transport {
   std::string address() const;
   // Stops the progress thread and fails every pending request.
   void shutdown();
+  // Drops everything known about `peer` (its connection, its loss), so that a process that
+  // replaces it is connected afresh.
+  void forget(int peer);
 
   class Impl;
 
