@@ -2,6 +2,8 @@
 #include <pybind11/chrono.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <optional>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/version.h>
 
@@ -23,11 +25,22 @@ PYBIND11_MODULE(_C, m) {
 The c10d backend behind ``backend="ep"``. Created by torch.distributed through the
 registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout) {
-             return c10::make_intrusive<EpBackend>(store, rank, size, timeout);
+                       std::chrono::milliseconds timeout, bool raise_on_peer_failure, bool extension) {
+             EpBackend::Options o;
+             o.raise_on_peer_failure = raise_on_peer_failure;
+             o.extension = extension;
+             return c10::make_intrusive<EpBackend>(store, rank, size, timeout, o);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           py::arg("raise_on_peer_failure") = false, py::arg("extension") = false,
            py::call_guard<py::gil_scoped_release>())
+      .def("active_mask", &EpBackend::activeMask, "Per rank: 1 = active (int32 list).")
+      .def("peer_state", &EpBackend::peerState, py::arg("ranks"), py::call_guard<py::gil_scoped_release>(),
+           "Per rank in `ranks`, as seen by this rank: 1 when active, or when a replacement process waits to be "
+           "readmitted and answers.")
+      .def("recover_ranks", &EpBackend::recoverRanks, py::arg("ranks"), py::call_guard<py::gil_scoped_release>(),
+           "Readmits `ranks` (collective over the active ranks).")
+      .def_property_readonly("epoch", &EpBackend::epoch)
       .def("transport_of", &EpBackend::transportOf, py::arg("rank"),
            "How this rank reaches `rank` for collectives: 'shm', 'tcp' or 'local'.")
       .def("active_ranks", &EpBackend::activeRanks, "Ranks currently in the active-rank mask.")
@@ -38,6 +51,11 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def_property_readonly("rank", &EpBackend::getRank)
       .def_property_readonly("size", &EpBackend::getSize)
       .def_property_readonly("store", &EpBackend::store);
+
+  m.def(
+      "failed_ranks",
+      [](const c10::intrusive_ptr<c10d::Work>& work) { return EpBackend::lostRanksOf(work); },
+      py::arg("work"), "The ranks an op of backend 'ep' lost while it ran (None for another backend's work).");
 
   m.def(
       "ibgda_status",

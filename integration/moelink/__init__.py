@@ -37,7 +37,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Buffer", "EventOverlap", "get_backend", "transport_of", "ibgda_status", "BACKEND_NAME"]
+__all__ = [
+    "Buffer", "EventOverlap", "EpOptions", "get_backend", "transport_of", "ibgda_status", "BACKEND_NAME",
+    "get_active_ranks", "get_peer_state", "recover_ranks", "failed_ranks",
+]
 
 BACKEND_NAME = "ep"
 
@@ -65,9 +68,36 @@ def _load_native():
 _C = _load_native()
 
 
+class EpOptions:
+    """Options of an ``"ep"`` group, passed as ``pg_options`` to ``init_process_group`` or
+    ``new_group``.
+
+    - ``on_peer_failure``: ``"continue"`` (default): when a peer dies, the survivors agree on a
+      new active-rank mask and the op in flight completes over them; ``"raise"``: that op
+      raises on every survivor instead (later ops run over the survivors either way).
+    - ``is_extension``: this process replaces a failed rank (same rank, same world size); its
+      ``init_process_group`` returns once the active ranks have called ``recover_ranks``.
+    """
+
+    def __init__(self, is_extension: bool = False, on_peer_failure: str = "continue"):
+        if on_peer_failure not in ("continue", "raise"):
+            raise ValueError(f"on_peer_failure must be 'continue' or 'raise', got {on_peer_failure!r}")
+        self.is_extension = bool(is_extension)
+        self.on_peer_failure = on_peer_failure
+
+    def __repr__(self):
+        return f"EpOptions(is_extension={self.is_extension}, on_peer_failure={self.on_peer_failure!r})"
+
+
 def _create_backend(dist_opts, backend_opts):
+    if backend_opts is None:
+        backend_opts = EpOptions()
+    if not isinstance(backend_opts, EpOptions):
+        raise TypeError(f"backend 'ep' takes pg_options=moelink.EpOptions(...), got {type(backend_opts).__name__}")
     return _C.EpBackend(
-        dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout
+        dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
+        raise_on_peer_failure=backend_opts.on_peer_failure == "raise",
+        extension=backend_opts.is_extension,
     )
 
 
@@ -89,6 +119,63 @@ def get_backend(group=None) -> "_C.EpBackend":
     if not isinstance(backend, _C.EpBackend):
         raise ValueError(f"group {pg} does not use backend 'ep' for CPU tensors")
     return backend
+
+
+_cuda_masks = {}
+
+
+def get_active_ranks(group=None, device="cpu") -> torch.Tensor:
+    """The group's active-rank mask: int32 [group size], 1 = active. ``device="cuda"`` gives a
+    CUDA tensor (one per backend and device, refreshed by each call) for the EP buffer."""
+    backend = get_backend(group)
+    mask = torch.tensor(backend.active_mask(), dtype=torch.int32)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return mask
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (id(backend), device)
+    cached = _cuda_masks.get(key)
+    if cached is None or cached[0] is not backend:
+        cached = (backend, torch.empty_like(mask, device=device))
+        _cuda_masks[key] = cached
+    cached[1].copy_(mask)
+    return cached[1]
+
+
+def get_peer_state(ranks, group=None) -> list:
+    """Collective over the active ranks of ``group``: per rank in ``ranks``, True when every
+    active rank sees it active, or sees a replacement process of it waiting to be readmitted
+    and alive."""
+    ranks = [int(r) for r in ranks]
+    local = torch.tensor(get_backend(group).peer_state(ranks), dtype=torch.int32)
+    dist.all_reduce(local, op=dist.ReduceOp.MIN, group=group)
+    return [bool(v) for v in local.tolist()]
+
+
+def recover_ranks(ranks, group=None) -> None:
+    """Collective over the active ranks of ``group``: readmits ``ranks``, whose replacement
+    processes joined with ``EpOptions(is_extension=True)``. Their first op is the next op the
+    active ranks issue. Raises ValueError if one is not waiting (see get_peer_state)."""
+    ranks = [int(r) for r in ranks]
+    active = get_active_ranks(group).tolist()
+    todo = [r for r in ranks if not active[r]] if all(0 <= r < len(active) for r in ranks) else ranks
+    state = get_peer_state(todo, group)
+    missing = [r for r, ok in zip(todo, state) if not ok]
+    if missing:
+        raise ValueError(f"moelink recover_ranks: rank(s) {missing} have no replacement process waiting that "
+                         "every active rank can reach (start it with EpOptions(is_extension=True) and poll "
+                         "get_peer_state first)")
+    if todo:
+        get_backend(group).recover_ranks(todo)
+
+
+def failed_ranks(work) -> list:
+    """The ranks that left the group while the op of ``work`` (from ``async_op=True``) ran."""
+    lost = _C.failed_ranks(work)
+    if lost is None:
+        raise TypeError("failed_ranks takes a Work of a backend 'ep' op")
+    return list(lost)
 
 
 def transport_of(rank: int, group=None) -> str:

@@ -1,5 +1,8 @@
 #include "moelink/backend/ep_backend.h"
 
+#include <algorithm>
+#include <condition_variable>
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -246,9 +249,10 @@ uint64_t nbytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) *
 // ---- the backend ----
 
 EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                     milliseconds timeout)
+                     milliseconds timeout, Options options)
     : c10d::Backend(rank, size),
       timeout_(timeout),
+      options_(options),
       c10d_store_(store),
       store_(std::make_shared<C10dStore>(store)) {
   try {
@@ -256,9 +260,12 @@ EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int
     eo.rank = rank;
     eo.world_size = size;
     eo.timeout = timeout;
+    eo.extension = options.extension;
     engine_ = std::make_unique<transfer::TransferEngine>(store_, eo);
-    worker_ = std::make_unique<collective::CollectiveWorker>(
-        *engine_, *store_, collective::WorkerOptions::fromEnv(timeout));
+    auto wo = collective::WorkerOptions::fromEnv(timeout);
+    wo.raise_on_peer_failure = options.raise_on_peer_failure;
+    wo.extension = options.extension;
+    worker_ = std::make_unique<collective::CollectiveWorker>(*engine_, *store_, wo);
   } catch (const moelink::Error& e) {
     TORCH_CHECK(false, "moelink: could not set up backend 'ep' (rank ", rank, " of ", size, "): ", e.what());
   }
@@ -305,9 +312,68 @@ milliseconds EpBackend::timeoutOf(milliseconds requested) const {
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::enqueue(c10::intrusive_ptr<EpWork> work,
-                                                  collective::OpSpec spec, milliseconds timeout) {
-  worker().submit(std::move(spec), [work](const std::string& err) { work->complete(err); }, timeout);
+                                                  std::function<collective::OpSpec(const collective::AlgoContext&)> build,
+                                                  milliseconds timeout) {
+  collective::CollectiveWorker* wk = &worker();
+  wk->submit(collective::OpBuilder(std::move(build)),
+             [work, wk](const std::string& err) {
+               work->setLost(wk->opLost());
+               work->complete(err);
+             },
+             timeout);
   return work;
+}
+
+std::vector<int32_t> EpBackend::activeMask() const {
+  auto m = worker().mask();
+  return std::vector<int32_t>(m.begin(), m.end());
+}
+
+uint64_t EpBackend::epoch() const { return worker().epoch(); }
+
+std::optional<std::vector<int64_t>> EpBackend::lostRanksOf(const c10::intrusive_ptr<c10d::Work>& work) {
+  auto* w = dynamic_cast<EpWork*>(work.get());
+  if (!w) return std::nullopt;
+  return w->lostRanks();
+}
+
+std::vector<int32_t> EpBackend::peerState(const std::vector<int64_t>& ranks) {
+  std::vector<int32_t> out;
+  for (int64_t r : ranks) {
+    TORCH_CHECK_VALUE(r >= 0 && r < size_, "moelink get_peer_state: rank ", r, " is outside the group of size ", size_);
+    try {
+      out.push_back(worker().peerWaiting(static_cast<int>(r)) ? 1 : 0);
+    } catch (const moelink::Error& e) {
+      out.push_back(0);
+    }
+  }
+  return out;
+}
+
+void EpBackend::recoverRanks(const std::vector<int64_t>& ranks) {
+  std::vector<int> rs;
+  for (int64_t r : ranks) {
+    TORCH_CHECK_VALUE(r >= 0 && r < size_, "moelink recover_ranks: rank ", r, " is outside the group of size ", size_);
+    TORCH_CHECK_VALUE(!worker().isActive(static_cast<int>(r)), "moelink recover_ranks: rank ", r, " is active");
+    TORCH_CHECK_VALUE(std::find(rs.begin(), rs.end(), r) == rs.end(), "moelink recover_ranks: rank ", r, " is listed twice");
+    rs.push_back(static_cast<int>(r));
+  }
+  if (rs.empty()) return;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::string error;
+  worker().readmit(rs,
+                   [&](const std::string& err) {
+                     std::lock_guard<std::mutex> g(mu);
+                     error = err;
+                     done = true;
+                     cv.notify_all();
+                   },
+                   timeout_);
+  std::unique_lock<std::mutex> lk(mu);
+  cv.wait(lk, [&] { return done; });
+  TORCH_CHECK(error.empty(), "moelink recover_ranks: ", error);
 }
 
 std::string EpBackend::transportOf(int peer) const {

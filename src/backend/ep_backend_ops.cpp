@@ -59,9 +59,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& ten
   if (DevicePlacement("broadcast").add(tensors).cuda()) return cuda().broadcast(tensors[0], static_cast<int>(opts.rootRank), timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::BROADCAST, "ep:broadcast", tensors);
   at::Tensor buf = inplaceBuffer(*w, tensors[0]);
-  auto spec = algo::broadcastOp(worker().context(), ptr(buf), nbytes(buf), static_cast<int>(opts.rootRank));
-  spec.dtype = toDType(buf.scalar_type());
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::broadcastOp(c, ptr(buf), nbytes(buf), static_cast<int>(opts.rootRank));
+    spec.dtype = toDType(buf.scalar_type());
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -71,8 +73,10 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& ten
   if (DevicePlacement("allreduce").add(tensors).cuda()) return cuda().allreduce(tensors, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::ALLREDUCE, "ep:all_reduce", tensors);
   at::Tensor buf = inplaceBuffer(*w, tensors[0]);
-  auto spec = algo::allreduceOp(worker().context(), ptr(buf), buf.numel(), toDType(buf.scalar_type()), op);
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::allreduceOp(c, ptr(buf), buf.numel(), toDType(buf.scalar_type()), op);
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
@@ -87,8 +91,10 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
   auto w = makeWork(rank_, OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced", tensors);
   at::Tensor flat = concat(*w, tensors);
   scatterBack(*w, flat, tensors);
-  auto spec = algo::allreduceOp(worker().context(), ptr(flat), flat.numel(), toDType(flat.scalar_type()), op);
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::allreduceOp(c, ptr(flat), flat.numel(), toDType(flat.scalar_type()), op);
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -100,9 +106,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensor
   if (DevicePlacement("reduce").add(tensors).cuda()) return cuda().reduce(tensors[0], op, static_cast<int>(opts.rootRank), timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::REDUCE, "ep:reduce", tensors);
   at::Tensor buf = inplaceBuffer(*w, tensors[0]);
-  auto spec = algo::reduceOp(worker().context(), ptr(buf), ptr(buf), buf.numel(), toDType(buf.scalar_type()),
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::reduceOp(c, ptr(buf), ptr(buf), buf.numel(), toDType(buf.scalar_type()),
                              op, static_cast<int>(opts.rootRank));
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -116,9 +124,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::
   at::Tensor in = inputBuffer(*w, inputs[0]);
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
   scatterBack(*w, flat, outputs[0]);
-  auto spec = algo::allgatherOp(worker().context(), ptr(in), ptr(flat), nbytes(in));
-  spec.dtype = toDType(in.scalar_type());
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::allgatherOp(c, ptr(in), ptr(flat), nbytes(in));
+    spec.dtype = toDType(in.scalar_type());
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -133,9 +143,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at
   auto w = makeWork(rank_, OpType::_ALLGATHER_BASE, "ep:_all_gather_base", {output});
   at::Tensor in = inputBuffer(*w, input);
   at::Tensor out = outputBuffer(*w, output);
-  auto spec = algo::allgatherOp(worker().context(), ptr(in), ptr(out), nbytes(in));
-  spec.dtype = toDType(in.scalar_type());
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::allgatherOp(c, ptr(in), ptr(out), nbytes(in));
+    spec.dtype = toDType(in.scalar_type());
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
@@ -166,9 +178,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
       off += n;
     }
   });
-  auto spec = algo::allgatherOp(worker().context(), ptr(in), ptr(flat), nbytes(in));
-  spec.dtype = toDType(in.scalar_type());
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::allgatherOp(c, ptr(in), ptr(flat), nbytes(in));
+    spec.dtype = toDType(in.scalar_type());
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -225,9 +239,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_coalesced(std::vector<std::v
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
   w->keep(flat);
   w->onSuccess([flat, place]() mutable { place(flat); });
-  auto spec = algo::allgatherOp(worker().context(), ptr(in), ptr(flat), nbytes(in));
-  spec.dtype = toDType(in.scalar_type());
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::allgatherOp(c, ptr(in), ptr(flat), nbytes(in));
+    spec.dtype = toDType(in.scalar_type());
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::gather_into_tensor(at::Tensor& output, at::Tensor& input,
@@ -272,9 +288,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Ten
     flat = at::empty({in.numel() * size_}, in.options());
     scatterBack(*w, flat, outs);
   }
-  auto spec = algo::gatherOp(worker().context(), ptr(in), flat.defined() ? ptr(flat) : nullptr, nbytes(in), root);
-  spec.dtype = toDType(in.scalar_type());
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::gatherOp(c, ptr(in), flat.defined() ? ptr(flat) : nullptr, nbytes(in), root);
+    spec.dtype = toDType(in.scalar_type());
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -297,9 +315,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outpu
   at::Tensor in;
   if (rank_ == root) in = concat(*w, inputs[0]);
   at::Tensor out = outputBuffer(*w, outputs[0]);
-  auto spec = algo::scatterOp(worker().context(), in.defined() ? ptr(in) : nullptr, ptr(out), nbytes(out), root);
-  spec.dtype = toDType(out.scalar_type());
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::scatterOp(c, in.defined() ? ptr(in) : nullptr, ptr(out), nbytes(out), root);
+    spec.dtype = toDType(out.scalar_type());
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -313,9 +333,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>
   auto w = makeWork(rank_, OpType::REDUCE_SCATTER, "ep:reduce_scatter", outputs);
   at::Tensor in = concat(*w, inputs[0]);
   at::Tensor out = outputBuffer(*w, outputs[0]);
-  auto spec = algo::reduceScatterOp(worker().context(), ptr(in), ptr(out), out.numel(),
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::reduceScatterOp(c, ptr(in), ptr(out), out.numel(),
                                     toDType(out.scalar_type()), op);
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -332,9 +354,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& outpu
   auto w = makeWork(rank_, OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", {output});
   at::Tensor in = inputBuffer(*w, input);
   at::Tensor out = outputBuffer(*w, output);
-  auto spec = algo::reduceScatterOp(worker().context(), ptr(in), ptr(out), out.numel(),
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::reduceScatterOp(c, ptr(in), ptr(out), out.numel(),
                                     toDType(out.scalar_type()), op);
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
@@ -365,8 +389,10 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
   int64_t total = in.numel() / size_;
   at::Tensor out = at::empty({total}, in.options());
   scatterBack(*w, out, outputs);
-  auto spec = algo::reduceScatterOp(worker().context(), ptr(in), ptr(out), total, toDType(in.scalar_type()), op);
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::reduceScatterOp(c, ptr(in), ptr(out), total, toDType(in.scalar_type()), op);
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -383,10 +409,12 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
   auto w = makeWork(rank_, OpType::ALLTOALL_BASE, "ep:all_to_all", {output});
   at::Tensor in = inputBuffer(*w, input);
   at::Tensor out = outputBuffer(*w, output);
-  auto spec = algo::alltoallOp(worker().context(), ptr(in), l.send_off, l.send_bytes, ptr(out), l.recv_off,
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::alltoallOp(c, ptr(in), l.send_off, l.send_bytes, ptr(out), l.recv_off,
                                l.recv_bytes);
-  spec.dtype = toDType(in.scalar_type());
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+    spec.dtype = toDType(in.scalar_type());
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -411,10 +439,12 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outp
   const uint64_t ro = l.recv_off.back() + l.recv_bytes.back();
   at::Tensor flat = at::empty({static_cast<int64_t>(ro / inputs[0].element_size())}, inputs[0].options());
   scatterBack(*w, flat, outputs);
-  auto spec = algo::alltoallOp(worker().context(), ptr(in), l.send_off, l.send_bytes, ptr(flat), l.recv_off,
+  return enqueue(w, [=](const algo::AlgoContext& c) {
+    auto spec = algo::alltoallOp(c, ptr(in), l.send_off, l.send_bytes, ptr(flat), l.recv_off,
                                l.recv_bytes);
-  spec.dtype = toDType(in.scalar_type());
-  return enqueue(w, std::move(spec), timeoutOf(opts.timeout));
+    spec.dtype = toDType(in.scalar_type());
+    return spec;
+  }, timeoutOf(opts.timeout));
 }
 
 void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
@@ -479,7 +509,7 @@ void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all
 
 c10::intrusive_ptr<c10d::Work> EpBackend::barrier(const c10d::BarrierOptions& opts) {
   auto w = makeWork(rank_, OpType::BARRIER, "ep:barrier", {});
-  return enqueue(w, algo::barrierOp(worker().context()), timeoutOf(opts.timeout));
+  return enqueue(w, [](const algo::AlgoContext& c) { return algo::barrierOp(c); }, timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {

@@ -31,8 +31,12 @@ class EpWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override { return source_.load(); }
+  // The ranks that left the group while this op ran (set before completion).
+  void setLost(const std::vector<int>& ranks) { lost_.assign(ranks.begin(), ranks.end()); }
+  std::vector<int64_t> lostRanks() const { return lost_; }
 
  private:
+  std::vector<int64_t> lost_;
   std::vector<at::Tensor> outputs_, keep_;
   std::vector<std::function<void()>> finishers_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;

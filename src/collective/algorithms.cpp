@@ -39,11 +39,21 @@ uint64_t perChunk(const AlgoContext& c, size_t es) { return std::max<uint64_t>(1
 
 size_t indexOf(const AlgoContext& c, int rank) {
   auto it = std::find(c.ranks.begin(), c.ranks.end(), rank);
-  MOELINK_CHECK(it != c.ranks.end(), "rank ", rank, " is not an active participant");
+  MOELINK_CHECK(it != c.ranks.end(), "rank ", rank, " is not active in the group (it left; moelink.recover_ranks readmits a replacement)");
   return static_cast<size_t>(it - c.ranks.begin());
 }
 
 char* at(void* p, uint64_t off) { return static_cast<char*>(p) + off; }
+
+int worldOf(const AlgoContext& c) { return c.world ? c.world : static_cast<int>(c.ranks.size()); }
+
+// The ranks of the group that do not take part (their output blocks are zero-filled).
+std::vector<int> absent(const AlgoContext& c) {
+  std::vector<int> out;
+  for (int r = 0; r < worldOf(c); ++r)
+    if (!std::binary_search(c.ranks.begin(), c.ranks.end(), r)) out.push_back(r);
+  return out;
+}
 
 // Copies each received piece to its destination, unless it was received there directly.
 void copyIfElsewhere(char* dst, const char* got, uint64_t len) {
@@ -86,7 +96,7 @@ void recvBlocksFromAllPeers(const AlgoContext& c, Step& st, void* out, uint64_t 
   std::vector<char*> dst;
   for (size_t j = 0; j < c.ranks.size(); ++j)
     if (c.ranks[j] != c.me) {
-      dst.push_back(at(out, j * block + off));
+      dst.push_back(at(out, c.ranks[j] * block + off));
       st.recvs.push_back({c.ranks[j], len, dst.back()});
     }
   st.consume = [dst, len](const std::vector<const char*>& got) {
@@ -158,6 +168,7 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
   size_t es = elementSize(t);
   size_t n = c.ranks.size();
   OpSpec s = base(OpKind::kAllreduce, t, op, -1, count * es);
+  s.inplace = true;
   auto scratch = std::make_shared<std::vector<char>>();
   uint64_t per = perChunk(c, es);
   if (n == 1) return s;  // nothing to combine; AVG of one rank is the input
@@ -223,6 +234,7 @@ OpSpec reduceOp(const AlgoContext& c, const void* in, void* out, uint64_t count,
   indexOf(c, root);
   size_t es = elementSize(t);
   OpSpec s = base(OpKind::kReduce, t, op, root, count * es);
+  s.inplace = in == out;
   auto scratch = std::make_shared<std::vector<char>>();
   Pieces pc{count, perChunk(c, es)};
   for (size_t i = 0; i < pc.count(); ++i) {
@@ -245,7 +257,9 @@ OpSpec reduceOp(const AlgoContext& c, const void* in, void* out, uint64_t count,
 }
 
 OpSpec allgatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes) {
-  size_t me = indexOf(c, c.me);
+  indexOf(c, c.me);
+  const uint64_t me = static_cast<uint64_t>(c.me);
+  const auto gone = absent(c);
   OpSpec s = base(OpKind::kAllgather, DType::kBytes, ReduceOp::kNone, -1, bytes);
   Pieces pc{bytes, c.chunk};
   for (size_t i = 0; i < pc.count(); ++i) {
@@ -255,13 +269,18 @@ OpSpec allgatherOp(const AlgoContext& c, const void* in, void* out, uint64_t byt
     recvBlocksFromAllPeers(c, st, out, bytes, off, len);
     s.steps.push_back(std::move(st));
   }
-  s.finish = [in, out, me, bytes] { std::memmove(at(out, me * bytes), in, bytes); };
+  s.finish = [in, out, me, bytes, gone] {
+    std::memmove(at(out, me * bytes), in, bytes);
+    for (int r : gone) std::memset(at(out, r * bytes), 0, bytes);
+  };
   return s;
 }
 
 OpSpec gatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes, int root) {
   indexOf(c, root);
-  size_t me = indexOf(c, c.me);
+  indexOf(c, c.me);
+  const uint64_t me = static_cast<uint64_t>(c.me);
+  const auto gone = absent(c);
   OpSpec s = base(OpKind::kGather, DType::kBytes, ReduceOp::kNone, root, bytes);
   Pieces pc{bytes, c.chunk};
   for (size_t i = 0; i < pc.count(); ++i) {
@@ -274,21 +293,26 @@ OpSpec gatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes,
     }
     s.steps.push_back(std::move(st));
   }
-  if (c.me == root) s.finish = [in, out, me, bytes] { std::memmove(at(out, me * bytes), in, bytes); };
+  if (c.me == root)
+    s.finish = [in, out, me, bytes, gone] {
+      std::memmove(at(out, me * bytes), in, bytes);
+      for (int r : gone) std::memset(at(out, r * bytes), 0, bytes);
+    };
   return s;
 }
 
 OpSpec scatterOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes, int root) {
   indexOf(c, root);
-  size_t me = indexOf(c, c.me);
+  indexOf(c, c.me);
+  const uint64_t me = static_cast<uint64_t>(c.me);
   OpSpec s = base(OpKind::kScatter, DType::kBytes, ReduceOp::kNone, root, bytes);
   Pieces pc{bytes, c.chunk};
   for (size_t i = 0; i < pc.count(); ++i) {
     Step st;
     uint64_t off = pc.off(i), len = pc.len(i);
     if (c.me == root) {
-      for (size_t j = 0; j < c.ranks.size(); ++j)
-        if (j != me) st.sends.push_back({c.ranks[j], at(in, j * bytes + off), len});
+      for (int r : c.ranks)
+        if (r != c.me) st.sends.push_back({r, at(in, r * bytes + off), len});
     } else {
       char* dst = at(out, off);
       st.recvs = {{root, len, dst}};
@@ -303,7 +327,8 @@ OpSpec scatterOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes
 OpSpec reduceScatterOp(const AlgoContext& c, const void* in, void* out, uint64_t count, DType t,
                        ReduceOp op) {
   size_t es = elementSize(t);
-  size_t me = indexOf(c, c.me);
+  indexOf(c, c.me);
+  const uint64_t me = static_cast<uint64_t>(c.me);
   OpSpec s = base(OpKind::kReduceScatter, t, op, -1, count * es);
   auto scratch = std::make_shared<std::vector<char>>();
   uint64_t block = count * es;
@@ -311,38 +336,38 @@ OpSpec reduceScatterOp(const AlgoContext& c, const void* in, void* out, uint64_t
   for (size_t i = 0; i < pc.count(); ++i) {
     Step st;
     uint64_t off = pc.off(i) * es, len = pc.len(i) * es;
-    for (size_t j = 0; j < c.ranks.size(); ++j)
-      if (j != me) st.sends.push_back({c.ranks[j], at(in, j * block + off), len});
+    for (int r : c.ranks)
+      if (r != c.me) st.sends.push_back({r, at(in, r * block + off), len});
     st.recvs = fromAllPeers(c, len);
     st.consume = reduceConsumer(c, at(in, me * block + off), at(out, off), pc.len(i), t, op, scratch);
     s.steps.push_back(std::move(st));
   }
-  if (c.ranks.size() == 1) s.finish = [in, out, block] { std::memmove(out, in, block); };
+  if (c.ranks.size() == 1) s.finish = [in, out, me, block] { std::memmove(out, at(in, me * block), block); };
   return s;
 }
 
 OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64_t>& send_off,
                   const std::vector<uint64_t>& send_bytes, void* out,
                   const std::vector<uint64_t>& recv_off, const std::vector<uint64_t>& recv_bytes) {
-  size_t me = indexOf(c, c.me);
-  size_t n = c.ranks.size();
-  MOELINK_CHECK(send_bytes.size() == n && recv_bytes.size() == n, "alltoall needs one split per rank");
+  indexOf(c, c.me);
+  const size_t w = static_cast<size_t>(worldOf(c));
+  MOELINK_CHECK(send_bytes.size() == w && recv_bytes.size() == w, "alltoall needs one split per rank");
   OpSpec s = base(OpKind::kAlltoall, DType::kBytes, ReduceOp::kNone, -1, 0);
   size_t steps = 1;
-  for (size_t j = 0; j < n; ++j) {
-    if (j == me) continue;
-    steps = std::max({steps, Pieces{send_bytes[j], c.chunk}.count(), Pieces{recv_bytes[j], c.chunk}.count()});
+  for (int r : c.ranks) {
+    if (r == c.me) continue;
+    steps = std::max({steps, Pieces{send_bytes[r], c.chunk}.count(), Pieces{recv_bytes[r], c.chunk}.count()});
   }
   for (size_t i = 0; i < steps; ++i) {
     Step st;
     std::vector<std::pair<char*, uint64_t>> dst;
-    for (size_t j = 0; j < n; ++j) {
-      if (j == me) continue;
-      Pieces sp{send_bytes[j], c.chunk}, rp{recv_bytes[j], c.chunk};
-      if (i < sp.count()) st.sends.push_back({c.ranks[j], at(in, send_off[j] + sp.off(i)), sp.len(i)});
+    for (int r : c.ranks) {
+      if (r == c.me) continue;
+      Pieces sp{send_bytes[r], c.chunk}, rp{recv_bytes[r], c.chunk};
+      if (i < sp.count()) st.sends.push_back({r, at(in, send_off[r] + sp.off(i)), sp.len(i)});
       if (i < rp.count()) {
-        dst.push_back({at(out, recv_off[j] + rp.off(i)), rp.len(i)});
-        st.recvs.push_back({c.ranks[j], rp.len(i), dst.back().first});
+        dst.push_back({at(out, recv_off[r] + rp.off(i)), rp.len(i)});
+        st.recvs.push_back({r, rp.len(i), dst.back().first});
       }
     }
     st.consume = [dst](const std::vector<const char*>& got) {
@@ -350,10 +375,16 @@ OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64
     };
     if (!st.sends.empty() || !st.recvs.empty()) s.steps.push_back(std::move(st));
   }
+  const size_t me = static_cast<size_t>(c.me);
   uint64_t own = std::min(send_bytes[me], recv_bytes[me]);
   const char* src = at(in, send_off[me]);
   char* dst = at(out, recv_off[me]);
-  s.finish = [src, dst, own] { std::memmove(dst, src, own); };
+  std::vector<std::pair<char*, uint64_t>> zero;
+  for (int r : absent(c)) zero.push_back({at(out, recv_off[r]), recv_bytes[r]});
+  s.finish = [src, dst, own, zero] {
+    std::memmove(dst, src, own);
+    for (auto& [p, n] : zero) std::memset(p, 0, n);
+  };
   return s;
 }
 

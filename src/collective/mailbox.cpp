@@ -1,5 +1,7 @@
 #include "moelink/collective/mailbox.h"
 
+#include <cstring>
+
 #include "moelink/common/error.h"
 
 namespace moelink::collective {
@@ -32,11 +34,23 @@ Mailbox::Mailbox(transfer::TransferEngine& engine, transfer::SegmentId id, uint6
   tcp_.assign(n, 0);
 }
 
-void Mailbox::open() {
+void Mailbox::open(const std::vector<char>& only) {
   for (int p = 0; p < world_; ++p) {
+    if (!only.empty() && !only[p]) continue;
     transports_[p] = engine_.openSegment(p, id_);
     tcp_[p] = transports_[p] == "tcp";
   }
+}
+
+void Mailbox::resetPeer(int peer) {
+  std::memset(base_ + signalOffset(peer, 0), 0, depth_ * 8);
+  __atomic_store_n(reinterpret_cast<uint64_t*>(base_ + ackOffset(peer)), 0, __ATOMIC_RELEASE);
+  sent_[peer] = consumed_[peer] = 0;
+  for (uint64_t s = 0; s < depth_; ++s) out_signals_[peer * depth_ + s] = 0;
+  out_acks_[peer] = 0;
+  head_payload_[peer] = nullptr;
+  transports_[peer] = engine_.openSegment(peer, id_);
+  tcp_[peer] = transports_[peer] == "tcp";
 }
 
 bool Mailbox::canSend(int peer) const {

@@ -52,11 +52,40 @@ void CollectiveWorker::recv(int peer, void* data, uint64_t bytes, int tag, RecvC
   engine_.ringLocal();
 }
 
+void CollectiveWorker::failPeerP2P(int p, const std::string& why) {
+  for (auto& s : sends_[p]) s->done(str("send to rank ", p, ": ", why));
+  sends_[p].clear();
+  if (bound_[p]) {
+    auto op = std::move(bound_[p]);
+    op->done(str("recv from rank ", p, ": ", why), p);
+  }
+  if (stashing_[p]) {
+    Stashed* m = stashing_[p];
+    stash_.remove_if([&](const Stashed& s) { return &s == m; });
+    stashing_[p] = nullptr;
+  }
+  discarding_[p] = abort_pending_[p] = 0;
+  for (auto it = posted_.begin(); it != posted_.end();) {
+    if ((*it)->peer == p) {
+      auto op = std::move(*it);
+      it = posted_.erase(it);
+      op->done(str("recv from rank ", p, ": ", why), p);
+    } else {
+      ++it;
+    }
+  }
+}
+
 bool CollectiveWorker::progressSends() {
   bool progressed = false;
   const uint64_t chunk = p2p_->chunkBytes();
   for (int p = 0; p < world_; ++p) {
     auto& q = sends_[p];
+    if (!q.empty() && !live_[p]) {
+      failPeerP2P(p, str("rank ", p, " is not active in the group (it left; moelink.recover_ranks readmits it)"));
+      progressed = true;
+      continue;
+    }
     if (abort_pending_[p] && p2p_->canSend(p)) {
       MsgHeader h;
       h.kind = static_cast<uint8_t>(OpKind::kSend);
@@ -125,6 +154,15 @@ bool CollectiveWorker::progressRecvs() {
   // Posted recvs take stashed sends first (they arrived before anything in the mailboxes).
   for (auto it = posted_.begin(); it != posted_.end();) {
     RecvOp& r = **it;
+    if (r.peer >= 0 && !live_[r.peer]) {
+      auto op = std::move(*it);
+      it = posted_.erase(it);
+      op->done(str("recv from rank ", op->peer, ": rank ", op->peer,
+                   " is not active in the group (it left; moelink.recover_ranks readmits it)"),
+               op->peer);
+      progressed = true;
+      continue;
+    }
     auto m = std::find_if(stash_.begin(), stash_.end(), [&](const Stashed& s) {
       return s.complete && (r.peer == s.peer || r.peer < 0) && s.tag == r.tag;
     });

@@ -45,23 +45,34 @@ WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
 
 CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
                                    transfer::MetadataStore& store, WorkerOptions options)
-    : engine_(engine), opts_(options), rank_(engine.rank()), world_(engine.worldSize()) {
+    : engine_(engine), opts_(options), rank_(engine.rank()), world_(engine.worldSize()), store_(store) {
   coll_ = std::make_unique<Mailbox>(engine_, kCollectiveSegment, opts_.chunk_bytes, opts_.depth);
   p2p_ = std::make_unique<Mailbox>(engine_, kP2PSegment, opts_.chunk_bytes, opts_.depth);
-  transfer::storeBarrier(store, "worker/allocated", world_, opts_.timeout);
-  coll_->open();
-  p2p_->open();
-  transfer::storeBarrier(store, "worker/opened", world_, opts_.timeout);
-  engine_.unlinkSharedNames();
+  membership_ = std::make_unique<Membership>(engine_, MembershipOptions::fromEnv(opts_.raise_on_peer_failure));
+  active_.assign(world_, 1);
+  if (opts_.extension) {
+    waitAdmission();  // sets active_, the op numbers and the epoch; opens the active peers
+  } else {
+    transfer::storeBarrier(store, "worker/allocated", world_, opts_.timeout);
+    coll_->open();
+    p2p_->open();
+    membership_->open(active_);
+    transfer::storeBarrier(store, "worker/opened", world_, opts_.timeout);
+  }
+  // Shared-memory names stay until shutdown: a process that replaces a failed rank opens
+  // its peers' segments by name (names of a killed process are reclaimed by the next one).
   // Algorithm choices must agree across ranks, so they rest on facts every rank sees
   // alike: the transport mode and whether the group spans hosts.
   bool spans_hosts = false;
-  for (int p = 0; p < world_; ++p) spans_hosts |= engine_.hostIdOf(p) != engine_.hostId();
+  for (int p = 0; p < world_; ++p)
+    spans_hosts |= active_[p] && engine_.hostIdOf(p) != engine_.hostId();
   bool tcp_group = engine_.transportMode() == "tcp" || spans_hosts;
   chain_broadcast_bytes_ = opts_.chain_broadcast_bytes >= 0
                                ? static_cast<uint64_t>(opts_.chain_broadcast_bytes)
                                : (tcp_group ? (1u << 20) : 0);
-  active_.assign(world_, 1);
+  seen_incarnation_.assign(world_, 1);
+  live_ = active_;
+  probed_loss_.assign(world_, 0);
   sends_.resize(world_);
   bound_.resize(world_);
   stashing_.assign(world_, nullptr);
@@ -73,7 +84,7 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   // Default: 256 when this host has a core for each of its ranks' workers, else 0:
   // spinning on an oversubscribed host steals the peers' time slices.
   int local_ranks = 0;
-  for (int p = 0; p < world_; ++p) local_ranks += coll_->transportTo(p) != "tcp";
+  for (int p = 0; p < world_; ++p) local_ranks += active_[p] && coll_->transportTo(p) != "tcp";
   cpu_set_t cpus;
   int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
   spin_ = static_cast<int>(envNumber("MOELINK_WORKER_SPIN", ncpu >= local_ranks ? 256 : 0));
@@ -87,6 +98,12 @@ CollectiveWorker::~CollectiveWorker() {
   }
   engine_.ringLocal();
   if (thread_.joinable()) thread_.join();
+  // Tell the peers this is a clean exit (the thread is gone: the unit is this thread's now).
+  try {
+    if (out_.empty()) membership_->announceLeave(completed_seq_, live_);
+  } catch (const std::exception& e) {
+    VLOG(1) << "moelink: rank " << rank_ << " could not announce its exit: " << e.what();
+  }
   const std::string why = "the process group was shut down before this op finished";
   if (current_) current_->done(why);
   for (auto& c : queue_) c->done(why);
@@ -104,10 +121,14 @@ bool CollectiveWorker::isActive(int rank) const {
   return rank >= 0 && rank < world_ && active_[rank];
 }
 
-void CollectiveWorker::setActive(int rank, bool active) {
-  MOELINK_CHECK(rank >= 0 && rank < world_, "rank ", rank, " out of range");
+std::vector<char> CollectiveWorker::mask() const {
   std::lock_guard<std::mutex> g(mu_);
-  active_[rank] = active;
+  return active_;
+}
+
+std::string CollectiveWorker::outReason() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return out_;
 }
 
 AlgoContext CollectiveWorker::context() const {
@@ -116,6 +137,7 @@ AlgoContext CollectiveWorker::context() const {
   c.chunk = coll_->chunkBytes();
   c.allreduce_small_bytes = opts_.allreduce_small_bytes;
   c.chain_broadcast_bytes = chain_broadcast_bytes_;
+  c.world = world_;
   std::lock_guard<std::mutex> g(mu_);
   for (int r = 0; r < world_; ++r)
     if (active_[r] || r == rank_) c.ranks.push_back(r);
@@ -125,6 +147,21 @@ AlgoContext CollectiveWorker::context() const {
 void CollectiveWorker::submit(OpSpec spec, OpCallback done, milliseconds timeout) {
   auto op = std::make_unique<Collective>();
   op->spec = std::move(spec);
+  op->built = true;
+  op->done = std::move(done);
+  op->timeout = timeout;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    MOELINK_CHECK(!stop_, "the process group is shut down");
+    op->seq = ++next_seq_;
+    queue_.push_back(std::move(op));
+  }
+  engine_.ringLocal();
+}
+
+void CollectiveWorker::submit(OpBuilder build, OpCallback done, milliseconds timeout) {
+  auto op = std::make_unique<Collective>();
+  op->build = std::move(build);
   op->done = std::move(done);
   op->timeout = timeout;
   {
@@ -159,6 +196,9 @@ void CollectiveWorker::loop() {
         new_recvs_.pop_front();
       }
     }
+    if (pollMembership()) progressed = true;
+    if (current_ && !current_->built && !startCollective(*current_)) progressed = true;
+    const bool holding = membership_->changing();  // a change is being agreed: collectives wait
     bool gated = false;  // an op waits for its data (no doorbell will ring for it)
     if (current_ && !current_->started && current_->spec.ready) {
       if (current_->spec.ready())
@@ -168,7 +208,8 @@ void CollectiveWorker::loop() {
     }
     for (int p = 0; p < world_ && !gated; ++p)
       gated = !sends_[p].empty() && sends_[p].front()->ready != nullptr;
-    if (current_ && !current_->spec.ready) {
+    if (current_ && holding) busy = true;
+    if (current_ && !current_->spec.ready && !holding) {
       busy = true;
       Collective& op = *current_;
       try {
@@ -177,11 +218,9 @@ void CollectiveWorker::loop() {
         failCollective(op, e.what());
         progressed = true;
       }
-      if (!op.started) {  // the progress functions clear `started` when the op is over
-        auto done = std::move(op.done);
+      if (current_ && !op.started) {  // the progress functions clear `started` when the op is over
         std::string err = op.error;
-        current_.reset();
-        done(err);
+        finishCollective(op, err);
         progressed = true;
       }
     }
@@ -238,7 +277,7 @@ void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) 
   }
 }
 
-MsgHeader headerFor(const CollectiveWorker::Collective& op, int sender) {
+MsgHeader headerFor(const CollectiveWorker::Collective& op, int sender, uint64_t epoch) {
   MsgHeader h;
   h.kind = static_cast<uint8_t>(op.spec.kind);
   h.dtype = static_cast<uint8_t>(op.spec.dtype);
@@ -247,6 +286,7 @@ MsgHeader headerFor(const CollectiveWorker::Collective& op, int sender) {
   h.op_seq = op.seq;
   h.op_bytes = op.spec.op_bytes;
   h.sender = sender;
+  h.epoch = epoch;
   return h;
 }
 
@@ -300,8 +340,11 @@ const std::string& CollectiveWorker::lostPeer(int peer) {
 
 // The next message of op `seq` or later from `peer`, discarding leftovers of earlier ops.
 const MsgHeader* CollectiveWorker::nextFresh(int peer, uint64_t seq) {
+  const uint64_t epoch = membership_->epoch();
   while (const MsgHeader* h = coll_->peek(peer)) {
-    if (h->op_seq >= seq) return h;
+    // A message of a newer epoch waits until this rank has applied that change too.
+    if (h->epoch > epoch) return nullptr;
+    if (h->op_seq > seq || (h->op_seq == seq && h->epoch == epoch)) return h;
     VLOG(1) << "moelink: rank " << rank_ << " discards a leftover message of op #" << h->op_seq
             << " from rank " << peer;
     coll_->release(peer);
@@ -333,7 +376,7 @@ bool CollectiveWorker::progressCollective(Collective& op) {
       if (steps[s].send_after == Step::SendAfter::kThisStep && op.next_step <= s) break;
       if (!coll_->canSend(p)) break;
       const StepSend& snd = steps[s].sends[k];
-      MsgHeader h = headerFor(op, rank_);
+      MsgHeader h = headerFor(op, rank_, membership_->epoch());
       h.pair_bytes = op.pair_send[p];
       h.bytes = snd.bytes;
       bool last = op.sendpos[p] + 1 == q.size();
@@ -392,6 +435,13 @@ bool CollectiveWorker::progressCollective(Collective& op) {
   // Transfers: a failure fails the op; finished ones are dropped.
   for (size_t i = 0; i < op.inflight.size();) {
     if (op.inflight[i]->failed()) {
+      // A write to a peer whose connection broke: the membership unit probes that peer and,
+      // if it is dead, reruns or fails this op by agreement; a live one leaves it to the deadline.
+      if (anyPeerLost()) {
+        op.inflight[i] = std::move(op.inflight.back());
+        op.inflight.pop_back();
+        continue;
+      }
       failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": ", op.inflight[i]->error()));
       return true;
     }
@@ -422,16 +472,25 @@ bool CollectiveWorker::progressCollective(Collective& op) {
     op.started = false;  // tells the loop it is finished
     return true;
   }
-  if (progressed) return true;
-  const bool late = Clock::now() > op.deadline;
-  if (!late && !anyPeerLost()) return false;
-  // Stalled past the deadline, or with a peer gone: on whom?
+  if (progressed) {
+    op.last_progress = Clock::now();
+    return true;
+  }
+  const auto now = Clock::now();
+  const bool late = now > op.deadline;
+  const bool stalled = now - op.last_progress > milliseconds(100);
+  if (!late && !stalled && !anyPeerLost()) return false;
+  // Stalled, past the deadline, or with a peer gone: on whom?
   std::vector<int> waiting;
   if (op.next_step < steps.size())
     for (const auto& r : steps[op.next_step].recvs)
       if (!coll_->peek(r.peer)) waiting.push_back(r.peer);
   for (int p = 0; p < world_; ++p)
     if (op.sendpos[p] < op.sendq[p].size() && !coll_->canSend(p)) waiting.push_back(p);
+  if (!late) {
+    detect(op, waiting);  // a dead peer starts a membership change (the op is then rerun or fails)
+    return false;
+  }
   for (int p : waiting)
     if (const std::string& lost = lostPeer(p); !lost.empty()) {
       failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": rank ", p, " is gone (", lost, ")"));
@@ -468,7 +527,7 @@ bool CollectiveWorker::progressDrain(Collective& op) {
     }
     if (!op.sendq[p].empty() && !op.abort_sent[p]) {
       if (coll_->canSend(p)) {
-        MsgHeader h = headerFor(op, rank_);
+        MsgHeader h = headerFor(op, rank_, membership_->epoch());
         h.flags = kAbort | kLast;
         h.pair_bytes = op.pair_send[p];
         op.inflight.push_back(coll_->send(p, h, nullptr));

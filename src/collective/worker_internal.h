@@ -13,7 +13,11 @@ namespace moelink::collective {
 using Clock = std::chrono::steady_clock;
 
 struct CollectiveWorker::Collective {
+  OpBuilder build;     // null for a prebuilt spec
   OpSpec spec;
+  bool built = false;
+  std::vector<int> lost;  // ranks that left the group while it ran
+  Clock::time_point last_progress;
   OpCallback done;
   uint64_t seq = 0;
   std::chrono::milliseconds timeout{0};

@@ -28,6 +28,8 @@ def _counts():
 def create_use_destroy(rank, world):
     # The harness created WORLD; measure around extra groups and a full re-init.
     base = _counts()
+    names = lambda: set(glob.glob(f"/dev/shm/{_shm_prefix()}{os.getpid()}.*"))  # noqa: E731
+    base_names = names()  # WORLD's (a group keeps its names while it lives, for replacement processes)
     groups = [dist.new_group(list(range(world))) for _ in range(3)]
     for i, g in enumerate(groups):
         x = torch.full((100,), float(i))
@@ -39,9 +41,10 @@ def create_use_destroy(rank, world):
     after = _counts()
     assert after[0] == base[0], f"threads: {base[0]} before, {after[0]} after destroy"
     assert after[1] <= base[1], f"file descriptors: {base[1]} before, {after[1]} after destroy"
-    assert not glob.glob(f"/dev/shm/{_shm_prefix()}{os.getpid()}.*"), "shared memory left behind"
+    assert names() == base_names, "shared memory of destroyed groups left behind"
     dist.destroy_process_group()
-    assert not glob.glob(f"/dev/shm/{_shm_prefix()}{os.getpid()}.*")
+    assert not names(), "shared memory left behind"
+
     return after[0]
 
 
@@ -67,31 +70,6 @@ def test_backend_registered_with_devices():
     assert "EP" in dist.Backend._plugins
     assert moelink.BACKEND_NAME == "ep"
     assert dist.Backend.backend_capability["ep"] == ["cpu", "cuda"]
-
-
-def survivors_of_a_kill(rank, world):
-    import signal
-    import time
-
-    x = torch.ones(4)
-    dist.all_reduce(x)  # everyone connected and in step
-    if rank == world - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(4))
-        raise AssertionError("an all_reduce with a killed rank succeeded")
-    except RuntimeError as e:
-        assert f"rank {world - 1} is gone" in str(e) or f"connection to rank {world - 1} lost" in str(e), e
-    return time.monotonic() - t0
-
-
-def test_killed_peer_over_tcp_fails_the_op_at_once():
-    """A rank SIGKILLed over tcp: the survivors' op fails within seconds, naming it, instead
-    of waiting out the 30 s group timeout."""
-    took = run_group(3, survivors_of_a_kill, env={"MOELINK_TRANSPORT": "tcp"}, pg_timeout=30, timeout=120,
-                     killed=(2,))
-    assert all(t < 10 for t in took[:2]), took
 
 
 def test_names_of_dead_processes_are_reclaimed():

@@ -13,8 +13,10 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +31,7 @@ class MetadataStore;
 namespace moelink::collective {
 class CollectiveWorker;
 struct OpSpec;
+struct AlgoContext;
 }  // namespace moelink::collective
 
 namespace moelink::backend {
@@ -36,10 +39,19 @@ namespace moelink::backend {
 class EpWork;
 class CudaCollectives;
 
+// Membership options (moelink.EpOptions): on a peer's failure, complete the op in flight
+// over the survivors ("continue") or fail it everywhere ("raise"); `extension`: this
+// process takes a failed rank's place and is readmitted by the group (recover_ranks).
+struct EpBackendOptions {
+  bool raise_on_peer_failure = false;
+  bool extension = false;
+};
+
 class EpBackend : public c10d::Backend {
  public:
+  using Options = EpBackendOptions;
   EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-            std::chrono::milliseconds timeout);
+            std::chrono::milliseconds timeout, Options options = {});
   ~EpBackend() override;
 
   const std::string getBackendName() const override { return "ep"; }
@@ -106,6 +118,15 @@ class EpBackend : public c10d::Backend {
   // How this rank reaches `peer` for collectives ("shm", "tcp", "local").
   std::string transportOf(int peer) const;
   std::vector<int64_t> activeRanks() const;
+  // Per rank: 1 = active (the group's mask), as int32.
+  std::vector<int32_t> activeMask() const;
+  // Per rank in `ranks`: active, or a replacement process waits to be readmitted and is alive.
+  std::vector<int32_t> peerState(const std::vector<int64_t>& ranks);
+  // Readmits `ranks` (collective over the active ranks; blocks until done).
+  void recoverRanks(const std::vector<int64_t>& ranks);
+  uint64_t epoch() const;
+  // The ranks that left while `work` ran; nullopt for a work of another backend.
+  static std::optional<std::vector<int64_t>> lostRanksOf(const c10::intrusive_ptr<c10d::Work>& work);
   std::chrono::milliseconds timeout() const { return timeout_; }
   // The group's store (the EP buffer exchanges its CUDA IPC handles through it).
   c10::intrusive_ptr<c10d::Store> store() const { return c10d_store_; }
@@ -122,11 +143,12 @@ class EpBackend : public c10d::Backend {
   CudaCollectives& cuda();
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
   // Hands `spec` to the worker; `work` is completed with the worker's outcome.
-  c10::intrusive_ptr<c10d::Work> enqueue(c10::intrusive_ptr<EpWork> work,
-                                         collective::OpSpec spec,
-                                         std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<c10d::Work> enqueue(
+      c10::intrusive_ptr<EpWork> work, std::function<collective::OpSpec(const collective::AlgoContext&)> build,
+      std::chrono::milliseconds timeout);
 
   std::chrono::milliseconds timeout_;
+  Options options_;
   c10::intrusive_ptr<c10d::Store> c10d_store_;
   std::shared_ptr<transfer::MetadataStore> store_;
   std::unique_ptr<transfer::TransferEngine> engine_;

@@ -1,5 +1,8 @@
 // Builders of OpSpecs for each collective, over raw memory. `ranks` lists the
-// participating (active) ranks in ascending order and includes `me`. Every participant
+// participating (active) ranks in ascending order and includes `me`. Per-rank blocks
+// (gathered outputs, scattered inputs, all-to-all splits) are laid out by rank over the whole
+// group (`world` blocks); the blocks of ranks that do not take part are zero-filled in
+// outputs and ignored in inputs. Every participant
 // pair that the op connects exchanges at least one message, so that the message pattern
 // depends on the op kind and the root only, never on sizes: a size mismatch is then
 // detected from the headers instead of leaving a peer waiting.
@@ -18,6 +21,7 @@ namespace moelink::collective {
 struct AlgoContext {
   int me;
   std::vector<int> ranks;  // participants, ascending
+  int world = 0;           // the group's size (0: ranks.size(), for a context of every rank)
   uint64_t chunk;          // mailbox payload bytes
   uint64_t allreduce_small_bytes;  // at or below: every rank reduces everything
   // Above this (0: never), broadcast is a pipelined chain from the root instead of direct
@@ -31,15 +35,15 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
 // Root's `out` receives the reduction of every rank's `in` (count elements).
 OpSpec reduceOp(const AlgoContext& c, const void* in, void* out, uint64_t count, DType t,
                 ReduceOp op, int root);
-// out holds ranks.size() blocks of `bytes`, in participant order.
+// out holds world blocks of `bytes`, by rank.
 OpSpec allgatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes);
 OpSpec gatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes, int root);
-// root's `in` holds one block of `bytes` per participant.
+// root's `in` holds one block of `bytes` per rank.
 OpSpec scatterOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes, int root);
-// in holds one block of `count` elements per participant; out gets this rank's reduced block.
+// in holds one block of `count` elements per rank; out gets this rank's reduced block.
 OpSpec reduceScatterOp(const AlgoContext& c, const void* in, void* out, uint64_t count, DType t,
                        ReduceOp op);
-// send_bytes[i] / recv_bytes[i]: bytes to / from participant i, at the given offsets.
+// send_bytes[r] / recv_bytes[r]: bytes to / from rank r, at the given offsets (world entries).
 OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64_t>& send_off,
                   const std::vector<uint64_t>& send_bytes, void* out,
                   const std::vector<uint64_t>& recv_off, const std::vector<uint64_t>& recv_bytes);

@@ -35,7 +35,7 @@ struct alignas(64) MsgHeader {
   uint64_t bytes = 0;       // this message's payload
   int32_t tag = 0;
   int32_t sender = -1;
-  uint64_t reserved = 0;
+  uint64_t epoch = 0;  // the sender's membership epoch (membership.h)
 };
 static_assert(sizeof(MsgHeader) == 64, "MsgHeader is one cache line");
 
@@ -43,8 +43,12 @@ class Mailbox {
  public:
   Mailbox(transfer::TransferEngine& engine, transfer::SegmentId id, uint64_t chunk_bytes,
           int depth);
-  // Opens every peer's mailbox segment (all ranks must have constructed theirs).
-  void open();
+  // Opens every peer's mailbox segment (all ranks must have constructed theirs), or those
+  // of the ranks in `only` (per rank: 1 = open).
+  void open(const std::vector<char>& only = {});
+  // A new process has taken `peer`'s rank: forgets the pair's messages and credits in both
+  // directions and opens its segment (the engine must have forgotten the old one).
+  void resetPeer(int peer);
 
   uint64_t chunkBytes() const { return chunk_; }
   uint64_t depth() const { return depth_; }

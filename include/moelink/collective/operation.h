@@ -54,6 +54,9 @@ struct OpSpec {
   ReduceOp redop = ReduceOp::kNone;
   int root = -1;
   uint64_t op_bytes = 0;  // compared across ranks when non-zero on both sides
+  // Consuming a step overwrites the op's own input (an in-place reduction): once a step has
+  // been consumed, the op cannot be run again from its inputs.
+  bool inplace = false;
   std::vector<Step> steps;
   // Runs after the last step (for example the local copy of this rank's own block).
   std::function<void()> finish;

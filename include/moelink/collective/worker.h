@@ -16,6 +16,12 @@
 // into host memory, so that the sends behind it can reach their recvs; later recvs match
 // such stashed sends first, in arrival order.
 //
+// Membership (membership.h): ops are built when they start, from the active ranks of that
+// moment, so that a change of mask applies to every later op. While a change is being
+// agreed the thread holds collectives still; then the op in flight is built again over the
+// survivors and rerun (every message carries the epoch; those of an older epoch are
+// dropped), or fails, as the decision says.
+//
 // Waiting: peers ring this rank's doorbell (transfer/doorbell.h) with every message and
 // credit they send, and submitters ring it with every new op. The thread spins a little
 // while work is in flight (MOELINK_WORKER_SPIN pause iterations; default 256 when the host
@@ -37,6 +43,7 @@
 
 #include "moelink/collective/algorithms.h"
 #include "moelink/collective/mailbox.h"
+#include "moelink/collective/membership.h"
 #include "moelink/collective/operation.h"
 #include "moelink/transfer/metadata_store.h"
 #include "moelink/transfer/transfer_engine.h"
@@ -50,10 +57,16 @@ struct WorkerOptions {
   // MOELINK_CHAIN_BROADCAST_BYTES; unset: 1 MiB in groups that talk over tcp, else never.
   int64_t chain_broadcast_bytes = -1;
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  bool raise_on_peer_failure = false;  // EpOptions(on_peer_failure="raise")
+  // This process replaces a failed rank: construction waits until the group readmits it.
+  bool extension = false;
   // Reads the MOELINK_* variables above over the given defaults.
   static WorkerOptions fromEnv(std::chrono::milliseconds timeout);
 };
 
+// Builds a collective over the participants of the moment (called on the worker thread when
+// the op starts, and again if a membership change reruns it).
+using OpBuilder = std::function<OpSpec(const AlgoContext&)>;
 using RecvCallback = std::function<void(const std::string& error, int source)>;
 
 class CollectiveWorker {
@@ -70,11 +83,28 @@ class CollectiveWorker {
 
   // Active-rank mask: ops built after a change leave inactive ranks out.
   bool isActive(int rank) const;
-  void setActive(int rank, bool active);
+  std::vector<char> mask() const;
+  uint64_t epoch() const;
+  // Why this rank is out of the group ("" while it is in).
+  std::string outReason() const;
+  // During a completion callback: the ranks the op lost while it ran.
+  const std::vector<int>& opLost() const { return op_lost_; }
+  // Whether a process that replaces `rank` has joined and waits to be readmitted, and is alive.
+  bool peerWaiting(int rank);
+  // Readmits `ranks` (each waiting): an op of the active ranks, which all call it; the ranks
+  // take part from the next op on.
+  void readmit(const std::vector<int>& ranks, OpCallback done, std::chrono::milliseconds timeout);
+  // Any thread: something outside the worker (a GPU op) has waited a while on the group; the
+  // thread checks the active peers' liveness (as for a stalled op) soon.
+  void watchPeers();
+  // Runs `f` on the worker thread after every change of the mask (registration: any thread).
+  void onChange(std::function<void()> f);
   // The participants and tunables that algorithms build ops for, as of now.
   AlgoContext context() const;
   std::string transportTo(int peer) const { return coll_->transportTo(peer); }
 
+  void submit(OpBuilder build, OpCallback done, std::chrono::milliseconds timeout);
+  // A prebuilt op: it fails, rather than rerun, if the mask changes while it runs.
   void submit(OpSpec op, OpCallback done, std::chrono::milliseconds timeout);
   // `ready`, when set, holds the send back as OpSpec::ready holds a collective.
   void send(int peer, const void* data, uint64_t bytes, int tag, OpCallback done,
@@ -100,12 +130,34 @@ class CollectiveWorker {
   const std::string& lostPeer(int peer);
   bool anyPeerLost();  // one atomic load unless the engine reports a new loss
   std::string checkHeader(const Collective& op, int peer, const MsgHeader& h, uint64_t expect) const;
+  // Membership (worker_membership.cpp).
+  void waitAdmission();
+  bool pollMembership();  // true when something changed
+  void applyChange(const MembershipChange& c);
+  void detect(Collective& op, const std::vector<int>& waiting);
+  bool startCollective(Collective& op);  // builds it; false if it fails at once
+  void finishCollective(Collective& op, const std::string& error);
 
   transfer::TransferEngine& engine_;
   WorkerOptions opts_;
   int rank_, world_;
   std::unique_ptr<Mailbox> coll_, p2p_;
   std::vector<char> active_;
+  std::unique_ptr<Membership> membership_;
+  transfer::MetadataStore& store_;
+  uint64_t completed_seq_ = 0;   // worker thread: the newest collective finished
+  uint64_t fail_through_ = 0;    // worker thread: unfinished collectives up to this fail
+  std::string fail_why_;
+  std::string out_;              // guarded by mu_: why this rank left the group
+  std::vector<int> op_lost_;
+  std::vector<int> removed_;     // the ranks of the last change
+  uint64_t epoch_ = 0;           // guarded by mu_ (written by the worker thread)
+  std::vector<char> live_;       // worker thread's copy of active_
+  std::atomic<bool> watch_requested_{false};
+  std::vector<std::function<void()>> on_change_;  // guarded by mu_
+  std::vector<int64_t> seen_incarnation_;  // per rank: the newest process readmitted
+  std::vector<char> probed_loss_;          // per rank: its broken connection was probed
+  void failPeerP2P(int peer, const std::string& why);
   uint64_t chain_broadcast_bytes_ = 0;
   bool had_failure_ = false;  // worker thread: an op of this group has failed
 

@@ -1,0 +1,267 @@
+// The collective worker's side of membership: building ops over the active ranks, finding
+// dead peers, applying agreed changes, readmitting replacement processes.
+#include <glog/logging.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "moelink/collective/worker.h"
+#include "moelink/common/error.h"
+#include "worker_internal.h"
+
+namespace moelink::collective {
+
+using namespace std::chrono;
+
+namespace {
+
+std::string rankList(const std::vector<int>& ranks) {
+  std::string s;
+  for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return s;
+}
+
+std::string maskText(const std::vector<char>& mask) {
+  std::string s;
+  for (char c : mask) s += c ? '1' : '0';
+  return s;
+}
+
+}  // namespace
+
+uint64_t CollectiveWorker::epoch() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return epoch_;
+}
+
+// A replacement process: announce this incarnation, wait until the active ranks readmit it.
+void CollectiveWorker::waitAdmission() {
+  const int64_t inc = engine_.incarnation();
+  store_.set(str("member/waiting/", rank_), std::to_string(inc));
+  std::string rec;
+  try {
+    rec = store_.get(str("member/admit/", rank_, ".", inc), opts_.timeout);
+  } catch (const std::exception& e) {
+    MOELINK_THROW("rank ", rank_, " joined as an extension, but the group did not readmit it within ",
+                  opts_.timeout.count(), " ms (the active ranks call moelink.recover_ranks([", rank_, "])): ",
+                  e.what());
+  }
+  std::istringstream in(rec);
+  uint64_t seq = 0, epoch = 0;
+  std::string bits;
+  in >> seq >> epoch >> bits;
+  MOELINK_CHECK(bits.size() == static_cast<size_t>(world_), "malformed admission record '", rec, "'");
+  for (int r = 0; r < world_; ++r) active_[r] = bits[r] == '1';
+  next_seq_ = completed_seq_ = seq;
+  epoch_ = epoch;
+  membership_->setEpoch(epoch);
+  coll_->open(active_);
+  p2p_->open(active_);
+  membership_->open(active_);
+  LOG(INFO) << "moelink: rank " << rank_ << " (incarnation " << inc << ") readmitted at op #" << seq + 1
+            << ", epoch " << epoch;
+}
+
+bool CollectiveWorker::peerWaiting(int rank) {
+  MOELINK_CHECK(rank >= 0 && rank < world_, "rank ", rank, " is outside the group of size ", world_);
+  if (rank == rank_ || isActive(rank)) return true;
+  const std::string key = str("member/waiting/", rank);
+  if (!store_.check(key)) return false;
+  int64_t inc = std::stoll(store_.get(key, opts_.timeout));
+  if (inc <= seen_incarnation_[rank]) return false;
+  return engine_.probe(rank, membership_->options().probe_timeout, inc).empty();
+}
+
+void CollectiveWorker::readmit(const std::vector<int>& ranks, OpCallback done, milliseconds timeout) {
+  for (int r : ranks)
+    MOELINK_CHECK(r >= 0 && r < world_ && r != rank_ && !isActive(r), "rank ", r, " cannot be readmitted (",
+                  r == rank_ ? "it is this rank" : "it is active or outside the group", ")");
+  submit(
+      [this, ranks](const AlgoContext& c) {
+        // Worker thread, at this op's start: the pairs with the new processes start afresh.
+        std::vector<int64_t> incs;
+        for (int r : ranks) {
+          int64_t inc = std::stoll(store_.get(str("member/waiting/", r), opts_.timeout));
+          incs.push_back(inc);
+          engine_.forgetPeer(r);
+          coll_->resetPeer(r);
+          p2p_->resetPeer(r);
+          membership_->reopen(r);
+          p2p_sent_[r] = 0;
+          lost_[r].clear();
+          abort_pending_[r] = discarding_[r] = 0;
+          probed_loss_[r] = 0;
+        }
+        OpSpec s = barrierOp(c);  // every active rank has reset its pairs before anyone goes on
+        const bool leader = c.ranks.front() == c.me;
+        s.finish = [this, ranks, incs, leader] {
+          uint64_t seq = current_->seq;
+          std::vector<char> m;
+          {
+            std::lock_guard<std::mutex> g(mu_);
+            for (int r : ranks) active_[r] = 1;
+            ++epoch_;
+            m = active_;
+          }
+          live_ = m;
+          membership_->setEpoch(epoch_);
+          std::vector<std::function<void()>> listeners;
+          {
+            std::lock_guard<std::mutex> g(mu_);
+            listeners = on_change_;
+          }
+          for (auto& f : listeners) f();
+          for (size_t i = 0; i < ranks.size(); ++i) {
+            seen_incarnation_[ranks[i]] = incs[i];
+            if (leader)
+              store_.set(str("member/admit/", ranks[i], ".", incs[i]), str(seq, " ", epoch_, " ", maskText(m)));
+          }
+          LOG(INFO) << "moelink: rank " << rank_ << " readmits rank(s) " << rankList(ranks) << " after op #" << seq;
+        };
+        return s;
+      },
+      std::move(done), timeout);
+}
+
+bool CollectiveWorker::startCollective(Collective& op) {
+  std::string out = outReason();
+  if (!out.empty()) {
+    finishCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": this rank is out of the group: ", out));
+    return false;
+  }
+  if (op.seq <= fail_through_) {
+    finishCollective(op, str("op #", op.seq, ": ", fail_why_));
+    return false;
+  }
+  if (op.build) {
+    try {
+      op.spec = op.build(context());
+    } catch (const std::exception& e) {
+      finishCollective(op, str("op #", op.seq, ": ", e.what()));
+      return false;
+    }
+  }
+  op.built = true;
+  op.last_progress = Clock::now();
+  return true;
+}
+
+void CollectiveWorker::finishCollective(Collective& op, const std::string& error) {
+  completed_seq_ = std::max(completed_seq_, op.seq);
+  auto done = std::move(op.done);
+  op_lost_ = op.lost;
+  if (current_.get() == &op) current_.reset();
+  if (done) done(error);
+  op_lost_.clear();
+}
+
+void CollectiveWorker::watchPeers() {
+  watch_requested_.store(true, std::memory_order_release);
+  engine_.ringLocal();
+}
+
+void CollectiveWorker::onChange(std::function<void()> f) {
+  std::lock_guard<std::mutex> g(mu_);
+  on_change_.push_back(std::move(f));
+}
+
+bool CollectiveWorker::pollMembership() {
+  std::vector<char> m = mask();
+  if (watch_requested_.exchange(false, std::memory_order_acq_rel)) {
+    std::vector<int> peers;
+    for (int p = 0; p < world_; ++p)
+      if (m[p] && p != rank_) peers.push_back(p);
+    membership_->watch(peers, hours(1), m);
+  }
+  // A peer that left cleanly after op k is no failure while this rank finishes ops up to k.
+  const uint64_t needed = current_ ? current_->seq : completed_seq_ + 1;
+  auto departed = [&](int p) { return membership_->leftAfter(p) >= needed; };
+  if (anyPeerLost()) {
+    for (int p = 0; p < world_; ++p)
+      if (m[p] && !lost_[p].empty() && !probed_loss_[p] && !departed(p)) {
+        probed_loss_[p] = 1;
+        bool certain = false;
+        std::string why = engine_.probe(p, membership_->options().probe_timeout, 0, &certain);
+        if (!why.empty()) membership_->suspect(p, str(lost_[p], "; ", why), certain);
+      }
+  }
+  LocalProgress me;
+  me.completed = completed_seq_;
+  if (current_) {
+    me.current = current_->seq;
+    const Collective& op = *current_;
+    me.restartable = !op.built || !op.started ||
+                     (op.build && !op.draining && !(op.spec.inplace && op.next_step > 0));
+  }
+  auto change = membership_->poll(me, m);
+  if (!change) return false;
+  applyChange(*change);
+  return true;
+}
+
+void CollectiveWorker::detect(Collective& op, const std::vector<int>& waiting) {
+  std::vector<int> check;
+  for (int p : waiting)
+    if (membership_->leftAfter(p) < op.seq) check.push_back(p);
+  membership_->watch(check, Clock::now() - op.last_progress, mask());
+}
+
+void CollectiveWorker::applyChange(const MembershipChange& c) {
+  if (c.resume) return;
+  std::string why;
+  if (c.out) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      out_ = c.why;
+    }
+    why = str("this rank is out of the group: ", c.why);
+    LOG(WARNING) << "moelink: rank " << rank_ << ": " << why;
+    fail_through_ = UINT64_MAX;
+    fail_why_ = why;
+  } else {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      active_ = c.mask;
+      epoch_ = c.epoch;
+    }
+    live_ = c.mask;
+    membership_->setEpoch(c.epoch);
+    removed_ = c.removed;
+    why = str("rank(s) ", rankList(c.removed), " left the group while this op ran (", c.why, ")");
+    if (c.fail_through > fail_through_) {
+      fail_through_ = c.fail_through;
+      fail_why_ = str(why, "; the op cannot be completed over the remaining ranks (it had finished on some of them, "
+                           "had combined part of its result in place, or on_peer_failure is 'raise')");
+    }
+    LOG(WARNING) << "moelink: rank " << rank_ << " now in epoch " << c.epoch << " with ranks "
+                 << maskText(c.mask) << ": " << why;
+  }
+  coll_->clearLandings();
+  had_failure_ = true;
+  std::vector<std::function<void()>> listeners;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    listeners = on_change_;
+  }
+  for (auto& f : listeners) f();
+  for (int p = 0; p < world_; ++p)
+    if (!c.out ? std::find(c.removed.begin(), c.removed.end(), p) != c.removed.end() : p != rank_)
+      failPeerP2P(p, str("rank ", p, (c.out ? " is unreachable: " : " left the group: "), c.out ? c.why : c.why));
+  if (!current_ || !current_->built) return;
+  Collective& op = *current_;
+  if (op.seq <= fail_through_ || !op.build) {
+    finishCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": ", op.seq <= fail_through_ ? fail_why_ : why));
+    return;
+  }
+  // Run it again over the survivors, under the new epoch.
+  for (int r : c.removed) op.lost.push_back(r);
+  op.started = false;
+  op.draining = false;
+  op.error.clear();
+  op.next_step = 0;
+  op.inflight.clear();
+  if (!startCollective(op)) return;
+  VLOG(1) << "moelink: rank " << rank_ << " reruns op #" << op.seq << " over the survivors";
+}
+
+}  // namespace moelink::collective

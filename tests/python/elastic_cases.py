@@ -1,0 +1,141 @@
+"""Processes of the elastic-membership tests: a loop of all_reduce and all_gather over a group
+whose store the parent hosts (so that any rank, rank 0 included, may die), a rank that kills
+itself before op `kill_op`, survivors that check every result against the mask they report,
+readmit a replacement and go on over the whole group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from datetime import timedelta
+
+
+def _init(rank, world, port, extension=False, timeout=60, on_peer_failure="continue"):
+    import torch.distributed as dist
+
+    import moelink
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))
+    dist.init_process_group("ep", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
+                            pg_options=moelink.EpOptions(is_extension=extension, on_peer_failure=on_peer_failure))
+
+
+def _step(i, rank, world, log):
+    """One iteration (two ops); checks results against the mask; appends to log."""
+    import torch
+    import torch.distributed as dist
+
+    import moelink
+
+    x = torch.full((1000,), float((rank + 1) * (i + 1)), dtype=torch.float64)
+    mask = moelink.get_active_ranks().tolist()
+    t0 = time.monotonic()
+    work = dist.all_reduce(x, async_op=True)
+    work.wait()
+    t1 = time.monotonic()
+    for r in moelink.failed_ranks(work):  # the mask the op ran over: before it, less what it lost
+        mask[r] = 0
+    want = sum((r + 1) * (i + 1) for r in range(world) if mask[r])
+    assert torch.all(x == want), f"iteration {i}: all_reduce gave {x[0].item()}, the sum over mask {mask} is {want}"
+    outs = [torch.full((7,), -1.0) for _ in range(world)]
+    mask2 = moelink.get_active_ranks().tolist()
+    work = dist.all_gather(outs, torch.full((7,), float(rank * 100 + i)), async_op=True)
+    work.wait()
+    for r in moelink.failed_ranks(work):
+        mask2[r] = 0
+    for r in range(world):
+        expect = float(r * 100 + i) if mask2[r] else 0.0
+        assert torch.all(outs[r] == expect), f"iteration {i}: all_gather slot {r} holds {outs[r][0].item()}, mask {mask2}"
+    log.append({"i": i, "mask": mask, "mask2": mask2, "allreduce_s": t1 - t0, "t": time.time()})
+
+
+def member(rank, world, port, out_dir, victim, kill_iter, rejoin_iter, end_iter, replacement=False):
+    import torch.distributed as dist
+
+    import moelink
+
+    log, result = [], {"rank": rank, "replacement": replacement}
+    try:
+        _init(rank, world, port, extension=replacement)
+        start = rejoin_iter if replacement else 0
+        i = start
+        while i < end_iter:
+            if not replacement and rank == victim and i == kill_iter:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if not replacement and rank != victim and i == rejoin_iter:
+                deadline = time.monotonic() + 60
+                while not moelink.get_peer_state([victim])[0]:
+                    assert time.monotonic() < deadline, "the replacement never became ready"
+                    time.sleep(0.2)
+                moelink.recover_ranks([victim])
+                result["recovered_at"] = time.time()
+            _step(i, rank, world, log)
+            i += 1
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        result["error"] = traceback.format_exc()
+    result["log"] = log
+    with open(os.path.join(out_dir, f"{'new' if replacement else 'old'}{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def staller(rank, world, port, out_dir, stall_rank, stall_s, iters):
+    import torch.distributed as dist
+
+    import moelink
+
+    result, log = {"rank": rank}, []
+    try:
+        _init(rank, world, port, timeout=30)
+        for i in range(iters):
+            if rank == stall_rank and i == iters // 2:
+                time.sleep(stall_s)
+            _step(i, rank, world, log)
+        result["masks"] = [e["mask"] for e in log]
+        result["epoch"] = moelink.get_backend().epoch
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"old{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def raiser(rank, world, port, out_dir, victim):
+    """on_peer_failure="raise": the op that loses a peer raises on every survivor; the next runs."""
+    import torch
+    import torch.distributed as dist
+
+    import moelink
+
+    result = {"rank": rank}
+    try:
+        _init(rank, world, port, on_peer_failure="raise")
+        dist.all_reduce(torch.ones(4))
+        if rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4))
+            result["first"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            result["first"] = str(e)
+        result["first_s"] = time.monotonic() - t0
+        x = torch.ones(4)
+        w = dist.all_reduce(x, async_op=True)
+        w.wait()
+        result["second"] = x.tolist()
+        result["failed_ranks"] = moelink.failed_ranks(w)
+        result["mask"] = moelink.get_active_ranks().tolist()
+        try:
+            dist.send(torch.ones(2), victim)
+            result["send"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            result["send"] = str(e)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"old{rank}.json"), "w") as f:
+        json.dump(result, f)

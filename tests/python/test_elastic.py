@@ -1,0 +1,212 @@
+"""Elastic membership over real processes: a rank is SIGKILLed mid-loop, the survivors agree
+on the mask and keep producing exact results over it, a replacement rejoins; a slow rank
+is never evicted; on_peer_failure="raise"."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+
+import elastic_cases
+from harness import free_port
+
+
+def _run(target, world, kwargs, env, spawn_replacement=None, timeout=240):
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    ctx = mp.get_context("spawn")
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            procs = [ctx.Process(target=target, args=(r, world, port, out), kwargs=kwargs) for r in range(world)]
+            for p in procs:
+                p.start()
+            extra = None
+            if spawn_replacement is not None:
+                victim = spawn_replacement
+                procs[victim].join(timeout)
+                extra = ctx.Process(target=target, args=(victim, world, port, out),
+                                    kwargs=dict(kwargs, replacement=True))
+                extra.start()
+            deadline = time.monotonic() + timeout
+            for p in procs + ([extra] if extra else []):
+                p.join(max(1, deadline - time.monotonic()))
+            hung = [p.pid for p in procs + ([extra] if extra else []) if p.is_alive()]
+            for p in procs + ([extra] if extra else []):
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            results = {}
+            for name in os.listdir(out):
+                with open(os.path.join(out, name)) as f:
+                    results[name[:-5]] = json.load(f)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    del store
+    assert not hung, f"processes {hung} did not finish"
+    errors = {k: v["error"] for k, v in results.items() if "error" in v}
+    assert not errors, "\n".join(f"--- {k} ---\n{v}" for k, v in errors.items())
+    return results
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("victim", [2, 0])
+def test_kill_mask_and_rejoin(transport, victim):
+    world, kill_iter, rejoin_iter, end_iter = 4, 10, 16, 24
+    probe_ms = 2000
+    res = _run(elastic_cases.member, world,
+               dict(victim=victim, kill_iter=kill_iter, rejoin_iter=rejoin_iter, end_iter=end_iter),
+               {"MOELINK_TRANSPORT": transport, "MOELINK_FAILURE_PROBE_MS": str(probe_ms)},
+               spawn_replacement=victim)
+    survivors = [r for r in range(world) if r != victim]
+    logs = {r: res[f"old{r}"]["log"] for r in survivors}
+    # Every survivor ran every iteration and reports the same masks at each.
+    for r in survivors:
+        assert [e["i"] for e in logs[r]] == list(range(end_iter)), r
+    for i in range(end_iter):
+        masks = {tuple(logs[r][i]["mask"]) for r in survivors}
+        assert len(masks) == 1, f"iteration {i}: survivors disagree on the mask: {masks}"
+        mask = masks.pop()
+        if i < kill_iter or i >= rejoin_iter:
+            assert all(mask), f"iteration {i}: mask {mask}"
+        else:
+            assert not mask[victim] and sum(mask) == world - 1, f"iteration {i}: mask {mask}"
+    # The op in flight at the kill finished within the probe time + a few seconds.
+    first = max(logs[r][kill_iter]["allreduce_s"] for r in survivors)
+    assert first < probe_ms / 1000 + 5, f"the first op after the kill took {first:.1f} s"
+    # The replacement ran the iterations after its readmission, with full sums.
+    new = res[f"new{victim}"]["log"]
+    assert [e["i"] for e in new] == list(range(rejoin_iter, end_iter))
+    assert all(all(e["mask"]) for e in new)
+
+
+def test_slow_rank_is_not_evicted():
+    res = _run(elastic_cases.staller, 4, dict(stall_rank=1, stall_s=8, iters=6),
+               {"MOELINK_FAILURE_PROBE_MS": "2000"})
+    for r in range(4):
+        assert all(all(m) for m in res[f"old{r}"]["masks"]), res[f"old{r}"]["masks"]
+        assert res[f"old{r}"]["epoch"] == 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_raise_policy(transport):
+    res = _run(elastic_cases.raiser, 3, dict(victim=2), {"MOELINK_TRANSPORT": transport})
+    for r in (0, 1):
+        out = res[f"old{r}"]
+        assert "rank(s) 2 left the group" in out["first"], out["first"]
+        assert out["first_s"] < 10, out["first_s"]
+        assert out["second"] == [2.0] * 4
+        assert out["mask"] == [1, 1, 0]
+        assert "rank 2" in out["send"] and "not active" in out["send"], out["send"]
+
+
+def _sh(*cmd):
+    import subprocess
+
+    return subprocess.run(list(cmd), capture_output=True, text=True)
+
+
+def _netns_available():
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    name = f"mlprobe{os.getpid()}"
+    r = _sh("ip", "netns", "add", name)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip() or r.stdout.strip()}"
+    _sh("ip", "netns", "del", name)
+    return ""
+
+
+def test_two_hosts_partition_and_rejoin():
+    """Two hosts as network namespaces joined by a veth pair, two ranks each: the link is cut,
+    the side with rank 0 evicts the other by agreement and goes on, the other side finds itself
+    out; the link is restored and the cut side rejoins."""
+    import subprocess
+    import sys
+
+    why = _netns_available()
+    if why:
+        pytest.skip(why)
+    tag = os.getpid() % 100000
+    a, b, va, vb = f"mlA{tag}", f"mlB{tag}", f"mlva{tag}", f"mlvb{tag}"
+    ip_a, ip_b = "10.213.7.1", "10.213.7.2"
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = []
+    try:
+        for cmd in (["ip", "netns", "add", a], ["ip", "netns", "add", b],
+                    ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
+                    ["ip", "link", "set", va, "netns", a], ["ip", "link", "set", vb, "netns", b],
+                    ["ip", "-n", a, "addr", "add", f"{ip_a}/24", "dev", va],
+                    ["ip", "-n", b, "addr", "add", f"{ip_b}/24", "dev", vb],
+                    ["ip", "-n", a, "link", "set", "lo", "up"], ["ip", "-n", b, "link", "set", "lo", "up"],
+                    ["ip", "-n", a, "link", "set", va, "up"], ["ip", "-n", b, "link", "set", vb, "up"]):
+            r = _sh(*cmd)
+            if r.returncode != 0:
+                pytest.skip(f"{' '.join(cmd)}: {r.stderr.strip()}")
+        port = 29000 + tag % 1000
+        store = subprocess.Popen(
+            ["ip", "netns", "exec", a, sys.executable, "-c",
+             "import time, datetime, torch.distributed as d; "
+             f"s = d.TCPStore('{ip_a}', {port}, 4, is_master=True, wait_for_workers=False, "
+             "timeout=datetime.timedelta(seconds=300)); time.sleep(600)"])
+        procs.append(store)
+        with tempfile.TemporaryDirectory() as out:
+            for rank in range(4):
+                ns, ip, host = (a, ip_a, "hostA") if rank < 2 else (b, ip_b, "hostB")
+                env = dict(os.environ, PYTHONFAULTHANDLER="1", MOELINK_HOST_IP=ip, MOELINK_HOST_ID=host, MOELINK_FAILURE_PROBE_MS="1000")
+                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable,
+                                               os.path.join(here, "netns_member.py"), str(rank), "4", ip_a, str(port),
+                                               out], env=env))
+
+            def wait_for(name, ranks, limit):
+                deadline = time.monotonic() + limit
+                while not all(os.path.exists(os.path.join(out, f"{name}.{r}")) for r in ranks):
+                    assert time.monotonic() < deadline, f"no '{name}' from ranks {ranks} within {limit} s"
+                    if any(p.poll() is not None for p in procs[1:]):
+                        found = {}
+                        for f in os.listdir(out):
+                            if f.startswith("result."):
+                                found[f] = open(os.path.join(out, f)).read()
+                        raise AssertionError(f"a rank exited early: {found}")
+                    time.sleep(0.05)
+
+            wait_for("running", range(4), 120)
+            assert _sh("ip", "-n", a, "link", "set", va, "down").returncode == 0
+            cut = time.time()
+            wait_for("evicted", (0, 1), 30)
+            wait_for("out", (2, 3), 30)
+            assert _sh("ip", "-n", a, "link", "set", va, "up").returncode == 0
+            for p in procs[1:]:
+                p.wait(timeout=180)
+            results = {}
+            for r in range(4):
+                with open(os.path.join(out, f"result.{r}.json")) as f:
+                    results[r] = json.load(f)
+            detect = max(float(open(os.path.join(out, f"evicted.{r}")).read()) for r in (0, 1)) - cut
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        _sh("ip", "netns", "del", a)
+        _sh("ip", "netns", "del", b)
+    errors = {r: v["error"] for r, v in results.items() if "error" in v}
+    assert not errors, errors
+    for r in (0, 1):
+        assert results[r]["mask_after_cut"] == [1, 1, 0, 0], results[r]
+    for r in (2, 3):
+        assert "out of the group" in results[r]["out_error"], results[r]["out_error"]
+    for r in range(4):
+        assert all(all(m) for m in results[r]["final_masks"]), results[r]
+    assert detect < 1.0 + 1.0 + 5, f"the cut was acted on after {detect:.1f} s"
