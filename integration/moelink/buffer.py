@@ -43,6 +43,11 @@ entries of -1 (or out of range) are skipped. Violations raise before anything is
 Faults: a receiver that waits on a source longer than ``timeout_us`` (-1: the buffer default,
 MOELINK_EP_TIMEOUT_US, 30 s; 0: no limit) marks it inactive in ``active_ranks`` (int32 per rank
 on the GPU; ``buf.active_ranks()``) and treats it as having sent nothing; later rounds skip it.
+The group's own membership (``moelink.get_active_ranks(group)``, changed by agreement when a
+peer dies) is applied too: a rank the group has masked out is masked out of the buffer at its
+next dispatch or combine. A rank readmitted by ``recover_ranks`` stays masked out of a GPU
+buffer created before it left (the buffer's CUDA IPC mappings are not renewed); create a new
+Buffer on every rank to include it again.
 
 Rounds: dispatch/combine pairs alternate between two halves of the buffer, so a round's
 dispatch may be issued while the previous round's combine is still running. Nothing here
@@ -103,6 +108,7 @@ class Buffer:
         # Every rank creates its buffers in the same order, so the keys agree.
         self._key = f"moelink/ep_buffer/{next(_KEYS)}"
         self._impl = None  # the GPU buffer
+        self._epoch = 0  # the group's membership epoch last applied to the GPU buffer's mask
         self._zero_copy = {}  # (device, half) -> persistent combine source for zero_copy
         if getattr(_C, "HAS_CUDA", False) and torch.cuda.is_available():
             self._gpu()  # on the current device; collective, like this constructor
@@ -172,6 +178,7 @@ class Buffer:
                                    self.hidden, self.num_experts, x, topk_idx, use_fp8, round_scale)
             return_recv_hook = False  # the host path has received everything already
         else:
+            self._follow_group()
             out = self._gpu().dispatch(x, topk_idx, use_fp8, round_scale, timeout_us, active_ranks,
                                        not return_recv_hook)
         recv_x = out.recv_x
@@ -215,6 +222,7 @@ class Buffer:
                                  f"{state.num_topk}] routing (the handle's), got {tuple(topk_idx.shape)}")
             result = host_ep.combine(self.group, self.num_ranks, self.hidden, x, topk_idx, topk_weights, state, out)
             return result, self._event(False), _noop
+        self._follow_group()
         result = self._gpu().combine(x, topk_idx, topk_weights, state, out, timeout_us, active_ranks,
                                      not return_recv_hook)
         hook: Callable[[], None] = _noop
@@ -222,6 +230,16 @@ class Buffer:
             def hook():
                 self._impl.combine_recv(topk_idx, topk_weights, state, result, timeout_us, active_ranks)
         return result, self._event(async_finish), hook
+
+    def _follow_group(self) -> None:
+        """Masks ranks the group has masked out (after a membership change) out of the GPU buffer."""
+        epoch = self._backend.epoch
+        if epoch == self._epoch or self._impl is None:
+            return
+        self._epoch = epoch
+        mine = self._impl.active_ranks()
+        group = torch.tensor(self._backend.active_mask(), dtype=torch.int32).to(mine.device, non_blocking=True)
+        mine.mul_(group)  # stream-ordered before this call's kernels
 
     def get_next_combine_buffer(self, handle) -> torch.Tensor:
         """A persistent [local experts, ranks * max tokens, hidden] bf16 tensor (one per buffer

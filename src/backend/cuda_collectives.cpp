@@ -82,7 +82,7 @@ class CudaCollectivesImpl final : public CudaCollectives {
 
   std::string path() const override {
     std::lock_guard<std::mutex> g(mu_);
-    return device_ < 0 ? "" : staging_ ? "nvlink" : "host";
+    return device_ < 0 ? "" : inHost() ? "nvlink" : "host";
   }
 
   Work broadcast(at::Tensor& t, int root, Timeout timeout) override;
@@ -122,7 +122,9 @@ class CudaCollectivesImpl final : public CudaCollectives {
   template <typename Body>
   Work run(const Kind& k, Tensors outputs, const Tensors& used, Route route, Timeout timeout, Body&& body);
   void bind(int device, const char* opname);
-  bool inHost() const { return staging_ != nullptr; }
+  // In-host kernels: while the group has had no membership change (the staging areas of a
+  // rank that left, or of its replacement, are not consistent any more), host route after.
+  bool inHost() const { return staging_ != nullptr && !changed_.load(std::memory_order_acquire); }
   // One flat collective over contiguous CUDA buffers (`in` or `out` undefined where this rank
   // has none), by the group's route: the exchange `x`, or the worker op `host(ctx, in, out)`
   // built over pinned copies.
@@ -149,6 +151,8 @@ class CudaCollectivesImpl final : public CudaCollectives {
   std::unique_ptr<ExchangeStaging> staging_;
   std::unique_ptr<MappedArray<collective::ExchangeStatus>> status_;  // kSlots + a sink for captured ops
   std::unique_ptr<MappedArray<uint32_t>> ready_, done_;
+  std::unique_ptr<MappedArray<uint32_t>> abort_;  // [0]: raised on a membership change; kernels give up
+  std::atomic<bool> changed_{false};
   std::unique_ptr<Completer> completer_;
   cudaEvent_t start_ = nullptr;  // recorded on the caller's stream at each op's start
   uint32_t ticket_ = 0;
@@ -192,6 +196,15 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   status_ = std::make_unique<MappedArray<collective::ExchangeStatus>>(kSlots + 1);
   ready_ = std::make_unique<MappedArray<uint32_t>>(kSlots);
   done_ = std::make_unique<MappedArray<uint32_t>>(kSlots);
+  abort_ = std::make_unique<MappedArray<uint32_t>>(1);
+  uint32_t* abort_word = abort_->host(0);
+  std::atomic<bool>* changed = &changed_;
+  // The worker outlives no CUDA unit of its group (shutdown destroys the worker first).
+  b_.worker().onChange([abort_word, changed] {
+    changed->store(true, std::memory_order_release);
+    __atomic_store_n(abort_word, 1u, __ATOMIC_RELEASE);
+  });
+  if (b_.worker().epoch() > 0) changed_ = true;
   // In-host when every rank is on this host (MOELINK_RANKS_PER_HOST=n declares virtual hosts
   // of n ranks, as for the EP buffer) and every rank maps every peer's staging area.
   // MOELINK_RANKS_PER_HOST: group ranks [0, n), [n, 2n), ... into virtual hosts, so that the
@@ -201,12 +214,19 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   TORCH_CHECK_VALUE(rph >= 0, "moelink: MOELINK_RANKS_PER_HOST must be a positive integer, got ", rph_env);
   bool one_host = size_ <= collective::kExchangeMaxRanks && (rph == 0 || rph >= size_);
   for (int q = 0; q < size_ && one_host; ++q) one_host = b_.hostIdOf(q) == b_.hostIdOf(rank_);
+  // After a membership change the staging areas cannot be set up with every rank (a replacement
+  // process joins a group whose ranks set theirs up long ago): the host route serves the group.
+  if (one_host && b_.worker().epoch() > 0) {
+    one_host = false;
+    LOG(WARNING) << "moelink: CUDA collectives go through host memory (the group's membership has changed)";
+  }
   if (one_host) {
     std::string why;
     staging_ = ExchangeStaging::open(b_.store(), rank_, size_, tuning_, &why);
     if (!staging_) LOG(WARNING) << "moelink: CUDA collectives go through host memory: " << why;
   }
-  completer_ = std::make_unique<Completer>(device, kSlots);
+  collective::CollectiveWorker* worker = &b_.worker();
+  completer_ = std::make_unique<Completer>(device, kSlots, [worker] { worker->watchPeers(); });
   cudaCheck(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming), "cudaEventCreate");
   device_ = device;
   VLOG(1) << "moelink: rank " << rank_ << " CUDA collectives on cuda:" << device << " via "
@@ -278,6 +298,7 @@ void CudaCollectivesImpl::exchange(Op& op, const Exchange& x, const void* in, vo
   l.layout = staging_->layout();
   l.timeout_ns = static_cast<uint64_t>(op.timeout.count()) * 1000000ull;
   l.status = status_->dev(op.slot);
+  l.abort = abort_->dev(0);
   op.work->status = op.captured ? nullptr : status_->host(op.slot);
   cudaCheck(collective::launchExchange(l, op.stream->stream()), "launching the exchange kernel");
 }
@@ -301,7 +322,9 @@ std::function<void(const std::string&, int)> CudaCollectivesImpl::doneCallback(O
   auto outcome = std::make_shared<HostOutcome>();
   op.work->host = outcome;
   uint32_t* done = done_->host(op.slot);
-  return [outcome, done, ticket](const std::string& err, int source) {
+  collective::CollectiveWorker* worker = &b_.worker();
+  return [outcome, done, ticket, worker](const std::string& err, int source) {
+    outcome->lost = worker->opLost();  // worker thread, inside the op's completion
     outcome->set(err, source);
     *reinterpret_cast<volatile uint32_t*>(done) = ticket;
   };
@@ -319,11 +342,20 @@ void CudaCollectivesImpl::hostFlat(Op& op, const at::Tensor& in, const at::Tenso
     op.work->keep(pin_out);
   }
   const uint32_t ticket = raiseReady(op);
-  collective::OpSpec spec = host(b_.worker().context(), ptr(pin_in), ptr(pin_out));
-  if (spec.dtype == collective::DType::kBytes) spec.dtype = toDType((in.defined() ? in : out).scalar_type());
-  spec.ready = readyGate(op, ticket);
+  const auto dtype = toDType((in.defined() ? in : out).scalar_type());
+  char* pi = ptr(pin_in);
+  char* po = ptr(pin_out);
+  auto gate = readyGate(op, ticket);
   auto done = doneCallback(op, ticket);
-  b_.worker().submit(std::move(spec), [done](const std::string& err) { done(err, -1); }, op.timeout);
+  // Built when the worker starts it (and again if a membership change reruns it).
+  b_.worker().submit(
+      collective::OpBuilder([host, pi, po, dtype, gate](const algo::AlgoContext& c) {
+        collective::OpSpec spec = host(c, pi, po);
+        if (spec.dtype == collective::DType::kBytes) spec.dtype = dtype;
+        spec.ready = gate;
+        return spec;
+      }),
+      [done](const std::string& err) { done(err, -1); }, op.timeout);
   StreamMemOps::wait(op.stream->stream(), done_->dev(op.slot), ticket);
   if (out.defined()) out.copy_(pin_out, /*non_blocking=*/true);
 }
@@ -340,7 +372,7 @@ void CudaCollectivesImpl::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp 
   const auto t = toDType(buf.scalar_type());
   const uint64_t count = static_cast<uint64_t>(buf.numel());
   if (!inHost()) {
-    hostFlat(op, buf, buf, [&](const algo::AlgoContext& c, char* in, char*) {
+    hostFlat(op, buf, buf, [=](const algo::AlgoContext& c, char* in, char*) {
       return algo::allreduceOp(c, in, count, t, rop);
     });
   } else if (tuning_.oneShot(size_, nbytes(buf))) {
@@ -359,7 +391,7 @@ Work CudaCollectivesImpl::broadcast(at::Tensor& t, int root, Timeout timeout) {
   return run({"broadcast", OpType::BROADCAST, "ep:broadcast"}, {t}, {t}, Route::kGroup, timeout, [&](Op& op) {
     at::Tensor buf = t.contiguous();
     flat(op, collective::exchangeBroadcast(size_, rank_, nbytes(buf), root), buf, buf,
-         [&](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, nbytes(buf), root); });
+         [=](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, nbytes(buf), root); });
     settle(t, buf);
   });
 }
@@ -384,7 +416,7 @@ Work CudaCollectivesImpl::reduce(at::Tensor& t, ReduceOp rop, int root, Timeout 
     const auto dt = toDType(buf.scalar_type());
     const uint64_t count = static_cast<uint64_t>(buf.numel());
     flat(op, collective::exchangeReduce(size_, rank_, count, dt, rop, root), buf, buf,
-         [&](const algo::AlgoContext& c, char* in, char*) { return algo::reduceOp(c, in, in, count, dt, rop, root); });
+         [=](const algo::AlgoContext& c, char* in, char*) { return algo::reduceOp(c, in, in, count, dt, rop, root); });
     settle(t, buf);
   });
 }
@@ -394,7 +426,7 @@ Work CudaCollectivesImpl::allgather(at::Tensor& output, at::Tensor& input, Timeo
   return run(k, {output}, {input, output}, Route::kGroup, timeout, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
     flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
-         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
     settle(output, out);
   });
 }
@@ -405,7 +437,7 @@ Work CudaCollectivesImpl::allgather(Tensors& outputs, at::Tensor& input, Timeout
                at::Tensor in = input.contiguous();
                at::Tensor out = at::empty({in.numel() * size_}, in.options());
                flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
-                    [&](const algo::AlgoContext& c, char* i, char* o) {
+                    [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::allgatherOp(c, i, o, nbytes(in));
                     });
                unflatten(out, outputs);
@@ -418,7 +450,7 @@ Work CudaCollectivesImpl::allgatherCoalesced(Tensors& outputs, Tensors& inputs, 
     at::Tensor in = flatten(inputs);
     at::Tensor out = at::empty({in.numel() * size_}, in.options());
     flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
-         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
     // out is [rank][input 0 | input 1 | ...]; output i gathers every rank's input i.
     int64_t off = 0;
     for (size_t i = 0; i < outputs.size(); ++i) {
@@ -435,7 +467,7 @@ Work CudaCollectivesImpl::gather(Tensors& outputs, at::Tensor& input, int root, 
                at::Tensor in = input.contiguous();
                at::Tensor out = rank_ == root ? at::empty({in.numel() * size_}, in.options()) : at::Tensor();
                flat(op, collective::exchangeGather(size_, rank_, nbytes(in), root), in, out,
-                    [&](const algo::AlgoContext& c, char* i, char* o) {
+                    [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::gatherOp(c, i, o, nbytes(in), root);
                     });
                if (rank_ == root) unflatten(out, outputs);
@@ -448,7 +480,7 @@ Work CudaCollectivesImpl::scatter(at::Tensor& output, const Tensors& inputs, int
                at::Tensor in = rank_ == root ? flatten(inputs) : at::Tensor();
                at::Tensor out = contiguousOut(output);
                flat(op, collective::exchangeScatter(size_, rank_, nbytes(out), root), in, out,
-                    [&](const algo::AlgoContext& c, char* i, char* o) {
+                    [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::scatterOp(c, i, o, nbytes(out), root);
                     });
                settle(output, out);
@@ -462,7 +494,7 @@ Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, at::Tensor& input, R
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
     flat(op, collective::exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
-         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
     settle(output, out);
   });
 }
@@ -474,7 +506,7 @@ Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, Tensors& inputs, Red
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
     flat(op, collective::exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
-         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
     settle(output, out);
   });
 }
@@ -494,7 +526,7 @@ Work CudaCollectivesImpl::reduceScatterCoalesced(Tensors& outputs, Tensors& inpu
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
     flat(op, collective::exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
-         [&](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
     unflatten(out, outputs);
   });
 }
@@ -504,7 +536,7 @@ Work CudaCollectivesImpl::alltoall(at::Tensor& output, at::Tensor& input, const 
   return run(k, {output}, {input, output}, Route::kGroup, timeout, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
     flat(op, collective::exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes), in, out,
-         [&](const algo::AlgoContext& c, char* i, char* o) {
+         [=](const algo::AlgoContext& c, char* i, char* o) {
            return algo::alltoallOp(c, i, l.send_off, l.send_bytes, o, l.recv_off, l.recv_bytes);
          });
     settle(output, out);
@@ -519,7 +551,7 @@ Work CudaCollectivesImpl::alltoall(Tensors& outputs, Tensors& inputs, const Pair
                at::Tensor out = at::empty({static_cast<int64_t>(total / in.element_size())}, in.options());
                flat(op,
                     collective::exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes),
-                    in, out, [&](const algo::AlgoContext& c, char* i, char* o) {
+                    in, out, [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::alltoallOp(c, i, l.send_off, l.send_bytes, o, l.recv_off, l.recv_bytes);
                     });
                unflatten(out, outputs);

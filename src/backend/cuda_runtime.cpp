@@ -7,6 +7,10 @@
 
 #include <glog/logging.h>
 
+#include <chrono>
+#include <functional>
+#include <thread>
+
 #include "ep_work.h"
 
 namespace moelink::backend {
@@ -126,7 +130,8 @@ int CudaWork::sourceRank() const {
 
 // ---- Completer ----
 
-Completer::Completer(int device, size_t slots) : device_(device), slots_(slots) {
+Completer::Completer(int device, size_t slots, std::function<void()> stalled)
+    : device_(device), slots_(slots), stalled_(std::move(stalled)) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -165,7 +170,21 @@ void Completer::loop() {
       queue_.pop_front();
     }
     std::string error;
-    cudaError_t e = cudaEventSynchronize(w->endEvent());
+    // Polled, so that a long wait can have the group check its peers (a dead peer otherwise
+    // holds a kernel until its timeout).
+    cudaError_t e;
+    const auto since = std::chrono::steady_clock::now();
+    auto next_watch = since + std::chrono::milliseconds(100);
+    for (int spins = 0;; ++spins) {
+      e = cudaEventQuery(w->endEvent());
+      if (e != cudaErrorNotReady) break;
+      const auto now = std::chrono::steady_clock::now();
+      if (stalled_ && now >= next_watch) {
+        stalled_();
+        next_watch = now + std::chrono::milliseconds(100);
+      }
+      if (spins > 200) std::this_thread::sleep_for(std::chrono::microseconds(spins > 2000 ? 200 : 20));
+    }
     if (e != cudaSuccess) error = std::string("the GPU failed while running this op: ") + cudaGetErrorString(e);
     if (error.empty() && w->status) {
       auto* code = reinterpret_cast<volatile uint32_t*>(&w->status->code);
@@ -177,7 +196,10 @@ void Completer::loop() {
       }
     }
     // Receives and collectives: set already (the stream waited for it); sends: once delivered.
-    if (error.empty() && w->host) error = w->host->wait();
+    if (error.empty() && w->host) {
+      error = w->host->wait();
+      w->setLost(w->host->lost);
+    }
     if (!error.empty()) LOG(WARNING) << "moelink: " << error;
     w->complete(error);
     w.reset();

@@ -19,6 +19,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "moelink/collective/exchange.h"
+#include "ep_work.h"
 
 namespace moelink::backend {
 
@@ -58,6 +59,7 @@ struct StreamMemOps {
 class HostOutcome {
  public:
   void set(const std::string& error, int source);
+  std::vector<int> lost;  // written before set(): the ranks the worker op lost
   // Waits for set(); returns the error ("" on success).
   std::string wait();
   int source();
@@ -73,7 +75,7 @@ class HostOutcome {
 // A CUDA op's Work. wait() makes the caller's current stream wait for the op's end event
 // (no host block) and raises the op's error if it is already known; the future and
 // isCompleted() follow the GPU, through the Completer.
-class CudaWork : public c10d::Work {
+class CudaWork : public c10d::Work, public LostRanks {
  public:
   CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device);
   ~CudaWork() override;
@@ -110,7 +112,9 @@ class CudaWork : public c10d::Work {
 // rings have `slots` entries).
 class Completer {
  public:
-  Completer(int device, size_t slots);
+  // `stalled` runs (on the completer's thread) every 100 ms while an op has been pending
+  // that long: the group then checks its peers' liveness.
+  Completer(int device, size_t slots, std::function<void()> stalled = nullptr);
   ~Completer();  // waits for the works handed in so far
   // Reserves the next ring slot, waiting while `slots` ops are in flight.
   size_t reserve();
@@ -120,6 +124,7 @@ class Completer {
   void loop();
   int device_;
   size_t slots_;
+  std::function<void()> stalled_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<CudaWork>> queue_;

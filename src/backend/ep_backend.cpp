@@ -332,7 +332,7 @@ std::vector<int32_t> EpBackend::activeMask() const {
 uint64_t EpBackend::epoch() const { return worker().epoch(); }
 
 std::optional<std::vector<int64_t>> EpBackend::lostRanksOf(const c10::intrusive_ptr<c10d::Work>& work) {
-  auto* w = dynamic_cast<EpWork*>(work.get());
+  auto* w = dynamic_cast<const LostRanks*>(work.get());
   if (!w) return std::nullopt;
   return w->lostRanks();
 }

@@ -15,7 +15,19 @@
 namespace moelink::backend {
 
 // A submitted op: owns its tensors until the worker completes it.
-class EpWork : public c10d::Work {
+// The ranks that left the group while an op ran (moelink.failed_ranks); every Work of the
+// backend has them.
+class LostRanks {
+ public:
+  virtual ~LostRanks() = default;
+  void setLost(const std::vector<int>& ranks) { lost_.assign(ranks.begin(), ranks.end()); }
+  std::vector<int64_t> lostRanks() const { return lost_; }
+
+ private:
+  std::vector<int64_t> lost_;
+};
+
+class EpWork : public c10d::Work, public LostRanks {
  public:
   EpWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs);
 
@@ -31,12 +43,8 @@ class EpWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override { return source_.load(); }
-  // The ranks that left the group while this op ran (set before completion).
-  void setLost(const std::vector<int>& ranks) { lost_.assign(ranks.begin(), ranks.end()); }
-  std::vector<int64_t> lostRanks() const { return lost_; }
 
  private:
-  std::vector<int64_t> lost_;
   std::vector<at::Tensor> outputs_, keep_;
   std::vector<std::function<void()>> finishers_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;

@@ -255,6 +255,9 @@ std::string describeStatus(const ExchangeStatus& s, uint64_t timeout_ms) {
       return str(opKindName(static_cast<OpKind>(s.mine.kind)), " #", s.seq, ": timed out after ", timeout_ms,
                  " ms waiting for rank ", s.peer,
                  " on the GPU; this group's CUDA collectives are unusable from now on");
+    case ExchangeStatus::kAborted:
+      return str(opKindName(static_cast<OpKind>(s.mine.kind)), " #", s.seq, ": rank(s) left the group while this op "
+                 "ran on the GPU (waiting for rank ", s.peer, "); later CUDA ops run over the remaining ranks");
   }
   return str("unknown exchange status ", s.code);
 }

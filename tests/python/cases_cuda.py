@@ -370,6 +370,8 @@ def c10d_extras(rank, world):
     for r in range(world):
         same(outs[r][0], torch.full((3,), float(r), device=d), "all_gather_coalesced 0")
         same(outs[r][1], torch.arange(4, device=d, dtype=torch.float32) + 10 * r, "all_gather_coalesced 1")
+    if not hasattr(dist, "gather_into_tensor"):  # torch < 2.14 has no dist.gather_into_tensor
+        return
     out = torch.empty(world * 4, device=d) if rank == 0 else None
     dist.gather_into_tensor(torch.full((4,), float(rank), device=d), out, dst=0)
     if rank == 0:

@@ -139,3 +139,81 @@ def raiser(rank, world, port, out_dir, victim):
         result["error"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"old{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def gpu_member(rank, world, port, out_dir, replacement=False):
+    """2 GPUs: CUDA all_reduce and an EP round trip; rank 1 dies; rank 0 goes on over itself
+    (CUDA collectives over the host route, the EP buffer with rank 1 masked out), then
+    readmits a replacement and both run CUDA all_reduce over the whole group."""
+    import torch
+    import torch.distributed as dist
+
+    import moelink
+
+    res = {"rank": rank, "replacement": replacement}
+    try:
+        torch.cuda.set_device(rank)
+        _init(rank, world, port, extension=replacement)
+
+        def cuda_allreduce(i):
+            x = torch.full((4096,), float(rank + 1 + i), device="cuda")
+            mask = moelink.get_active_ranks().tolist()
+            w = dist.all_reduce(x, async_op=True)
+            w.wait()  # stream-ordered: raises only an error already known
+            w.get_future().wait()  # blocks until the op is over: raises its error (a loss on the GPU)
+            for r in moelink.failed_ranks(w):
+                mask[r] = 0
+            want = sum(r + 1 + i for r in range(world) if mask[r])
+            assert torch.all(x == want).item(), f"op {i}: {x[0].item()} != {want} over {mask}"
+            return mask
+
+        if replacement:
+            res["path_before"] = moelink.get_backend().cuda_path()
+            res["masks"] = [cuda_allreduce(1000 + k) for k in range(5)]
+            res["path"] = moelink.get_backend().cuda_path()
+        else:
+            hidden, experts, tokens = 1024, 16, 64
+            buf = moelink.Buffer(None, 128, hidden, experts)
+
+            def ep_round(local_only):
+                g = torch.Generator().manual_seed(rank)
+                x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+                idx = torch.rand(tokens, experts, generator=g).topk(4, dim=1).indices.cuda()
+                w = torch.ones(tokens, 4, device="cuda")
+                recv, count, handle, _, _ = buf.dispatch(x, idx, 128, experts, use_fp8=False, timeout_us=5_000_000)
+                out, _, _ = buf.combine(recv, idx, w, handle, timeout_us=5_000_000)
+                torch.cuda.synchronize()
+                per_rank = experts // world
+                counted = (idx // per_rank == rank).sum(1) if local_only else (idx >= 0).sum(1)
+                want = x.float() * counted.unsqueeze(1).float()
+                err = (out.float() - want).abs().max().item()
+                assert err <= 0.05 * want.abs().max().item() + 1e-3, f"EP round trip off by {err}"
+
+            for i in range(5):
+                cuda_allreduce(i)
+            ep_round(local_only=False)
+            res["path_before"] = moelink.get_backend().cuda_path()
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.monotonic()
+            try:
+                cuda_allreduce(5)
+                res["inflight"] = "completed"
+            except Exception as e:  # noqa: BLE001
+                res["inflight"] = str(e)
+            res["detect_s"] = time.monotonic() - t0
+            res["masks_after"] = [cuda_allreduce(6 + k) for k in range(5)]
+            res["path_after"] = moelink.get_backend().cuda_path()
+            ep_round(local_only=True)
+            res["ep_after"] = "ok"
+            deadline = time.monotonic() + 120
+            while not moelink.get_peer_state([1])[0]:
+                assert time.monotonic() < deadline, "the replacement never became ready"
+                time.sleep(0.2)
+            moelink.recover_ranks([1])
+            res["masks"] = [cuda_allreduce(1000 + k) for k in range(5)]
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        res["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"{'new' if replacement else 'old'}{rank}.json"), "w") as f:
+        json.dump(res, f)

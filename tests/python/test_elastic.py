@@ -118,6 +118,10 @@ def _sh(*cmd):
 
 
 def _netns_available():
+    import shutil
+
+    if not shutil.which("ip"):
+        return "the ip command (iproute2) is not installed"
     if os.geteuid() != 0:
         return "needs root to create network namespaces"
     name = f"mlprobe{os.getpid()}"
@@ -210,3 +214,20 @@ def test_two_hosts_partition_and_rejoin():
     for r in range(4):
         assert all(all(m) for m in results[r]["final_masks"]), results[r]
     assert detect < 1.0 + 1.0 + 5, f"the cut was acted on after {detect:.1f} s"
+
+
+def test_gpu_survivor_and_rejoin():
+    """2 GPUs: rank 1 is killed; rank 0's CUDA all_reduce and EP buffer go on over the mask
+    (the op in flight on the in-host kernels either finished or raises naming the loss), a
+    replacement rejoins and CUDA all_reduce sums over both again."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    res = _run(elastic_cases.gpu_member, 2, {}, {"MOELINK_EP_TIMEOUT_US": "5000000"}, spawn_replacement=1, timeout=300)
+    old, new = res["old0"], res["new1"]
+    assert old["inflight"] == "completed" or "left the group" in old["inflight"], old["inflight"]
+    assert old["detect_s"] < 2 + 5, old["detect_s"]
+    assert all(m == [1, 0] for m in old["masks_after"]), old["masks_after"]
+    assert old["path_after"] == "host" and old["ep_after"] == "ok"
+    assert all(m == [1, 1] for m in old["masks"]) and all(m == [1, 1] for m in new["masks"])

@@ -135,7 +135,7 @@ static_assert(sizeof(ExchangeHeader) == 64, "one header slot is 64 bytes");
 
 // What a failed kernel leaves for the host (in host-mapped memory).
 struct ExchangeStatus {
-  enum Code : uint32_t { kOk = 0, kMismatch = 1, kTimeout = 2, kAhead = 3 };
+  enum Code : uint32_t { kOk = 0, kMismatch = 1, kTimeout = 2, kAhead = 3, kAborted = 4 };
   uint32_t code;
   int32_t peer;
   uint64_t seq;

@@ -4,7 +4,8 @@
 // One launch runs one exchange on `blocks` blocks. It reads this rank's op number from the
 // staging area's counter and bumps it when every block is done, so launches on one stream
 // number themselves (a captured CUDA graph replays with fresh numbers, no host involved).
-// Waits on peers spin with a deadline (globaltimer); a failure (header mismatch, timeout)
+// Waits on peers spin with a deadline (globaltimer) and give up when the host raises
+// `abort` (a membership change); a failure (header mismatch, timeout, abort)
 // ends every block of every rank involved and is written to `status`, host-mapped memory
 // the host reads after the launch has completed.
 #pragma once
@@ -31,6 +32,8 @@ struct ExchangeLaunch {
   ExchangeHeader header[kExchangeMaxRanks] = {};  // what this rank sends each peer (seq unset)
   uint64_t timeout_ns = 0;
   ExchangeStatus* status = nullptr;  // device view of host-mapped memory
+  // Host-mapped; non-zero ends the launch (a peer left the group): the waits give up.
+  const uint32_t* abort = nullptr;
 };
 
 // Fills the launch from an exchange (pointers and staging set by the caller).

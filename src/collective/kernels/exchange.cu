@@ -66,6 +66,10 @@ __device__ bool waitAtLeast(const Ctx& c, const uint64_t* p, uint64_t want, int 
         fail(c, ExchangeStatus::kTimeout, peer, nullptr);
         return false;
       }
+      if (c.a->abort && *reinterpret_cast<const volatile uint32_t*>(c.a->abort)) {
+        fail(c, ExchangeStatus::kAborted, peer, nullptr);
+        return false;
+      }
     }
   }
   return true;
