@@ -209,7 +209,7 @@ def main():
               f"{statistics.median(r['recover']):>10.2f} {r['op_before_us']:>13.1f} {r['op_after_us']:>12.1f}  "
               f"{first['fds']}/{first['threads']}/{first['shm']} -> {last['fds']}/{last['threads']}/{last['shm']}")
         for rank, cs in r["counts"].items():
-            if cs[-1]["fds"] > cs[0]["fds"] or cs[-1]["threads"] > cs[0]["threads"]:
+            if any(cs[-1][k] > cs[0][k] for k in ("fds", "threads", "shm")):
                 print(f"  rank {rank}: growth {cs[0]} -> {cs[-1]}")
                 bad = True
     try:

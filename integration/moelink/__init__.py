@@ -22,6 +22,12 @@ Environment variables (read when a group is created):
   rank's data to every rank (one round); above, reduce-scatter + allgather.
 - ``MOELINK_WORKER_SPIN`` (default 256, or 0 when the host has fewer cores than local
   ranks): busy-wait iterations before the worker sleeps on its doorbell.
+- ``MOELINK_FAILURE_PROBE_MS`` (default 2000): an op that has waited this long on a peer on
+  another host checks that peer's listener (same-host peers are checked through /proc after
+  100 ms); ``MOELINK_FAILURE_PROBE_TIMEOUT_MS`` (default 1000) bounds that check.
+
+Elastic membership: see ``EpOptions``, ``get_active_ranks``, ``get_peer_state``,
+``recover_ranks`` and ``failed_ranks`` (and the README's "Elastic membership").
 
 CUDA tensors (read at a group's first CUDA op; see the README's "CUDA tensors"):
 
