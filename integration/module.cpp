@@ -34,6 +34,7 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("raise_on_peer_failure") = false, py::arg("extension") = false,
            py::call_guard<py::gil_scoped_release>())
+      .def("tcp_address", &EpBackend::tcpAddress, "The \"ip:port\" this rank's tcp transport listens on.")
       .def("active_mask", &EpBackend::activeMask, "Per rank: 1 = active (int32 list).")
       .def("peer_state", &EpBackend::peerState, py::arg("ranks"), py::call_guard<py::gil_scoped_release>(),
            "Per rank in `ranks`, as seen by this rank: 1 when active, or when a replacement process waits to be "

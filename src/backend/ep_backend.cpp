@@ -376,6 +376,11 @@ void EpBackend::recoverRanks(const std::vector<int64_t>& ranks) {
   TORCH_CHECK(error.empty(), "moelink recover_ranks: ", error);
 }
 
+std::string EpBackend::tcpAddress() const {
+  TORCH_CHECK(engine_, "moelink: the 'ep' process group has been shut down");
+  return engine_->tcpAddress();
+}
+
 std::string EpBackend::transportOf(int peer) const {
   TORCH_CHECK_VALUE(peer >= 0 && peer < size_, "moelink: rank ", peer, " is outside the group of size ", size_);
   return worker().transportTo(peer);

@@ -228,6 +228,7 @@ std::optional<MembershipChange> Membership::poll(const LocalProgress& me, const 
       continue;
     }
     if (m.target <= epoch_) continue;  // about a round that is over
+    if (round_ && m.target > round_) reports_.assign(world_, {});  // a newer round: older reports do not count
     if (!round_ || m.target > round_) round_ = m.target;
     if (m.kind == kQuery) {
       for (int r = 0; r < world_; ++r)

@@ -166,7 +166,7 @@ void CollectiveWorker::onChange(std::function<void()> f) {
 }
 
 bool CollectiveWorker::pollMembership() {
-  std::vector<char> m = mask();
+  const std::vector<char>& m = live_;  // the worker thread's copy: no lock on this hot path
   if (watch_requested_.exchange(false, std::memory_order_acq_rel)) {
     std::vector<int> peers;
     for (int p = 0; p < world_; ++p)

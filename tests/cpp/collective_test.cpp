@@ -7,6 +7,7 @@
 
 #include "moelink/collective/algorithms.h"
 #include "moelink/collective/worker.h"
+#include "moelink/common/error.h"
 #include "moelink/transfer/transfer_engine.h"
 #include "test_support.h"
 
@@ -94,6 +95,67 @@ TEST_P(CollectiveTest, AlltoallUnevenAndBroadcast) {
     for (int i = 0; i < 9000 && rank == world - 1; ++i) c[i] = i;
     ASSERT_EQ("", run(*r.worker, broadcastOp(chain, c.data(), c.size() * 4, world - 1)));
     for (int i = 0; i < 9000; ++i) ASSERT_EQ(c[i], i);
+  });
+}
+
+// After a membership change ops are built over the active ranks only: per-rank blocks stay laid
+// out by rank over the whole group, and the blocks of an inactive rank are zero-filled outputs
+// and ignored inputs. Rank 1 of 3 is inactive here (it only keeps its mailboxes alive).
+TEST(CollectiveMask, BlocksByRankAndZeroFilledForInactiveRanks) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(3, [&](int rank) {
+    Rank r = makeRank(store, rank, 3, "shm");
+    if (rank != 1) {
+      AlgoContext c = r.worker->context();
+      c.ranks = {0, 2};
+      const uint64_t n = 3000;  // floats per block: crosses chunks
+      auto val = [](int src, int dst, uint64_t i) { return static_cast<float>(src * 100 + dst * 10 + i % 7); };
+      // allgather
+      std::vector<float> in(n), out(3 * n, -1.f);
+      for (uint64_t i = 0; i < n; ++i) in[i] = val(rank, 0, i);
+      ASSERT_EQ("", run(*r.worker, allgatherOp(c, in.data(), out.data(), n * 4)));
+      for (int s = 0; s < 3; ++s)
+        for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(out[s * n + i], s == 1 ? 0.f : val(s, 0, i)) << s << " " << i;
+      // reduce_scatter: in holds a block per rank; rank 1's block is ignored
+      std::vector<float> rs_in(3 * n), rs_out(n, -1.f);
+      for (int d = 0; d < 3; ++d)
+        for (uint64_t i = 0; i < n; ++i) rs_in[d * n + i] = d == 1 ? 1e9f : val(rank, d, i);
+      ASSERT_EQ("", run(*r.worker, reduceScatterOp(c, rs_in.data(), rs_out.data(), n, DType::kFloat32, ReduceOp::kSum)));
+      for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(rs_out[i], val(0, rank, i) + val(2, rank, i));
+      // allreduce over the two
+      std::vector<float> ar(n);
+      for (uint64_t i = 0; i < n; ++i) ar[i] = val(rank, 0, i);
+      ASSERT_EQ("", run(*r.worker, allreduceOp(c, ar.data(), n, DType::kFloat32, ReduceOp::kAvg)));
+      for (uint64_t i = 0; i < n; ++i) ASSERT_FLOAT_EQ(ar[i], (val(0, 0, i) + val(2, 0, i)) / 2);
+      // alltoall with splits per rank: what rank 1 would send or receive is skipped / zeroed
+      std::vector<uint64_t> soff(3), sb(3), roff(3), rb(3);
+      uint64_t st = 0, rt = 0;
+      for (int q = 0; q < 3; ++q) {
+        sb[q] = rb[q] = 1000 * static_cast<uint64_t>(rank + q + 1);
+        soff[q] = st;
+        roff[q] = rt;
+        st += sb[q];
+        rt += rb[q];
+      }
+      std::vector<uint8_t> a_in(st), a_out(rt, 0xff);
+      for (int q = 0; q < 3; ++q) std::fill_n(a_in.begin() + soff[q], sb[q], static_cast<uint8_t>(rank * 16 + q));
+      ASSERT_EQ("", run(*r.worker, alltoallOp(c, a_in.data(), soff, sb, a_out.data(), roff, rb)));
+      for (int q = 0; q < 3; ++q)
+        for (uint64_t i = 0; i < rb[q]; ++i) ASSERT_EQ(a_out[roff[q] + i], q == 1 ? 0 : q * 16 + rank);
+      // gather to rank 2 and scatter from rank 0
+      std::vector<float> g_out(rank == 2 ? 3 * n : 0, -1.f);
+      ASSERT_EQ("", run(*r.worker, gatherOp(c, in.data(), g_out.data(), n * 4, 2)));
+      if (rank == 2)
+        for (int s = 0; s < 3; ++s)
+          for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(g_out[s * n + i], s == 1 ? 0.f : val(s, 0, i));
+      std::vector<float> sc_in(rank == 0 ? 3 * n : 0), sc_out(n, -1.f);
+      for (uint64_t i = 0; i < sc_in.size(); ++i) sc_in[i] = static_cast<float>(i);
+      ASSERT_EQ("", run(*r.worker, scatterOp(c, sc_in.data(), sc_out.data(), n * 4, 0)));
+      for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(sc_out[i], static_cast<float>(rank * n + i));
+      // an inactive root is refused when the op is built
+      EXPECT_THROW(broadcastOp(c, in.data(), 4, 1), moelink::Error);
+    }
+    storeBarrier(*store, "mask-end", 3, seconds(30));
   });
 }
 

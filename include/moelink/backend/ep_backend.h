@@ -115,6 +115,8 @@ class EpBackend : public c10d::Backend {
 
   void shutdown() override;
 
+  // The "ip:port" this rank's tcp transport listens on.
+  std::string tcpAddress() const;
   // How this rank reaches `peer` for collectives ("shm", "tcp", "local").
   std::string transportOf(int peer) const;
   std::vector<int64_t> activeRanks() const;

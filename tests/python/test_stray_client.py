@@ -1,0 +1,78 @@
+"""A stray client on a live group's tcp port: garbage, a truncated handshake, a wrong secret, and,
+with the right secret, frames aimed outside the registered segments, of unknown types, or cut
+off mid-payload. No rank may crash, and the group's next ops must be exact."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import torch
+import torch.distributed as dist
+
+from harness import run_group
+
+MAGIC = 0x6D6F656C696E6B31  # wire::kHelloMagic ("moelink1")
+
+
+def _hello(secret, rank=0):
+    return struct.pack("<QQii", MAGIC, secret, rank, 0)
+
+
+def _frame(ftype, segment, offset, length, request_id=1, flags=0):
+    return struct.pack("<IIQIIQQ", ftype, 0, request_id, segment, flags, offset, length)
+
+
+def _attack(address, secret):
+    host, port = address.rsplit(":", 1)
+    sends = [
+        bytes(range(256)) * 16,                                      # garbage
+        _hello(secret)[:8],                                          # truncated handshake
+        _hello(secret ^ 0x5A5A) + _frame(1, 1, 0, 8) + b"x" * 8,     # wrong secret, then a write
+        _hello(secret) + _frame(1, 999, 0, 8) + b"y" * 8,            # write to an unknown segment
+        _hello(secret) + _frame(1, 1, 1 << 40, 8) + b"z" * 8,        # write far outside a segment
+        _hello(secret) + _frame(1, 1, (1 << 64) - 4, 8) + b"w" * 8,  # offset + length overflows
+        _hello(secret) + _frame(2, 1, 1 << 40, 64),                  # read outside a segment
+        _hello(secret) + _frame(77, 1, 0, 16) + b"q" * 16,           # unknown frame type
+        _hello(secret) + _frame(1, 1, 0, 1 << 40) + b"v" * 100,      # huge write cut off mid-payload
+        _hello(secret) + _frame(1, 1, 0, 8)[:20],                    # header cut off
+    ]
+    for payload in sends:
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            try:
+                s.sendall(payload)
+                time.sleep(0.05)
+            except OSError:
+                pass  # the rank may close first: that is a fine answer
+
+
+def stray_client(rank, world):
+    import moelink
+
+    backend = moelink.get_backend()
+    addresses = [None] * world
+    dist.all_gather_object(addresses, backend.tcp_address())
+    secret = int(backend.store.get("engine/secret").decode())
+    for i in range(3):
+        x = torch.full((100000,), float(rank + i))
+        dist.all_reduce(x)
+        assert torch.all(x == sum(r + i for r in range(world)))
+    dist.barrier()
+    if rank == 0:
+        for target in range(1, world):
+            _attack(addresses[target], secret)
+    dist.barrier()
+    for i in range(10):  # exact after the attack, small and chunked sizes
+        n = 10 if i % 2 else 300000
+        x = torch.full((n,), float(rank * 3 + i))
+        dist.all_reduce(x)
+        assert torch.all(x == sum(r * 3 + i for r in range(world))), f"all_reduce {i} wrong after the attack"
+        outs = [torch.empty(n) for _ in range(world)]
+        dist.all_gather(outs, torch.full((n,), float(rank + i)))
+        assert all(torch.all(outs[r] == r + i) for r in range(world)), f"all_gather {i} wrong after the attack"
+    return True
+
+
+def test_stray_client_on_the_tcp_port():
+    assert run_group(3, stray_client, env={"MOELINK_TRANSPORT": "tcp"}, timeout=300) == [True] * 3
