@@ -25,20 +25,24 @@ PYBIND11_MODULE(_C, m) {
 The c10d backend behind ``backend="ep"``. Created by torch.distributed through the
 registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout, bool raise_on_peer_failure, bool extension) {
+                       std::chrono::milliseconds timeout, bool raise_on_peer_failure, bool extension,
+                       int initial_size) {
              EpBackend::Options o;
              o.raise_on_peer_failure = raise_on_peer_failure;
              o.extension = extension;
+             o.initial_size = initial_size;
              return c10::make_intrusive<EpBackend>(store, rank, size, timeout, o);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("raise_on_peer_failure") = false, py::arg("extension") = false,
+           py::arg("raise_on_peer_failure") = false, py::arg("extension") = false, py::arg("initial_size") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("tcp_address", &EpBackend::tcpAddress, "The \"ip:port\" this rank's tcp transport listens on.")
       .def("active_mask", &EpBackend::activeMask, "Per rank: 1 = active (int32 list).")
       .def("peer_state", &EpBackend::peerState, py::arg("ranks"), py::call_guard<py::gil_scoped_release>(),
            "Per rank in `ranks`, as seen by this rank: 1 when active, or when a replacement process waits to be "
            "readmitted and answers.")
+      .def("num_synced_ranks", &EpBackend::numSyncedRanks, py::call_guard<py::gil_scoped_release>(),
+           "Ranks active or with a process waiting to be readmitted, as this rank sees them.")
       .def("recover_ranks", &EpBackend::recoverRanks, py::arg("ranks"), py::call_guard<py::gil_scoped_release>(),
            "Readmits `ranks` (collective over the active ranks).")
       .def_property_readonly("epoch", &EpBackend::epoch)

@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 __all__ = [
     "Buffer", "EventOverlap", "EpOptions", "get_backend", "transport_of", "ibgda_status", "BACKEND_NAME",
-    "get_active_ranks", "get_peer_state", "recover_ranks", "failed_ranks",
+    "get_active_ranks", "get_peer_state", "recover_ranks", "failed_ranks", "get_num_synced_ranks",
+    "extend_group_size_to",
 ]
 
 BACKEND_NAME = "ep"
@@ -81,18 +82,29 @@ class EpOptions:
     - ``on_peer_failure``: ``"continue"`` (default): when a peer dies, the survivors agree on a
       new active-rank mask and the op in flight completes over them; ``"raise"``: that op
       raises on every survivor instead (later ops run over the survivors either way).
-    - ``is_extension``: this process replaces a failed rank (same rank, same world size); its
-      ``init_process_group`` returns once the active ranks have called ``recover_ranks``.
+    - ``is_extension``: this process replaces a failed rank, or takes a reserved one (same rank,
+      same world size); its ``init_process_group`` returns once the active ranks have called
+      ``recover_ranks`` (or ``extend_group_size_to``).
+    - ``initial_world_size``: a group that will grow. ``world_size`` is the most ranks it can
+      have (c10d fixes a group's size when it is created); ranks ``[0, initial_world_size)``
+      create it and the others are reserved, inactive (zero-filled slots, as for a failed rank)
+      until they join with ``is_extension=True`` and ``extend_group_size_to`` readmits them. The
+      store must not wait for every rank (torchrun's, or ``TCPStore(wait_for_workers=False)``).
     """
 
-    def __init__(self, is_extension: bool = False, on_peer_failure: str = "continue"):
+    def __init__(self, is_extension: bool = False, on_peer_failure: str = "continue",
+                 initial_world_size: int | None = None):
         if on_peer_failure not in ("continue", "raise"):
             raise ValueError(f"on_peer_failure must be 'continue' or 'raise', got {on_peer_failure!r}")
+        if initial_world_size is not None and int(initial_world_size) < 1:
+            raise ValueError(f"initial_world_size must be at least 1, got {initial_world_size}")
         self.is_extension = bool(is_extension)
         self.on_peer_failure = on_peer_failure
+        self.initial_world_size = None if initial_world_size is None else int(initial_world_size)
 
     def __repr__(self):
-        return f"EpOptions(is_extension={self.is_extension}, on_peer_failure={self.on_peer_failure!r})"
+        return (f"EpOptions(is_extension={self.is_extension}, on_peer_failure={self.on_peer_failure!r}, "
+                f"initial_world_size={self.initial_world_size})")
 
 
 def _create_backend(dist_opts, backend_opts):
@@ -100,10 +112,17 @@ def _create_backend(dist_opts, backend_opts):
         backend_opts = EpOptions()
     if not isinstance(backend_opts, EpOptions):
         raise TypeError(f"backend 'ep' takes pg_options=moelink.EpOptions(...), got {type(backend_opts).__name__}")
+    initial = backend_opts.initial_world_size or 0
+    if initial > dist_opts.group_size:
+        raise ValueError(f"EpOptions.initial_world_size ({initial}) exceeds the group size ({dist_opts.group_size})")
+    if initial and not backend_opts.is_extension and dist_opts.group_rank >= initial:
+        raise ValueError(f"rank {dist_opts.group_rank} is reserved (the group starts with ranks 0..{initial - 1}): "
+                         "join with EpOptions(is_extension=True)")
     return _C.EpBackend(
         dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
         raise_on_peer_failure=backend_opts.on_peer_failure == "raise",
         extension=backend_opts.is_extension,
+        initial_size=initial,
     )
 
 
@@ -174,6 +193,44 @@ def recover_ranks(ranks, group=None) -> None:
                          "get_peer_state first)")
     if todo:
         get_backend(group).recover_ranks(todo)
+
+
+def get_num_synced_ranks(group=None) -> int:
+    """How many ranks of ``group`` are active or have a process waiting to be readmitted (as
+    this rank sees them; not collective)."""
+    return int(get_backend(group).num_synced_ranks())
+
+
+def extend_group_size_to(new_size: int, group=None, timeout: float | None = None) -> None:
+    """Collective over the active ranks of ``group``: readmits every inactive rank below
+    ``new_size`` (reserved ranks of a group created with ``EpOptions(initial_world_size=...)``,
+    or failed ones), waiting up to ``timeout`` seconds (default: the group's timeout) until
+    each has a process waiting. ``new_size`` cannot exceed the size the group was created with."""
+    backend = get_backend(group)
+    if not 1 <= int(new_size) <= backend.size:
+        raise ValueError(f"moelink extend_group_size_to: {new_size} is outside 1..{backend.size} (a group's size is "
+                         "fixed when it is created: create it with the largest world_size and "
+                         "EpOptions(initial_world_size=...))")
+    active = get_active_ranks(group).tolist()
+    ranks = [r for r in range(int(new_size)) if not active[r]]
+    if not ranks:
+        return
+    import time
+
+    deadline = time.monotonic() + (timeout if timeout is not None else backend.timeout.total_seconds())
+    while True:
+        # One collective per round decides for every active rank: all joined, or someone's
+        # deadline passed (so that no rank leaves the loop alone).
+        local = backend.peer_state(ranks) + [0 if time.monotonic() > deadline else 1]
+        state = torch.tensor(local, dtype=torch.int32)
+        dist.all_reduce(state, op=dist.ReduceOp.MIN, group=group)
+        if all(state[:-1].tolist()):
+            break
+        if not state[-1]:
+            missing = [r for r, ok in zip(ranks, state[:-1].tolist()) if not ok]
+            raise TimeoutError(f"moelink extend_group_size_to: rank(s) {missing} did not join in time")
+        time.sleep(0.05)
+    backend.recover_ranks(ranks)
 
 
 def failed_ranks(work) -> list:

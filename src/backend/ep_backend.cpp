@@ -265,6 +265,7 @@ EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int
     auto wo = collective::WorkerOptions::fromEnv(timeout);
     wo.raise_on_peer_failure = options.raise_on_peer_failure;
     wo.extension = options.extension;
+    wo.initial_size = options.initial_size;
     worker_ = std::make_unique<collective::CollectiveWorker>(*engine_, *store_, wo);
   } catch (const moelink::Error& e) {
     TORCH_CHECK(false, "moelink: could not set up backend 'ep' (rank ", rank, " of ", size, "): ", e.what());
@@ -348,6 +349,17 @@ std::vector<int32_t> EpBackend::peerState(const std::vector<int64_t>& ranks) {
     }
   }
   return out;
+}
+
+int64_t EpBackend::numSyncedRanks() {
+  int64_t n = 0;
+  for (int r = 0; r < size_; ++r) {
+    try {
+      n += worker().peerWaiting(r) ? 1 : 0;
+    } catch (const moelink::Error&) {
+    }
+  }
+  return n;
 }
 
 void EpBackend::recoverRanks(const std::vector<int64_t>& ranks) {

@@ -49,15 +49,21 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   coll_ = std::make_unique<Mailbox>(engine_, kCollectiveSegment, opts_.chunk_bytes, opts_.depth);
   p2p_ = std::make_unique<Mailbox>(engine_, kP2PSegment, opts_.chunk_bytes, opts_.depth);
   membership_ = std::make_unique<Membership>(engine_, MembershipOptions::fromEnv(opts_.raise_on_peer_failure));
-  active_.assign(world_, 1);
+  const int initial = opts_.initial_size > 0 ? std::min(opts_.initial_size, world_) : world_;
+  active_.assign(world_, 0);
+  std::fill(active_.begin(), active_.begin() + initial, 1);
+  seen_incarnation_.assign(world_, 0);  // the newest process readmitted per rank (0: none yet)
+  std::fill(seen_incarnation_.begin(), seen_incarnation_.begin() + initial, 1);
   if (opts_.extension) {
     waitAdmission();  // sets active_, the op numbers and the epoch; opens the active peers
   } else {
-    transfer::storeBarrier(store, "worker/allocated", world_, opts_.timeout);
-    coll_->open();
-    p2p_->open();
+    MOELINK_CHECK(rank_ < initial, "rank ", rank_, " is reserved (the group starts with ranks 0..", initial - 1,
+                  "): join it with is_extension=True");
+    transfer::storeBarrier(store, "worker/allocated", initial, opts_.timeout);
+    coll_->open(active_);
+    p2p_->open(active_);
     membership_->open(active_);
-    transfer::storeBarrier(store, "worker/opened", world_, opts_.timeout);
+    transfer::storeBarrier(store, "worker/opened", initial, opts_.timeout);
   }
   // Shared-memory names stay until shutdown: a process that replaces a failed rank opens
   // its peers' segments by name (names of a killed process are reclaimed by the next one).
@@ -70,7 +76,6 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   chain_broadcast_bytes_ = opts_.chain_broadcast_bytes >= 0
                                ? static_cast<uint64_t>(opts_.chain_broadcast_bytes)
                                : (tcp_group ? (1u << 20) : 0);
-  seen_incarnation_.assign(world_, 1);
   live_ = active_;
   probed_loss_.assign(world_, 0);
   sends_.resize(world_);

@@ -51,7 +51,10 @@ void CollectiveWorker::waitAdmission() {
   std::string bits;
   in >> seq >> epoch >> bits;
   MOELINK_CHECK(bits.size() == static_cast<size_t>(world_), "malformed admission record '", rec, "'");
-  for (int r = 0; r < world_; ++r) active_[r] = bits[r] == '1';
+  for (int r = 0; r < world_; ++r) {
+    active_[r] = bits[r] == '1';
+    if (active_[r]) seen_incarnation_[r] = std::max<int64_t>(seen_incarnation_[r], 1);
+  }
   next_seq_ = completed_seq_ = seq;
   epoch_ = epoch;
   membership_->setEpoch(epoch);

@@ -217,3 +217,42 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
         res["error"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"{'new' if replacement else 'old'}{rank}.json"), "w") as f:
         json.dump(res, f)
+
+
+def grower(rank, world, port, out_dir, initial, replacement=False):
+    """A group created by ranks [0, initial) of `world`; the rest join as extensions and
+    extend_group_size_to(world) readmits them."""
+    import torch
+    import torch.distributed as dist
+
+    import moelink
+
+    res = {"rank": rank}
+    try:
+        if rank < initial:
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+            dist.init_process_group("ep", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60),
+                                    pg_options=moelink.EpOptions(initial_world_size=initial))
+            res["mask_before"] = moelink.get_active_ranks().tolist()
+            x = torch.full((1000,), float(rank + 1))
+            dist.all_reduce(x)
+            res["sum_before"] = x[0].item()
+            outs = [torch.full((3,), -1.0) for _ in range(world)]
+            dist.all_gather(outs, torch.full((3,), float(rank)))
+            res["gather_before"] = [o[0].item() for o in outs]
+            deadline = time.monotonic() + 60
+            while moelink.get_num_synced_ranks() < world:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            moelink.extend_group_size_to(world)
+        else:
+            _init(rank, world, port, extension=True)
+        x = torch.full((1000,), float(rank + 1))
+        dist.all_reduce(x)
+        res["sum_after"] = x[0].item()
+        res["mask_after"] = moelink.get_active_ranks().tolist()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        res["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"old{rank}.json"), "w") as f:
+        json.dump(res, f)

@@ -247,3 +247,15 @@ def test_gpu_survivor_and_rejoin():
     assert all(m == [1, 0] for m in old["masks_after"]), old["masks_after"]
     assert old["path_after"] == "host" and old["ep_after"] == "ok"
     assert all(m == [1, 1] for m in old["masks"]) and all(m == [1, 1] for m in new["masks"])
+
+
+def test_group_grows_with_extension_ranks():
+    """Ranks 0 and 1 create a group of 4 with EpOptions(initial_world_size=2); ranks 2 and 3 join
+    later with is_extension=True and extend_group_size_to(4) readmits them."""
+    res = _run(elastic_cases.grower, 4, dict(initial=2), {})
+    for r in (0, 1):
+        assert res[f"old{r}"]["mask_before"] == [1, 1, 0, 0]
+        assert res[f"old{r}"]["sum_before"] == 3.0
+        assert res[f"old{r}"]["gather_before"] == [0.0, 1.0, 0.0, 0.0]
+    for r in range(4):
+        assert res[f"old{r}"]["sum_after"] == 10.0 and res[f"old{r}"]["mask_after"] == [1, 1, 1, 1]

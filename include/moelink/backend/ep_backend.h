@@ -45,6 +45,7 @@ class CudaCollectives;
 struct EpBackendOptions {
   bool raise_on_peer_failure = false;
   bool extension = false;
+  int initial_size = 0;  // ranks [0, initial_size) create the group, the rest join later (0: all)
 };
 
 class EpBackend : public c10d::Backend {
@@ -124,6 +125,8 @@ class EpBackend : public c10d::Backend {
   std::vector<int32_t> activeMask() const;
   // Per rank in `ranks`: active, or a replacement process waits to be readmitted and is alive.
   std::vector<int32_t> peerState(const std::vector<int64_t>& ranks);
+  // Ranks active or with a process waiting to be readmitted, as this rank sees them.
+  int64_t numSyncedRanks();
   // Readmits `ranks` (collective over the active ranks; blocks until done).
   void recoverRanks(const std::vector<int64_t>& ranks);
   uint64_t epoch() const;

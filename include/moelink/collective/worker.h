@@ -58,8 +58,12 @@ struct WorkerOptions {
   int64_t chain_broadcast_bytes = -1;
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   bool raise_on_peer_failure = false;  // EpOptions(on_peer_failure="raise")
-  // This process replaces a failed rank: construction waits until the group readmits it.
+  // This process replaces a failed rank (or takes a reserved one): construction waits until
+  // the group readmits it.
   bool extension = false;
+  // Ranks [0, initial_size) create the group; the others are reserved, inactive until
+  // readmitted (0: every rank creates it).
+  int initial_size = 0;
   // Reads the MOELINK_* variables above over the given defaults.
   static WorkerOptions fromEnv(std::chrono::milliseconds timeout);
 };
