@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <thread>
 
 #include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
@@ -176,18 +177,6 @@ bool CollectiveWorker::pollMembership() {
       if (m[p] && p != rank_) peers.push_back(p);
     membership_->watch(peers, hours(1), m);
   }
-  // A peer that left cleanly after op k is no failure while this rank finishes ops up to k.
-  const uint64_t needed = current_ ? current_->seq : completed_seq_ + 1;
-  auto departed = [&](int p) { return membership_->leftAfter(p) >= needed; };
-  if (anyPeerLost()) {
-    for (int p = 0; p < world_; ++p)
-      if (m[p] && !lost_[p].empty() && !probed_loss_[p] && !departed(p)) {
-        probed_loss_[p] = 1;
-        bool certain = false;
-        std::string why = engine_.probe(p, membership_->options().probe_timeout, 0, &certain);
-        if (!why.empty()) membership_->suspect(p, str(lost_[p], "; ", why), certain);
-      }
-  }
   LocalProgress me;
   me.completed = completed_seq_;
   if (current_) {
@@ -196,10 +185,24 @@ bool CollectiveWorker::pollMembership() {
     me.restartable = !op.built || !op.started ||
                      (op.build && !op.draining && !(op.spec.inplace && op.next_step > 0));
   }
-  auto change = membership_->poll(me, m);
-  if (!change) return false;
-  applyChange(*change);
-  return true;
+  // The board first: a peer's LEAVE, written before its connections closed, is read before
+  // the loss of those connections is looked at.
+  if (auto change = membership_->poll(me, m)) {
+    applyChange(*change);
+    return true;
+  }
+  // A peer that left cleanly after op k is no failure while this rank finishes ops up to k.
+  const uint64_t needed = current_ ? current_->seq : completed_seq_ + 1;
+  if (anyPeerLost()) {
+    for (int p = 0; p < world_; ++p)
+      if (m[p] && !lost_[p].empty() && !probed_loss_[p] && membership_->leftAfter(p) < needed) {
+        probed_loss_[p] = 1;
+        bool certain = false;
+        std::string why = engine_.probe(p, membership_->options().probe_timeout, 0, &certain);
+        if (!why.empty()) membership_->suspect(p, str(lost_[p], "; ", why), certain);
+      }
+  }
+  return false;
 }
 
 void CollectiveWorker::detect(Collective& op, const std::vector<int>& waiting) {
@@ -241,6 +244,17 @@ void CollectiveWorker::applyChange(const MembershipChange& c) {
   }
   coll_->clearLandings();
   had_failure_ = true;
+  // Drop what is still queued for the ranks that left: a tcp connection over a cut link keeps
+  // its frames, which point into the callers' memory, until it is closed.
+  // (A rank that is out of the group keeps its connections until its group is destroyed.)
+  for (int p : c.removed) engine_.forgetPeer(p);
+  if (current_ && current_->built) {
+    // The op's own writes read its buffers: let them settle (those to the ranks that left fail
+    // as their connections close) before the op is failed or rerun.
+    const auto until = Clock::now() + seconds(2);
+    for (auto& b : current_->inflight)
+      while (!b->done() && Clock::now() < until) std::this_thread::sleep_for(microseconds(50));
+  }
   std::vector<std::function<void()>> listeners;
   {
     std::lock_guard<std::mutex> g(mu_);
