@@ -203,6 +203,9 @@ std::optional<MembershipChange> Membership::poll(const LocalProgress& me, const 
       if (m.kind == kOut) {
         c.out = true;
         c.why = str("rank ", src, " found that its side of the group lost the majority of it");
+      } else if (!bits[rank_]) {  // the leader could not reach this rank: it is out
+        c.out = true;
+        c.why = str("rank ", src, " (the leader) could not reach this rank and decided the group goes on without it");
       } else {
         c.mask = bits;
         c.fail_through = m.fail_through;
