@@ -232,7 +232,6 @@ void CollectiveWorker::applyChange(const MembershipChange& c) {
     }
     live_ = c.mask;
     membership_->setEpoch(c.epoch);
-    removed_ = c.removed;
     why = str("rank(s) ", rankList(c.removed), " left the group while this op ran (", c.why, ")");
     if (c.fail_through > fail_through_) {
       fail_through_ = c.fail_through;
@@ -263,7 +262,7 @@ void CollectiveWorker::applyChange(const MembershipChange& c) {
   for (auto& f : listeners) f();
   for (int p = 0; p < world_; ++p)
     if (!c.out ? std::find(c.removed.begin(), c.removed.end(), p) != c.removed.end() : p != rank_)
-      failPeerP2P(p, str("rank ", p, (c.out ? " is unreachable: " : " left the group: "), c.out ? c.why : c.why));
+      failPeerP2P(p, c.out ? why : str("rank ", p, " left the group (", c.why, ")"));
   if (!current_ || !current_->built) return;
   Collective& op = *current_;
   if (op.seq <= fail_through_ || !op.build) {

@@ -154,7 +154,6 @@ class CollectiveWorker {
   std::string fail_why_;
   std::string out_;              // guarded by mu_: why this rank left the group
   std::vector<int> op_lost_;
-  std::vector<int> removed_;     // the ranks of the last change
   uint64_t epoch_ = 0;           // guarded by mu_ (written by the worker thread)
   std::vector<char> live_;       // worker thread's copy of active_
   std::atomic<bool> watch_requested_{false};
