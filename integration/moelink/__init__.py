@@ -182,17 +182,21 @@ def recover_ranks(ranks, group=None) -> None:
     """Collective over the active ranks of ``group``: readmits ``ranks``, whose replacement
     processes joined with ``EpOptions(is_extension=True)``. Their first op is the next op the
     active ranks issue. Raises ValueError if one is not waiting (see get_peer_state)."""
+    backend = get_backend(group)
     ranks = [int(r) for r in ranks]
+    bad = [r for r in ranks if not 0 <= r < backend.size]
+    if bad:
+        raise ValueError(f"moelink recover_ranks: rank(s) {bad} are outside the group of size {backend.size}")
     active = get_active_ranks(group).tolist()
-    todo = [r for r in ranks if not active[r]] if all(0 <= r < len(active) for r in ranks) else ranks
-    state = get_peer_state(todo, group)
-    missing = [r for r, ok in zip(todo, state) if not ok]
+    inactive = [r for r in ranks if not active[r]]  # active ones need nothing
+    if not inactive:
+        return
+    missing = [r for r, ok in zip(inactive, get_peer_state(inactive, group)) if not ok]
     if missing:
         raise ValueError(f"moelink recover_ranks: rank(s) {missing} have no replacement process waiting that "
                          "every active rank can reach (start it with EpOptions(is_extension=True) and poll "
                          "get_peer_state first)")
-    if todo:
-        get_backend(group).recover_ranks(todo)
+    backend.recover_ranks(inactive)
 
 
 def get_num_synced_ranks(group=None) -> int:

@@ -1,6 +1,7 @@
 #include "moelink/backend/ep_backend.h"
 
 #include <algorithm>
+#include <numeric>
 #include <condition_variable>
 
 #include <c10/util/Exception.h>
@@ -344,7 +345,7 @@ std::vector<int32_t> EpBackend::peerState(const std::vector<int64_t>& ranks) {
     TORCH_CHECK_VALUE(r >= 0 && r < size_, "moelink get_peer_state: rank ", r, " is outside the group of size ", size_);
     try {
       out.push_back(worker().peerWaiting(static_cast<int>(r)) ? 1 : 0);
-    } catch (const moelink::Error& e) {
+    } catch (const moelink::Error&) {  // its record cannot be read: not reachable, not waiting
       out.push_back(0);
     }
   }
@@ -352,14 +353,10 @@ std::vector<int32_t> EpBackend::peerState(const std::vector<int64_t>& ranks) {
 }
 
 int64_t EpBackend::numSyncedRanks() {
-  int64_t n = 0;
-  for (int r = 0; r < size_; ++r) {
-    try {
-      n += worker().peerWaiting(r) ? 1 : 0;
-    } catch (const moelink::Error&) {
-    }
-  }
-  return n;
+  std::vector<int64_t> all(size_);
+  for (int r = 0; r < size_; ++r) all[r] = r;
+  auto state = peerState(all);
+  return std::accumulate(state.begin(), state.end(), int64_t{0});
 }
 
 void EpBackend::recoverRanks(const std::vector<int64_t>& ranks) {

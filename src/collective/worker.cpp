@@ -153,20 +153,16 @@ void CollectiveWorker::submit(OpSpec spec, OpCallback done, milliseconds timeout
   auto op = std::make_unique<Collective>();
   op->spec = std::move(spec);
   op->built = true;
-  op->done = std::move(done);
-  op->timeout = timeout;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    MOELINK_CHECK(!stop_, "the process group is shut down");
-    op->seq = ++next_seq_;
-    queue_.push_back(std::move(op));
-  }
-  engine_.ringLocal();
+  enqueue(std::move(op), std::move(done), timeout);
 }
 
 void CollectiveWorker::submit(OpBuilder build, OpCallback done, milliseconds timeout) {
   auto op = std::make_unique<Collective>();
   op->build = std::move(build);
+  enqueue(std::move(op), std::move(done), timeout);
+}
+
+void CollectiveWorker::enqueue(std::unique_ptr<Collective> op, OpCallback done, milliseconds timeout) {
   op->done = std::move(done);
   op->timeout = timeout;
   {

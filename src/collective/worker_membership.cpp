@@ -30,9 +30,15 @@ std::string maskText(const std::vector<char>& mask) {
 
 }  // namespace
 
-uint64_t CollectiveWorker::epoch() const {
-  std::lock_guard<std::mutex> g(mu_);
-  return epoch_;
+uint64_t CollectiveWorker::epoch() const { return membership_->epoch(); }
+
+void CollectiveWorker::notifyChange() {
+  std::vector<std::function<void()>> listeners;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    listeners = on_change_;
+  }
+  for (auto& f : listeners) f();
 }
 
 // A replacement process: announce this incarnation, wait until the active ranks readmit it.
@@ -57,7 +63,6 @@ void CollectiveWorker::waitAdmission() {
     if (active_[r]) seen_incarnation_[r] = std::max<int64_t>(seen_incarnation_[r], 1);
   }
   next_seq_ = completed_seq_ = seq;
-  epoch_ = epoch;
   membership_->setEpoch(epoch);
   coll_->open(active_);
   p2p_->open(active_);
@@ -104,21 +109,16 @@ void CollectiveWorker::readmit(const std::vector<int>& ranks, OpCallback done, m
           {
             std::lock_guard<std::mutex> g(mu_);
             for (int r : ranks) active_[r] = 1;
-            ++epoch_;
             m = active_;
           }
           live_ = m;
-          membership_->setEpoch(epoch_);
-          std::vector<std::function<void()>> listeners;
-          {
-            std::lock_guard<std::mutex> g(mu_);
-            listeners = on_change_;
-          }
-          for (auto& f : listeners) f();
+          const uint64_t epoch = membership_->epoch() + 1;
+          membership_->setEpoch(epoch);
+          notifyChange();
           for (size_t i = 0; i < ranks.size(); ++i) {
             seen_incarnation_[ranks[i]] = incs[i];
             if (leader)
-              store_.set(str("member/admit/", ranks[i], ".", incs[i]), str(seq, " ", epoch_, " ", maskText(m)));
+              store_.set(str("member/admit/", ranks[i], ".", incs[i]), str(seq, " ", epoch, " ", maskText(m)));
           }
           LOG(INFO) << "moelink: rank " << rank_ << " readmits rank(s) " << rankList(ranks) << " after op #" << seq;
         };
@@ -228,7 +228,6 @@ void CollectiveWorker::applyChange(const MembershipChange& c) {
     {
       std::lock_guard<std::mutex> g(mu_);
       active_ = c.mask;
-      epoch_ = c.epoch;
     }
     live_ = c.mask;
     membership_->setEpoch(c.epoch);
@@ -254,12 +253,7 @@ void CollectiveWorker::applyChange(const MembershipChange& c) {
     for (auto& b : current_->inflight)
       while (!b->done() && Clock::now() < until) std::this_thread::sleep_for(microseconds(50));
   }
-  std::vector<std::function<void()>> listeners;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    listeners = on_change_;
-  }
-  for (auto& f : listeners) f();
+  notifyChange();
   for (int p = 0; p < world_; ++p)
     if (!c.out ? std::find(c.removed.begin(), c.removed.end(), p) != c.removed.end() : p != rank_)
       failPeerP2P(p, c.out ? why : str("rank ", p, " left the group (", c.why, ")"));

@@ -1,10 +1,6 @@
 #include "moelink/transfer/transfer_engine.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <sys/mman.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -17,6 +13,7 @@
 
 #include "moelink/common/error.h"
 #include "moelink/transfer/shm/transport.h"
+#include "moelink/transfer/tcp/socket.h"
 #include "moelink/transfer/tcp/transport.h"
 
 namespace moelink::transfer {
@@ -131,36 +128,6 @@ std::string endpointRecord(const std::string& host, const std::string& tcp) {
   return str(host, "\n", tcp, "\n", pid, "\n", processStart(pid).first, "\n", pidNamespace());
 }
 
-// Whether a tcp connection to "ip:port" is accepted within `timeout` ("" if so).
-std::string tcpReachable(const std::string& address, milliseconds timeout) {
-  auto colon = address.rfind(':');
-  if (colon == std::string::npos) return str("bad address '", address, "'");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
-  if (inet_pton(AF_INET, address.substr(0, colon).c_str(), &a.sin_addr) != 1)
-    return str("bad address '", address, "'");
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) return str("socket: ", std::strerror(errno));
-  std::string why;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    if (errno != EINPROGRESS) {
-      why = std::strerror(errno);
-    } else {
-      pollfd pf{fd, POLLOUT, 0};
-      int r = poll(&pf, 1, static_cast<int>(timeout.count()));
-      int err = 0;
-      socklen_t len = sizeof err;
-      if (r <= 0)
-        why = str("no answer within ", timeout.count(), " ms");
-      else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err != 0)
-        why = std::strerror(err);
-    }
-  }
-  ::close(fd);
-  return why.empty() ? "" : str("its listener at ", address, " is unreachable (", why, ")");
-}
-
 }  // namespace
 
 TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptions options)
@@ -214,9 +181,7 @@ std::string TransferEngine::probe(int peer, milliseconds timeout, int64_t incarn
     if (start != info.start_time) return str("its process (pid ", info.pid, ") has exited (the pid is reused)");
     return "";
   }
-  std::string why = tcpReachable(info.tcp_address, timeout);
-  if (certain) *certain = why.find("refused") != std::string::npos;
-  return why;
+  return tcp::probeListener(info.tcp_address, timeout, certain);
 }
 
 void TransferEngine::forgetPeer(int peer) {

@@ -27,6 +27,7 @@
 // If the leader finds no suspect dead, it sends RESUME: the ranks go on as they were.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -72,8 +73,9 @@ class Membership {
   // A replacement of `peer` has joined: clears its slot and opens its board.
   void reopen(int peer);
 
-  uint64_t epoch() const { return epoch_; }
-  void setEpoch(uint64_t e) { epoch_ = e; }
+  // Any thread may read the epoch; the worker thread sets it.
+  uint64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
+  void setEpoch(uint64_t e) { epoch_.store(e, std::memory_order_release); }
   bool changing() const { return round_ != 0; }
   const MembershipOptions& options() const { return opts_; }
 
@@ -109,7 +111,7 @@ class Membership {
   std::vector<transfer::BatchPtr> out_pending_;
   std::vector<char> opened_;
 
-  uint64_t epoch_ = 0;
+  std::atomic<uint64_t> epoch_{0};
   uint64_t round_ = 0;                  // the epoch being decided (0: none)
   std::vector<char> suspects_;          // per rank: found dead this round
   std::vector<std::string> why_;

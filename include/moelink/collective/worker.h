@@ -122,6 +122,7 @@ class CollectiveWorker {
   struct RecvOp;
 
  private:
+  void enqueue(std::unique_ptr<Collective> op, OpCallback done, std::chrono::milliseconds timeout);
   void loop();
   bool progressCollective(Collective& op);
   bool progressDrain(Collective& op);
@@ -138,6 +139,7 @@ class CollectiveWorker {
   void waitAdmission();
   bool pollMembership();  // true when something changed
   void applyChange(const MembershipChange& c);
+  void notifyChange();  // runs the onChange listeners
   void detect(Collective& op, const std::vector<int>& waiting);
   bool startCollective(Collective& op);  // builds it; false if it fails at once
   void finishCollective(Collective& op, const std::string& error);
@@ -154,7 +156,6 @@ class CollectiveWorker {
   std::string fail_why_;
   std::string out_;              // guarded by mu_: why this rank left the group
   std::vector<int> op_lost_;
-  uint64_t epoch_ = 0;           // guarded by mu_ (written by the worker thread)
   std::vector<char> live_;       // worker thread's copy of active_
   std::atomic<bool> watch_requested_{false};
   std::vector<std::function<void()>> on_change_;  // guarded by mu_

@@ -28,6 +28,7 @@
 #include <glog/logging.h>
 
 #include "moelink/common/error.h"
+#include "moelink/transfer/tcp/socket.h"
 #include "moelink/transfer/shm/transport.h"
 #include "moelink/transfer/transfer_engine.h"
 
@@ -36,68 +37,6 @@ namespace moelink::transfer::tcp {
 using namespace std::chrono;
 
 namespace {
-
-// MOELINK_HOST_IP: the address peers use to reach this rank (default: the first
-// non-loopback IPv4 interface, else 127.0.0.1).
-std::string advertisedIp() {
-  if (const char* ip = std::getenv("MOELINK_HOST_IP"); ip && *ip) return ip;
-  std::string found = "127.0.0.1";
-  ifaddrs* ifs = nullptr;
-  if (getifaddrs(&ifs) == 0) {
-    for (ifaddrs* i = ifs; i; i = i->ifa_next) {
-      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
-      if ((i->ifa_flags & IFF_LOOPBACK) || !(i->ifa_flags & IFF_UP)) continue;
-      char buf[INET_ADDRSTRLEN];
-      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
-      found = buf;
-      break;
-    }
-    freeifaddrs(ifs);
-  }
-  return found;
-}
-
-void setNonBlocking(int fd) {
-  int flags = fcntl(fd, F_GETFL, 0);
-  MOELINK_SYSCHECK(fcntl(fd, F_SETFL, flags | O_NONBLOCK), "fcntl(O_NONBLOCK)");
-}
-
-void setNoDelay(int fd) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-}
-
-// Blocking exchange helpers with a deadline, used only while connecting.
-void sendAll(int fd, const void* p, size_t n, steady_clock::time_point deadline) {
-  const char* c = static_cast<const char*>(p);
-  while (n) {
-    ssize_t r = ::send(fd, c, n, MSG_NOSIGNAL);
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      pollfd pf{fd, POLLOUT, 0};
-      int left = static_cast<int>(duration_cast<milliseconds>(deadline - steady_clock::now()).count());
-      MOELINK_CHECK(left > 0 && poll(&pf, 1, left) > 0, "timed out sending handshake");
-      continue;
-    }
-    MOELINK_SYSCHECK(r, "send(handshake)");
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-}
-
-void recvAll(int fd, void* p, size_t n, steady_clock::time_point deadline) {
-  char* c = static_cast<char*>(p);
-  while (n) {
-    pollfd pf{fd, POLLIN, 0};
-    int left = static_cast<int>(duration_cast<milliseconds>(deadline - steady_clock::now()).count());
-    if (left <= 0 || poll(&pf, 1, left) <= 0) MOELINK_THROW_TIMEOUT("timed out in tcp handshake");
-    ssize_t r = ::recv(fd, c, n, 0);
-    if (r < 0 && errno == EINTR) continue;
-    MOELINK_CHECK(r > 0, "connection closed during handshake (wrong group secret?)");
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-}
 
 struct Pending {
   BatchPtr batch;
@@ -254,13 +193,7 @@ class TcpTransport::Impl {
       std::lock_guard<std::mutex> g(mu_);
       if (connected_.count(peer.rank)) return;
     }
-    auto colon = peer.tcp_address.rfind(':');
-    MOELINK_CHECK(colon != std::string::npos, "bad tcp address '", peer.tcp_address, "'");
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<uint16_t>(std::stoi(peer.tcp_address.substr(colon + 1))));
-    MOELINK_CHECK(inet_pton(AF_INET, peer.tcp_address.substr(0, colon).c_str(), &a.sin_addr) == 1,
-                  "bad tcp address '", peer.tcp_address, "'");
+    sockaddr_in a = parseAddress(peer.tcp_address);
     auto deadline = steady_clock::now() + timeout_;
     int fd = -1;
     while (true) {
