@@ -170,6 +170,9 @@ void CollectiveWorker::onChange(std::function<void()> f) {
 }
 
 bool CollectiveWorker::pollMembership() {
+  // Out of the group: nothing is left to agree on, and the rest of the group (and the store
+  // with it) may be out of reach, so nothing here may wait on them.
+  if (is_out_) return false;
   const std::vector<char>& m = live_;  // the worker thread's copy: no lock on this hot path
   if (watch_requested_.exchange(false, std::memory_order_acq_rel)) {
     std::vector<int> peers;
@@ -224,6 +227,7 @@ void CollectiveWorker::applyChange(const MembershipChange& c) {
     LOG(WARNING) << "moelink: rank " << rank_ << ": " << why;
     fail_through_ = UINT64_MAX;
     fail_why_ = why;
+    is_out_ = true;
   } else {
     {
       std::lock_guard<std::mutex> g(mu_);

@@ -151,7 +151,7 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
   store_->set(key(opts_.rank, "peer"), endpointRecord(host_id_, tcp_->address()));
 }
 
-std::string TransferEngine::key(int rank, const std::string& what) {
+std::string TransferEngine::key(int rank, const std::string& what, std::optional<milliseconds> wait) {
   int64_t inc = rank == opts_.rank ? incarnation_ : 0;
   if (!inc) {
     std::lock_guard<std::mutex> g(mu_);
@@ -161,7 +161,7 @@ std::string TransferEngine::key(int rank, const std::string& what) {
   if (!inc) {
     // The counter exists once the rank's process has started; wait for it as for any key.
     std::string k = str("engine/incarnation/", rank);
-    store_->get(k, opts_.timeout);
+    store_->get(k, wait.value_or(opts_.timeout));
     inc = store_->add(k, 0);
     std::lock_guard<std::mutex> g(mu_);
     incarnations_[rank] = inc;
@@ -171,8 +171,17 @@ std::string TransferEngine::key(int rank, const std::string& what) {
 
 std::string TransferEngine::probe(int peer, milliseconds timeout, int64_t incarnation, bool* certain) {
   MOELINK_CHECK(peer >= 0 && peer < opts_.world_size && peer != opts_.rank, "cannot probe rank ", peer);
-  PeerInfo info = incarnation > 0 ? readPeerInfo(peer, str("engine/peer/", peer, ".", incarnation)) : peerInfo(peer);
   if (certain) *certain = false;
+  // The endpoint record comes from the store, which may itself be out of reach (a cut link):
+  // wait for it no longer than for the probe, and report that as no answer.
+  PeerInfo info;
+  try {
+    info = incarnation > 0 ? readPeerInfo(peer, str("engine/peer/", peer, ".", incarnation), timeout)
+                           : peerInfo(peer, timeout);
+  } catch (const std::exception& e) {
+    return str("its endpoint record could not be read from the store within ", timeout.count(), " ms (", e.what(),
+               ")");
+  }
   if (info.host_id == host_id_ && info.pid > 0 && info.pid_ns == pidNamespace()) {
     if (certain) *certain = true;
     auto [start, state] = processStart(info.pid);
@@ -285,19 +294,19 @@ void TransferEngine::unlinkSharedNames() {
   }
 }
 
-const PeerInfo& TransferEngine::peerInfo(int peer) {
+const PeerInfo& TransferEngine::peerInfo(int peer, std::optional<milliseconds> wait) {
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = peers_.find(peer);
     if (it != peers_.end()) return it->second;
   }
-  PeerInfo info = readPeerInfo(peer, key(peer, "peer"));
+  PeerInfo info = readPeerInfo(peer, key(peer, "peer", wait), wait);
   std::lock_guard<std::mutex> g(mu_);
   return peers_.emplace(peer, info).first->second;
 }
 
-PeerInfo TransferEngine::readPeerInfo(int peer, const std::string& k) {
-  std::string rec = store_->get(k, opts_.timeout);
+PeerInfo TransferEngine::readPeerInfo(int peer, const std::string& k, std::optional<milliseconds> wait) {
+  std::string rec = store_->get(k, wait.value_or(opts_.timeout));
   std::vector<std::string> f;
   std::istringstream in(rec);
   for (std::string line; std::getline(in, line);) f.push_back(line);

@@ -153,6 +153,7 @@ class CollectiveWorker {
   transfer::MetadataStore& store_;
   uint64_t completed_seq_ = 0;   // worker thread: the newest collective finished
   uint64_t fail_through_ = 0;    // worker thread: unfinished collectives up to this fail
+  bool is_out_ = false;          // worker thread: the group decided it goes on without this rank
   std::string fail_why_;
   std::string out_;              // guarded by mu_: why this rank left the group
   std::vector<int> op_lost_;

@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <string>
 #include <vector>
@@ -166,10 +167,12 @@ class TransferEngine {
     bool shared = false;  // mapped from POSIX shm (else calloc'd or caller-owned)
   };
   static void releaseOwned(OwnedSegment& seg);
-  const PeerInfo& peerInfo(int peer);
-  PeerInfo readPeerInfo(int peer, const std::string& key);
+  // The peer's endpoint record; store reads wait up to `wait` (default: the engine's timeout).
+  const PeerInfo& peerInfo(int peer, std::optional<std::chrono::milliseconds> wait = std::nullopt);
+  PeerInfo readPeerInfo(int peer, const std::string& key, std::optional<std::chrono::milliseconds> wait = std::nullopt);
   RemoteSegment* findOpened(int peer, SegmentId id);
-  std::string key(int rank, const std::string& what);  // "engine/<what>/<rank>.<incarnation>"
+  // "engine/<what>/<rank>.<incarnation>"
+  std::string key(int rank, const std::string& what, std::optional<std::chrono::milliseconds> wait = std::nullopt);
 
   std::shared_ptr<MetadataStore> store_;
   EngineOptions opts_;
