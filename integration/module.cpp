@@ -11,6 +11,7 @@
 #include "moelink/ep/ibgda/probe.h"
 #ifdef MOELINK_WITH_CUDA
 #include "moelink/ep/ep_buffer.h"
+#include "moelink/ep/normal_buffer.h"
 #endif
 
 namespace py = pybind11;
@@ -105,6 +106,36 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def("active_ranks", &EpBuffer::activeRanks)
       .def("set_trace", &EpBuffer::setTrace)
       .def("num_sms", &EpBuffer::numSms);
+  using moelink::ep::NormalBuffer;
+  using moelink::ep::NormalDispatchResult;
+  using moelink::ep::NormalShape;
+  py::class_<NormalShape>(m, "NormalShape")
+      .def(py::init([](int64_t channels, int64_t ring_tokens, int64_t send_chunk) {
+             return NormalShape{channels, ring_tokens, send_chunk};
+           }),
+           py::arg("channels"), py::arg("ring_tokens"), py::arg("send_chunk"));
+  py::class_<NormalDispatchResult>(m, "NormalDispatchResult")
+      .def_readonly("recv_x", &NormalDispatchResult::recv_x)
+      .def_readonly("recv_scales", &NormalDispatchResult::recv_scales)
+      .def_readonly("recv_topk_idx", &NormalDispatchResult::recv_topk_idx)
+      .def_readonly("recv_topk_weights", &NormalDispatchResult::recv_topk_weights)
+      .def_readonly("recv_src_idx", &NormalDispatchResult::recv_src_idx)
+      .def_readonly("rank_prefix", &NormalDispatchResult::rank_prefix)
+      .def_readonly("channel_prefix", &NormalDispatchResult::channel_prefix)
+      .def_readonly("recv_channel_prefix", &NormalDispatchResult::recv_channel_prefix)
+      .def_readonly("send_head", &NormalDispatchResult::send_head)
+      .def_readonly("num_recv_per_expert", &NormalDispatchResult::num_recv_per_expert)
+      .def_readonly("num_recv", &NormalDispatchResult::num_recv);
+  py::class_<NormalBuffer, std::shared_ptr<NormalBuffer>>(m, "NormalBuffer")
+      .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const std::string&, int64_t, int64_t>(),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("key"), py::arg("bytes"),
+           py::arg("num_experts"), py::call_guard<py::gil_scoped_release>())
+      .def_static("bytes_needed", &NormalBuffer::bytesNeeded)
+      .def_static("layout", &NormalBuffer::layout)
+      .def("dispatch", &NormalBuffer::dispatch, py::call_guard<py::gil_scoped_release>())
+      .def("cached_dispatch", &NormalBuffer::cachedDispatch, py::call_guard<py::gil_scoped_release>())
+      .def("combine", &NormalBuffer::combine, py::call_guard<py::gil_scoped_release>())
+      .def("bytes", &NormalBuffer::bytes);
 #else
   m.attr("HAS_CUDA") = false;
 #endif

@@ -46,7 +46,7 @@ import torch.distributed as dist
 __all__ = [
     "Buffer", "EventOverlap", "EpOptions", "get_backend", "transport_of", "ibgda_status", "BACKEND_NAME",
     "get_active_ranks", "get_peer_state", "recover_ranks", "failed_ranks", "get_num_synced_ranks",
-    "extend_group_size_to",
+    "extend_group_size_to", "Config", "dispatch_with_grad", "combine_with_grad",
 ]
 
 BACKEND_NAME = "ep"
@@ -262,6 +262,7 @@ def ibgda_status() -> dict:
 
 
 from .buffer import Buffer, EventOverlap  # noqa: E402
+from .normal import Config, combine_with_grad, dispatch_with_grad  # noqa: E402
 
 
 def _ep_buffer(self, num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=256):

@@ -1,4 +1,11 @@
-"""moelink.Buffer: low-latency MoE dispatch and combine on the GPU.
+"""moelink.Buffer: MoE dispatch and combine on the GPU, in DeepEP's two modes.
+
+The normal (high-throughput) mode, for training and prefill, is DeepEP's ``get_dispatch_layout``
+/ ``dispatch(x, handle=None, num_tokens_per_rank=..., ...)`` / ``combine(x, handle, ...)``: see
+normal.py for its semantics and paths. Kernels run on the current stream (``previous_event`` is
+waited for first, ``async_finish`` returns an event recorded after them,
+``allocate_on_comm_stream`` is accepted and changes nothing). The rest of this docstring is the
+low-latency mode (decode).
 
 Every rank of an "ep" group creates one with the same arguments (a collective call)::
 
@@ -63,7 +70,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import _C, host_ep
+from . import _C, host_ep, normal
+from .normal import Config
 
 _KEYS = itertools.count()
 
@@ -110,6 +118,8 @@ class Buffer:
         self._impl = None  # the GPU buffer
         self._epoch = 0  # the group's membership epoch last applied to the GPU buffer's mask
         self._zero_copy = {}  # (device, half) -> persistent combine source for zero_copy
+        self._normal = None  # the normal mode's NVLink buffer, created at its first use
+        self._normal_serial = itertools.count()
         if getattr(_C, "HAS_CUDA", False) and torch.cuda.is_available():
             self._gpu()  # on the current device; collective, like this constructor
 
@@ -162,10 +172,57 @@ class Buffer:
         if num_experts != self.num_experts:
             raise ValueError(f"num_experts={num_experts}, but the buffer was created for {self.num_experts}")
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                 num_experts: int, use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                 async_finish: bool = False, return_recv_hook: bool = False, timeout_us: int = -1,
-                 active_ranks: Optional[torch.Tensor] = None):
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False, timeout_us: int = -1,
+                             active_ranks: Optional[torch.Tensor] = None):
+        """The low-latency dispatch (module docstring), under DeepEP's name and arguments.
+        ``cumulative_local_expert_recv_stats`` (int32 [local experts]) gets each call's received
+        counts added; ``dispatch_wait_recv_cost_stats`` is not measured by moelink and must be None."""
+        if dispatch_wait_recv_cost_stats is not None:
+            raise ValueError("moelink low_latency_dispatch: dispatch_wait_recv_cost_stats is not supported "
+                             "(moelink does not time the receive per rank)")
+        out = self._ll_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                                use_ue8m0, async_finish, return_recv_hook, timeout_us, active_ranks)
+        if cumulative_local_expert_recv_stats is not None:
+            stats = cumulative_local_expert_recv_stats
+            if stats.dtype != torch.int32 or tuple(stats.shape) != (self.num_local_experts,):
+                raise ValueError(f"cumulative_local_expert_recv_stats must be int32 [{self.num_local_experts}]")
+            if return_recv_hook:
+                hook = out[4]
+
+                def counted_hook():
+                    hook()
+                    stats.add_(out[1].to(stats.device))
+                out = out[:4] + (counted_hook,)
+            else:
+                stats.add_(out[1].to(stats.device))
+        return out
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None, timeout_us: int = -1,
+                            active_ranks: Optional[torch.Tensor] = None):
+        """The low-latency combine (module docstring), under DeepEP's name and arguments."""
+        if use_logfmt:
+            raise ValueError("moelink low_latency_combine: use_logfmt is not supported (rows travel as bf16)")
+        if combine_wait_recv_cost_stats is not None:
+            raise ValueError("moelink low_latency_combine: combine_wait_recv_cost_stats is not supported")
+        return self._ll_combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out,
+                                timeout_us, active_ranks)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """DeepEP's name for get_buffer_size_hint (bytes of the low-latency buffer per rank)."""
+        return Buffer.get_buffer_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def _ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True,
+                     round_scale=False, use_ue8m0=False, async_finish=False, return_recv_hook=False, timeout_us=-1,
+                     active_ranks=None):
         self._check_call(num_max_dispatch_tokens_per_rank, num_experts)
         if use_ue8m0:
             if not (use_fp8 and round_scale):
@@ -203,10 +260,8 @@ class Buffer:
         handle = (out.src_info, out.layout_range, num_max_dispatch_tokens_per_rank, self.hidden, num_experts, out)
         return recv_x, out.recv_count, handle, self._event(async_finish), hook
 
-    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle,
-                zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
-                out: Optional[torch.Tensor] = None, timeout_us: int = -1,
-                active_ranks: Optional[torch.Tensor] = None):
+    def _ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy=False, async_finish=False,
+                    return_recv_hook=False, out=None, timeout_us=-1, active_ranks=None):
         state = handle[-1]
         if zero_copy and x.data_ptr() != self._combine_buffer(state).data_ptr():
             raise ValueError("zero_copy=True expects x to be the tensor from get_next_combine_buffer(handle)")
@@ -230,6 +285,231 @@ class Buffer:
             def hook():
                 self._impl.combine_recv(topk_idx, topk_weights, state, result, timeout_us, active_ranks)
         return result, self._event(async_finish), hook
+
+    # ---- DeepEP's entry points: the normal mode, or the low-latency mode by its arguments ----
+
+    num_sms = 24  # SMs the normal mode's default configs use (DeepEP's Buffer.num_sms)
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        if new_num_sms < 2 or new_num_sms % 2:
+            raise ValueError(f"moelink Buffer.set_num_sms: an even number >= 2, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return normal.get_dispatch_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return normal.get_combine_config(num_ranks, Buffer.num_sms)
+
+    def dispatch(self, x, *args, **kwargs):
+        """Normal mode, as DeepEP's ``dispatch(x, handle=None, num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None, is_token_in_rank=None, num_tokens_per_expert=None,
+        topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
+        previous_event=None, async_finish=False, allocate_on_comm_stream=False)`` ->
+        ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+        event)`` (see normal.py). Called as ``dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
+        num_experts, ...)`` it is the low-latency dispatch (``low_latency_dispatch``)."""
+        if (args and isinstance(args[0], torch.Tensor)) or "num_max_dispatch_tokens_per_rank" in kwargs:
+            return self._ll_dispatch(x, *args, **kwargs)
+        return self._normal_dispatch(x, *args, **kwargs)
+
+    def combine(self, x, *args, **kwargs):
+        """Normal mode, as DeepEP's ``combine(x, handle, topk_weights=None, bias=None, config=None,
+        previous_event=None, async_finish=False, allocate_on_comm_stream=False)`` ->
+        ``(combined_x, combined_topk_weights, event)``. Called as ``combine(x, topk_idx,
+        topk_weights, handle, ...)`` it is the low-latency combine (``low_latency_combine``)."""
+        if (args and isinstance(args[0], torch.Tensor)) or "topk_idx" in kwargs:
+            return self._ll_combine(x, *args, **kwargs)
+        return self._normal_combine(x, *args, **kwargs)
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """``(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+        is_token_in_rank, event)`` of a routing: int32 [ranks], None (one host), int32
+        [num_experts], bool [tokens, ranks]. Entries of -1 (or out of range) route nowhere."""
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int64 or topk_idx.dim() != 2:
+            raise ValueError("moelink get_dispatch_layout: topk_idx must be an int64 [tokens, topk] tensor")
+        if num_experts <= 0 or num_experts % self.num_ranks:
+            raise ValueError(f"moelink get_dispatch_layout: num_experts ({num_experts}) must be a positive multiple "
+                             f"of the group size ({self.num_ranks})")
+        self._wait(previous_event)
+        if topk_idx.is_cuda and hasattr(_C, "NormalBuffer") and self.num_ranks <= 64 and num_experts <= 4096:
+            with torch.cuda.device(topk_idx.device):
+                per_rank, per_expert, in_rank = _C.NormalBuffer.layout(topk_idx, num_experts, self.num_ranks)
+        else:
+            per_rank, per_expert, in_rank = normal.layout(topk_idx, num_experts, self.num_ranks)
+        return per_rank, None, per_expert, in_rank, self._event(async_finish and topk_idx.is_cuda)
+
+    def _wait(self, previous_event) -> None:
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+
+    def _normal_path(self, device: torch.device) -> str:
+        """'nvlink' when the kernels can serve the call (CUDA tensors, every rank of the group on
+        NVLink and active), else 'group' (torch ops + all_to_all_single over the group)."""
+        if device.type != "cuda" or self._impl is None or not hasattr(_C, "NormalBuffer"):
+            return "group"
+        if self.num_ranks > 8:
+            return "group"
+        if any(self._impl.transport_of(r) not in ("local", "nvlink") for r in range(self.num_ranks)):
+            return "group"
+        if not all(self._backend.active_mask()):
+            return "group"
+        return "nvlink"
+
+    def _normal_buffer(self, needed: int, config: Config):
+        """The NVL buffer, created (collectively: every rank makes the same calls) at first use,
+        sized by the default configs' hint or the call's need, whichever is larger; grown when a
+        call needs more."""
+        if self._normal is not None and self._normal.bytes() >= needed:
+            return self._normal
+        hidden_bytes = self.hidden * 2
+        want = max(needed, config.get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks),
+                   self.get_dispatch_config(self.num_ranks).get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks),
+                   self.get_combine_config(self.num_ranks).get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks))
+        if self._normal is not None:  # every rank's kernels on the old one are done before it goes
+            torch.cuda.synchronize()
+            dist.barrier(group=self.group)
+            self._normal = None
+        self._normal = _C.NormalBuffer(self._backend.store, self.rank, self.num_ranks,
+                                       f"{self._key}/normal/{next(self._normal_serial)}", want, self.num_experts)
+        return self._normal
+
+    def _check_handle(self, what: str, handle) -> normal.NormalState:
+        if not isinstance(handle, tuple) or len(handle) != 7 or not isinstance(handle[-1], normal.NormalState):
+            raise ValueError(f"moelink {what}: handle must be the handle a normal-mode dispatch of this buffer returned")
+        state = handle[-1]
+        if state.buffer_key != self._key:
+            raise ValueError(f"moelink {what}: the handle belongs to another Buffer")
+        return state
+
+    def _normal_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                         is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                         expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                         previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        what = "dispatch"
+        data, scales = normal.split_x(what, x, self.hidden)
+        device = data.device
+        t = data.shape[0]
+        if expert_alignment < 1:
+            raise ValueError(f"moelink dispatch: expert_alignment must be >= 1, got {expert_alignment}")
+        if num_worst_tokens < 0:
+            raise ValueError(f"moelink dispatch: num_worst_tokens must be >= 0, got {num_worst_tokens}")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError("moelink dispatch: config must be a moelink.Config")
+        config = config or self.get_dispatch_config(self.num_ranks)
+        state = None
+        if handle is not None:
+            state = self._check_handle(what, handle)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("moelink dispatch: a cached dispatch (with handle) takes no topk_idx/topk_weights")
+            if state.num_tokens != t:
+                raise ValueError(f"moelink dispatch: x has {t} tokens, the handle's dispatch had {state.num_tokens}")
+            is_token_in_rank = handle[4]
+            if is_token_in_rank.device != device:
+                raise ValueError(f"moelink dispatch: x is on {device}, the handle's layout on {is_token_in_rank.device}")
+            path = state.path
+        else:
+            normal.check_layout(what, self.num_ranks, self.num_experts, t, device, num_tokens_per_rank,
+                                is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights)
+            path = self._normal_path(device)
+        self._wait(previous_event)
+        if path == "group":
+            if handle is None:
+                recv_x, recv_s, r_idx, r_w, counts, src_idx, state = normal.group_dispatch(
+                    self.group, self.rank, self.num_ranks, self.num_experts, data, scales, topk_idx, topk_weights,
+                    is_token_in_rank, num_tokens_per_expert, None, expert_alignment, num_worst_tokens, self._key)
+                state.num_out_rows = recv_x.shape[0]
+                prefix = torch.tensor(state.recv_counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+                handle = (prefix, None, None, src_idx, is_token_in_rank, None, state)
+            else:
+                recv_x, recv_s, *_ = normal.group_dispatch(
+                    self.group, self.rank, self.num_ranks, self.num_experts, data, scales, None, None,
+                    is_token_in_rank, None, state, 1, state.num_out_rows, self._key)
+                return (recv_x, recv_s) if scales is not None else recv_x, None, None, None, None, \
+                    self._event(async_finish and data.is_cuda)
+        else:
+            k = topk_idx.shape[1] if topk_idx is not None else 0
+            s_cols = scales.shape[1] if scales is not None else 0
+            if handle is not None:
+                shape = _C.NormalShape(state.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                                       config.num_max_nvl_chunked_send_tokens)
+                needed = _C.NormalBuffer.bytes_needed(self.num_ranks, self.num_local_experts, shape,
+                                                      self.hidden * data.element_size(), s_cols, 0)
+                recv_x, recv_s = self._normal_buffer(needed, config).cached_dispatch(
+                    data, scales, is_token_in_rank, handle[0], handle[1], handle[2], state.num_recv_tokens,
+                    state.num_out_rows, shape, -1)
+                return (recv_x, recv_s) if scales is not None else recv_x, None, None, None, None, \
+                    self._event(async_finish)
+            shape = _C.NormalShape(config.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                                   config.num_max_nvl_chunked_send_tokens)
+            needed = _C.NormalBuffer.bytes_needed(self.num_ranks, self.num_local_experts, shape,
+                                                  self.hidden * data.element_size(), s_cols, k)
+            res = self._normal_buffer(needed, config).dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
+                                                               num_tokens_per_expert, shape, num_worst_tokens, -1)
+            recv_x, recv_s, r_idx, r_w = res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights
+            if topk_idx is None:
+                r_idx = r_w = None
+            if scales is None:
+                recv_s = None
+            counts = [] if num_worst_tokens else normal.pad_counts(res.num_recv_per_expert, expert_alignment)
+            state = normal.NormalState(self._key, t, self.hidden, res.num_recv, [], [], None, "nvlink",
+                                       config.num_channels)
+            state.num_out_rows = recv_x.shape[0]
+            handle = (res.rank_prefix, res.channel_prefix, res.recv_channel_prefix, res.recv_src_idx,
+                      is_token_in_rank, res.send_head, state)
+        return (recv_x, recv_s) if scales is not None else recv_x, r_idx, r_w, counts, handle, \
+            self._event(async_finish and data.is_cuda)
+
+    def _normal_combine(self, x, handle, topk_weights=None, bias=None, config: Optional[Config] = None,
+                        previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        what = "combine"
+        state = self._check_handle(what, handle)
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"moelink combine: x must be a bfloat16 [received tokens, {self.hidden}] tensor, got "
+                             f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+        if x.shape[0] not in (state.num_recv_tokens, state.num_out_rows):
+            raise ValueError(f"moelink combine: x has {x.shape[0]} rows, the handle's dispatch received "
+                             f"{state.num_recv_tokens}")
+        device = x.device
+        if handle[4].device != device:
+            raise ValueError(f"moelink combine: x is on {device}, the handle's layout on {handle[4].device}")
+        if topk_weights is not None:
+            if topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or topk_weights.shape[0] != x.shape[0] \
+                    or topk_weights.device != device:
+                raise ValueError(f"moelink combine: topk_weights must be float32 [{x.shape[0]}, topk] on {device}")
+        biases = []
+        for b in (bias if isinstance(bias, (tuple, list)) else (bias,)):
+            if b is None:
+                continue
+            if not isinstance(b, torch.Tensor) or b.dtype != torch.bfloat16 or \
+                    tuple(b.shape) != (state.num_tokens, self.hidden) or b.device != device:
+                raise ValueError(f"moelink combine: bias must be bfloat16 [{state.num_tokens}, {self.hidden}] on "
+                                 f"{device} (or a tuple of up to two)")
+            biases.append(b.contiguous())
+        if len(biases) > 2:
+            raise ValueError("moelink combine: at most two bias tensors")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError("moelink combine: config must be a moelink.Config")
+        config = config or self.get_combine_config(self.num_ranks)
+        self._wait(previous_event)
+        x = x.contiguous()
+        if topk_weights is not None:
+            topk_weights = topk_weights.contiguous()
+        if state.path == "group":
+            combined, combined_w = normal.group_combine(self.group, x, state, topk_weights, biases)
+            return combined, combined_w, self._event(async_finish and x.is_cuda)
+        shape = _C.NormalShape(state.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                               config.num_max_nvl_chunked_send_tokens)
+        k = topk_weights.shape[1] if topk_weights is not None else 0
+        needed = _C.NormalBuffer.bytes_needed(self.num_ranks, self.num_local_experts, shape, self.hidden * 2, 0, k)
+        combined, combined_w = self._normal_buffer(needed, config).combine(
+            x, topk_weights, biases[0] if biases else None, biases[1] if len(biases) > 1 else None, handle[0],
+            handle[2], handle[5], state.num_recv_tokens, shape, -1)
+        return combined, combined_w, self._event(async_finish)
 
     def _follow_group(self) -> None:
         """Masks ranks the group has masked out (after a membership change) out of the GPU buffer."""

@@ -1,0 +1,507 @@
+// Normal-mode kernels for ranks on one host: see moelink/ep/normal_kernels.h.
+#include <cuda_bf16.h>
+
+#include "launch.h"
+#include "moelink/ep/normal_kernels.h"
+#include "sync.cuh"
+
+namespace moelink::ep::normal {
+
+using kernels::ldAcquireSys;
+using kernels::ldNc;
+using kernels::stReleaseSys;
+
+namespace {
+
+uint64_t align(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+constexpr int kCounterStride = 16;  // bytes per tail or head word
+
+__device__ __forceinline__ void namedBarrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ int ldVolatile(const int* p) {
+  int v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Tokens [begin, end) of channel c.
+__device__ __forceinline__ void channelRange(int num_tokens, int num_channels, int c, int& begin, int& end) {
+  const int per = (num_tokens + num_channels - 1) / num_channels;
+  begin = min(c * per, num_tokens);
+  end = min(begin + per, num_tokens);
+}
+
+__device__ __forceinline__ int* counter(char* base, const RingLayout& L, int src, int c, int which) {
+  return reinterpret_cast<int*>(base + L.off_counters + (static_cast<uint64_t>(src * L.num_channels + c) * 2 + which) *
+                                                            kCounterStride);
+}
+
+__device__ __forceinline__ char* ring(char* base, const RingLayout& L, int src, int c) {
+  return base + L.off_rings + static_cast<uint64_t>(src * L.num_channels + c) * L.ring_bytes;
+}
+
+// Records the first failure for the host (a peer that did not answer within the timeout).
+__device__ void reportError(HostReport* r, int code, int peer) {
+  if (atomicCAS(const_cast<int*>(&r->error), 0, code) == 0) {
+    r->error_rank = peer;
+    __threadfence_system();
+  }
+}
+
+// Spins until the int at p reaches at least `want` (wrap-safe); false on timeout.
+__device__ bool waitAtLeast(const int* p, int want, int64_t timeout_ns) {
+  const uint64_t start = timeout_ns > 0 ? kernels::globalTimerNs() : 0;
+  while (static_cast<int>(ldAcquireSys(p) - want) < 0) {
+    if (timeout_ns > 0 && static_cast<int64_t>(kernels::globalTimerNs() - start) > timeout_ns) return false;
+  }
+  return true;
+}
+
+// Clears this rank's ring counters, then tells every peer it reached `seq` and waits for all
+// of them: after it, every rank has finished its previous call's kernels and cleared its rings.
+__device__ void barrier(const RingLayout& L, const Peers& peers, int rank, int seq, HostReport* report,
+                        int64_t timeout_ns) {
+  char* me = peers.base[rank];
+  const int words = L.num_ranks * L.num_channels * 2;
+  for (int i = threadIdx.x; i < words; i += blockDim.x)
+    *reinterpret_cast<int*>(me + L.off_counters + static_cast<uint64_t>(i) * kCounterStride) = 0;
+  __syncthreads();
+  if (threadIdx.x < L.num_ranks) {
+    __threadfence_system();
+    stReleaseSys(reinterpret_cast<int*>(peers.base[threadIdx.x] + L.off_barrier) + rank, seq);
+  }
+  if (threadIdx.x < L.num_ranks) {
+    const int* mine = reinterpret_cast<const int*>(me + L.off_barrier) + threadIdx.x;
+    if (!waitAtLeast(mine, seq, timeout_ns)) reportError(report, 1, threadIdx.x);
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) notifyKernel(NotifyArgs a) {
+  const RingLayout& L = a.L;
+  const int R = L.num_ranks, C = L.num_channels, nle = a.num_local_experts;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ int s_count[kMaxRanks * kMaxChannels];
+  // This rank's tokens per (destination, channel).
+  for (int p = warp; p < R * C; p += kWarps) {
+    const int r = p / C, c = p % C;
+    int begin, end;
+    channelRange(a.num_tokens, C, c, begin, end);
+    int n = 0;
+    for (int t = begin + lane; t < end; t += 32) n += a.is_token_in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0;
+    for (int o = 16; o; o >>= 1) n += __shfl_xor_sync(0xffffffffu, n, o);
+    if (lane == 0) s_count[p] = n;
+  }
+  __syncthreads();
+  if (threadIdx.x < R) {
+    int acc = 0;
+    for (int c = 0; c < C; ++c) a.channel_prefix[threadIdx.x * C + c] = acc += s_count[threadIdx.x * C + c];
+  }
+  // Leave them, and this rank's pairs per expert of each peer, in the peer's notify area.
+  for (int i = threadIdx.x; i < R * L.notify_ints; i += blockDim.x) {
+    const int r = i / L.notify_ints, j = i % L.notify_ints;
+    int v = j < C ? s_count[r * C + j] : a.num_tokens_per_expert[r * nle + (j - C)];
+    reinterpret_cast<int*>(a.peers.base[r] + L.off_notify)[a.rank * L.notify_ints + j] = v;
+  }
+  barrier(L, a.peers, a.rank, a.seq, a.report, a.timeout_ns);
+  const int* area = reinterpret_cast<const int*>(a.peers.base[a.rank] + L.off_notify);
+  if (threadIdx.x == 0) {
+    int rows = 0;
+    for (int s = 0; s < R; ++s) {
+      int acc = 0;
+      for (int c = 0; c < C; ++c) {
+        a.recv_channel_prefix[s * (C + 1) + c] = acc;
+        acc += ldVolatile(area + s * L.notify_ints + c);
+      }
+      a.recv_channel_prefix[s * (C + 1) + C] = acc;
+      a.rank_prefix[s] = rows += acc;
+    }
+    a.report->num_recv = rows;
+  }
+  for (int e = threadIdx.x; e < nle; e += blockDim.x) {
+    int n = 0;
+    for (int s = 0; s < R; ++s) n += ldVolatile(area + s * L.notify_ints + C + e);
+    a.report->per_expert[e] = n;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    a.report->seq = a.seq;
+  }
+}
+
+__global__ void __launch_bounds__(256) layoutKernel(LayoutArgs a) {
+  __shared__ int s_expert[kLayoutMaxExperts];
+  __shared__ int s_rank[kLayoutMaxRanks];
+  for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x) s_expert[i] = 0;
+  for (int i = threadIdx.x; i < a.num_ranks; i += blockDim.x) s_rank[i] = 0;
+  __syncthreads();
+  const int per_rank = a.num_experts / a.num_ranks;
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t < a.num_tokens) {
+    uint64_t ranks = 0;
+    for (int k = 0; k < a.num_topk; ++k) {
+      const int64_t e = a.topk_idx[static_cast<int64_t>(t) * a.num_topk + k];
+      if (e < 0 || e >= a.num_experts) continue;
+      atomicAdd(&s_expert[e], 1);
+      ranks |= 1ull << (e / per_rank);
+    }
+    for (int r = 0; r < a.num_ranks; ++r) {
+      const bool in = (ranks >> r) & 1;
+      a.is_token_in_rank[static_cast<int64_t>(t) * a.num_ranks + r] = in;
+      if (in) atomicAdd(&s_rank[r], 1);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < a.num_experts; i += blockDim.x)
+    if (s_expert[i]) atomicAdd(&a.num_tokens_per_expert[i], s_expert[i]);
+  for (int i = threadIdx.x; i < a.num_ranks; i += blockDim.x)
+    if (s_rank[i]) atomicAdd(&a.num_tokens_per_rank[i], s_rank[i]);
+}
+
+__global__ void prepareKernel(PrepareArgs a) { barrier(a.L, a.peers, a.rank, a.seq, a.report, a.timeout_ns); }
+
+// A ring slot a peer filled (read after acquiring its tail): coherent, no L1 fill, and no
+// compiler barrier, so that a batch of them is in flight at once (volatile asm keeps them
+// after the barrier or acquire that precedes them).
+__device__ __forceinline__ int4 ldRing(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+constexpr int kBatch = 8;  // int4 loads per lane in flight in a copy
+
+// Copies `bytes` (a multiple of 16) with the warp's lanes, kBatch loads per lane before their
+// stores. kFromInput: the source is a read-only input (else a ring slot).
+template <bool kFromInput>
+__device__ __forceinline__ void warpCopy(void* dst, const void* src, int bytes) {
+  const int4* s = static_cast<const int4*>(src);
+  int4* d = static_cast<int4*>(dst);
+  const int n = bytes / 16;
+  const int lane = threadIdx.x % 32;
+  for (int base = lane; base < n; base += 32 * kBatch) {
+    int4 v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (base + u * 32 < n) v[u] = kFromInput ? ldNc(s + base + u * 32) : ldRing(s + base + u * 32);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (base + u * 32 < n) d[base + u * 32] = v[u];
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
+  const RingLayout& L = a.L;
+  const int R = L.num_ranks, C = L.num_channels, K = L.num_topk, S = L.num_scales;
+  const int c = blockIdx.x / 2;
+  const bool sender = blockIdx.x % 2 == 0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int W = kWarps / R;
+  const int g = warp / W, wg = warp % W;
+  if (g >= R) return;
+  const bool leader = wg == 0 && lane == 0;
+  __shared__ int s_value[kMaxRanks];
+  __shared__ int s_abort[kMaxRanks];
+  if (leader) s_abort[g] = 0;
+  namedBarrier(g + 1, W * 32);
+  if (sender) {
+    const int r = g;
+    int begin, end;
+    channelRange(a.num_tokens, C, c, begin, end);
+    const int total = a.channel_prefix[r * C + c] - (c ? a.channel_prefix[r * C + c - 1] : 0);
+    char* dst = ring(a.peers.base[r], L, a.rank, c);
+    int* tail = counter(a.peers.base[r], L, a.rank, c, 0);
+    const int* head = counter(a.peers.base[r], L, a.rank, c, 1);
+    // The channel's tokens 32 at a time: one flag per lane, a ballot tells every warp of the
+    // group which go to r (in order: the j-th goes to slot j % ring). Warp j % W copies the
+    // j-th; a chunk's tail is published once the group has copied it.
+    int j = 0, chunk_end = 0;
+    for (int w0 = begin; w0 < end; w0 += 32) {
+      const int tt = w0 + lane;
+      const bool in = tt < end && a.is_token_in_rank[static_cast<int64_t>(tt) * R + r];
+      uint32_t m = __ballot_sync(0xffffffffu, in);
+      if (wg == 0 && tt < end && !in) a.send_head[static_cast<int64_t>(tt) * R + r] = -1;
+      while (m) {
+        if (j == chunk_end) {  // a new chunk: wait until the ring has room for it
+          chunk_end = min(j + a.send_chunk, total);
+          if (leader && !waitAtLeast(head, chunk_end - L.ring_tokens, a.timeout_ns)) {
+            reportError(a.report, 2, r);
+            s_abort[g] = 1;
+          }
+          namedBarrier(g + 1, W * 32);
+          if (s_abort[g]) return;
+        }
+        for (; m && j < chunk_end; ++j) {
+          const int t = w0 + __ffs(m) - 1;
+          m &= m - 1;
+          if (j % W != wg) continue;
+          const int slot = j % L.ring_tokens;
+          warpCopy<true>(dst + static_cast<uint64_t>(slot) * L.x_bytes,
+                         static_cast<const char*>(a.x) + static_cast<int64_t>(t) * L.x_bytes, L.x_bytes);
+          for (int i = lane; i < S; i += 32)
+            reinterpret_cast<float*>(dst + L.r_scales)[slot * S + i] = a.scales[static_cast<int64_t>(t) * S + i];
+          for (int k = lane; k < K; k += 32) {
+            const int64_t e = a.topk_idx[static_cast<int64_t>(t) * K + k];
+            const int64_t first = static_cast<int64_t>(r) * a.num_local_experts;
+            const int local = e >= first && e < first + a.num_local_experts ? static_cast<int>(e - first) : -1;
+            reinterpret_cast<int*>(dst + L.r_idx)[slot * K + k] = local;
+            reinterpret_cast<float*>(dst + L.r_w)[slot * K + k] =
+                local >= 0 ? a.topk_weights[static_cast<int64_t>(t) * K + k] : 0.f;
+          }
+          if (lane == 0) {
+            reinterpret_cast<int*>(dst + L.r_src)[slot] = t;
+            a.send_head[static_cast<int64_t>(t) * R + r] = j;
+          }
+        }
+        if (j == chunk_end) {  // the chunk is copied: publish it
+          namedBarrier(g + 1, W * 32);
+          if (leader) {
+            __threadfence_system();
+            stReleaseSys(tail, chunk_end);
+          }
+        }
+      }
+    }
+    return;
+  }
+  // Receiver of source s's stream in channel c.
+  const int s = g;
+  const int total = a.recv_channel_prefix[s * (C + 1) + c + 1] - a.recv_channel_prefix[s * (C + 1) + c];
+  const int64_t row0 = (s ? a.rank_prefix[s - 1] : 0) + a.recv_channel_prefix[s * (C + 1) + c];
+  char* src = ring(a.peers.base[a.rank], L, s, c);
+  const int* tail = counter(a.peers.base[a.rank], L, s, c, 0);
+  int* head = counter(a.peers.base[a.rank], L, s, c, 1);
+  int consumed = 0;
+  while (consumed < total) {
+    if (leader) {
+      const uint64_t start = a.timeout_ns > 0 ? kernels::globalTimerNs() : 0;
+      int v;
+      while ((v = ldAcquireSys(tail)) <= consumed) {
+        if (a.timeout_ns > 0 && static_cast<int64_t>(kernels::globalTimerNs() - start) > a.timeout_ns) {
+          reportError(a.report, 3, s);
+          s_abort[g] = 1;
+          break;
+        }
+      }
+      s_value[g] = v;
+    }
+    namedBarrier(g + 1, W * 32);
+    if (s_abort[g]) return;
+    const int avail = *static_cast<volatile int*>(&s_value[g]);
+    for (int k = consumed + wg; k < avail; k += W) {
+      const int slot = k % L.ring_tokens;
+      const int64_t row = row0 + k;
+      warpCopy<false>(static_cast<char*>(a.recv_x) + row * L.x_bytes, src + static_cast<uint64_t>(slot) * L.x_bytes,
+                      L.x_bytes);
+      for (int i = lane; i < S; i += 32)
+        a.recv_scales[row * S + i] = reinterpret_cast<const volatile float*>(src + L.r_scales)[slot * S + i];
+      for (int k2 = lane; k2 < K; k2 += 32) {
+        a.recv_topk_idx[row * K + k2] = reinterpret_cast<const volatile int*>(src + L.r_idx)[slot * K + k2];
+        a.recv_topk_weights[row * K + k2] = reinterpret_cast<const volatile float*>(src + L.r_w)[slot * K + k2];
+      }
+      if (lane == 0) a.recv_src_idx[row] = reinterpret_cast<const volatile int*>(src + L.r_src)[slot];
+    }
+    namedBarrier(g + 1, W * 32);
+    if (leader) stReleaseSys(head, avail);
+    consumed = avail;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
+  const RingLayout& L = a.L;
+  const int R = L.num_ranks, C = L.num_channels, K = L.num_topk;
+  const int c = blockIdx.x / 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (blockIdx.x % 2 == 0) {
+    // Sender: the rows received from rank s in channel c go back into s's ring for (this rank, c).
+    const int W = kWarps / R;
+    const int g = warp / W, wg = warp % W;
+    if (g >= R) return;
+    const bool leader = wg == 0 && lane == 0;
+    __shared__ int s_abort[kMaxRanks];
+    if (leader) s_abort[g] = 0;
+    namedBarrier(g + 1, W * 32);
+    const int s = g;
+    const int total = a.recv_channel_prefix[s * (C + 1) + c + 1] - a.recv_channel_prefix[s * (C + 1) + c];
+    const int64_t row0 = (s ? a.rank_prefix[s - 1] : 0) + a.recv_channel_prefix[s * (C + 1) + c];
+    char* dst = ring(a.peers.base[s], L, a.rank, c);
+    int* tail = counter(a.peers.base[s], L, a.rank, c, 0);
+    const int* head = counter(a.peers.base[s], L, a.rank, c, 1);
+    for (int chunk_begin = 0; chunk_begin < total; chunk_begin += a.send_chunk) {
+      const int chunk_end = min(chunk_begin + a.send_chunk, total);
+      if (leader && !waitAtLeast(head, chunk_end - L.ring_tokens, a.timeout_ns)) {
+        reportError(a.report, 4, s);
+        s_abort[g] = 1;
+      }
+      namedBarrier(g + 1, W * 32);
+      if (s_abort[g]) return;
+      for (int k = chunk_begin + wg; k < chunk_end; k += W) {
+        const int slot = k % L.ring_tokens;
+        warpCopy<true>(dst + static_cast<uint64_t>(slot) * L.x_bytes,
+                       static_cast<const char*>(a.x) + (row0 + k) * L.x_bytes, L.x_bytes);
+        if (a.topk_weights != nullptr)
+          for (int k2 = lane; k2 < K; k2 += 32)
+            reinterpret_cast<float*>(dst + L.r_w)[slot * K + k2] = a.topk_weights[(row0 + k) * K + k2];
+      }
+      namedBarrier(g + 1, W * 32);
+      if (leader) {
+        __threadfence_system();
+        stReleaseSys(tail, chunk_end);
+      }
+    }
+    return;
+  }
+  // Receiver: each warp sums one token's rows (one from every rank the dispatch sent it to),
+  // kWarps tokens per batch; after a batch, the rings' heads move past the batch's rows.
+  __shared__ int s_head[kWarps][kMaxRanks];
+  __shared__ int s_dead[kMaxRanks];
+  if (threadIdx.x < kMaxRanks) s_dead[threadIdx.x] = 0;
+  __syncthreads();
+  int begin, end;
+  channelRange(a.num_tokens, C, c, begin, end);
+  const int hidden8 = L.x_bytes / 16;  // 8 bf16 per int4
+  for (int batch = begin; batch < end; batch += kWarps) {
+    const int t = batch + warp;
+    int h[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) h[r] = -1;
+    if (t < end) {
+      for (int r = 0; r < R; ++r) {
+        h[r] = a.send_head[static_cast<int64_t>(t) * R + r];
+        if (h[r] < 0) continue;
+        if (lane == 0 && !*static_cast<volatile int*>(&s_dead[r]) &&
+            !waitAtLeast(counter(a.peers.base[a.rank], L, r, c, 0), h[r] + 1, a.timeout_ns)) {
+          reportError(a.report, 5, r);
+          s_dead[r] = 1;
+        }
+      }
+      __syncwarp();
+      for (int r = 0; r < R; ++r)
+        if (*static_cast<volatile int*>(&s_dead[r])) h[r] = -1;
+      // kSumBatch int4 (8 bf16 each) per lane at a time: every rank's loads of a batch are in
+      // flight together before they are summed.
+      constexpr int kSumBatch = 4;
+      const void* biases[2] = {a.bias0, a.bias1};
+      for (int base = lane; base < hidden8; base += 32 * kSumBatch) {
+        float acc[kSumBatch][8];
+#pragma unroll
+        for (int u = 0; u < kSumBatch; ++u)
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+        for (int src = 0; src < R + 2; ++src) {  // the ranks' rows, then the biases
+          const int4* row;
+          if (src < R) {
+            if (h[src] < 0) continue;
+            row = reinterpret_cast<const int4*>(ring(a.peers.base[a.rank], L, src, c) +
+                                                static_cast<uint64_t>(h[src] % L.ring_tokens) * L.x_bytes);
+          } else {
+            if (biases[src - R] == nullptr) continue;
+            row = reinterpret_cast<const int4*>(static_cast<const char*>(biases[src - R]) +
+                                                static_cast<int64_t>(t) * L.x_bytes);
+          }
+          int4 v[kSumBatch];
+#pragma unroll
+          for (int u = 0; u < kSumBatch; ++u)
+            if (base + u * 32 < hidden8) v[u] = src < R ? ldRing(row + base + u * 32) : ldNc(row + base + u * 32);
+#pragma unroll
+          for (int u = 0; u < kSumBatch; ++u) {
+            if (base + u * 32 >= hidden8) continue;
+            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              const float2 f = __bfloat1622float2(p[q]);
+              acc[u][2 * q] += f.x;
+              acc[u][2 * q + 1] += f.y;
+            }
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kSumBatch; ++u) {
+          if (base + u * 32 >= hidden8) continue;
+          int4 o;
+          __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) po[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
+          reinterpret_cast<int4*>(static_cast<char*>(a.out) + static_cast<int64_t>(t) * L.x_bytes)[base + u * 32] = o;
+        }
+      }
+      if (a.out_weights != nullptr)
+        for (int k = lane; k < K; k += 32) {
+          float w = 0.f;
+          for (int r = 0; r < R; ++r)
+            if (h[r] >= 0)
+              w += reinterpret_cast<const volatile float*>(ring(a.peers.base[a.rank], L, r, c) + L.r_w)[(h[r] % L.ring_tokens) * K + k];
+          a.out_weights[static_cast<int64_t>(t) * K + k] = w;
+        }
+    }
+    if (lane == 0)
+      for (int r = 0; r < R; ++r) s_head[warp][r] = h[r];
+    __syncthreads();
+    if (threadIdx.x < R) {
+      int m = -1;
+      for (int w = 0; w < kWarps; ++w) m = max(m, s_head[w][threadIdx.x]);
+      if (m >= 0) stReleaseSys(counter(a.peers.base[a.rank], L, threadIdx.x, c, 1), m + 1);
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace
+
+RingLayout RingLayout::make(int num_ranks, int num_channels, int ring_tokens, int x_bytes, int num_scales, int num_topk,
+                            int num_local_experts) {
+  RingLayout L;
+  L.num_ranks = num_ranks;
+  L.num_channels = num_channels;
+  L.ring_tokens = ring_tokens;
+  L.x_bytes = x_bytes;
+  L.num_scales = num_scales;
+  L.num_topk = num_topk;
+  L.off_barrier = 0;
+  L.off_notify = align(num_ranks * sizeof(int), 128);
+  L.notify_ints = num_channels + num_local_experts;
+  L.off_counters = align(L.off_notify + static_cast<uint64_t>(num_ranks) * L.notify_ints * sizeof(int), 128);
+  L.off_rings = align(L.off_counters + static_cast<uint64_t>(num_ranks) * num_channels * 2 * kCounterStride, 128);
+  const uint64_t rt = ring_tokens;
+  L.r_src = align(rt * x_bytes, 16);
+  L.r_idx = align(L.r_src + rt * sizeof(int), 16);
+  L.r_w = align(L.r_idx + rt * num_topk * sizeof(int), 16);
+  L.r_scales = align(L.r_w + rt * num_topk * sizeof(float), 16);
+  L.ring_bytes = align(L.r_scales + rt * num_scales * sizeof(float), 128);
+  L.total = L.off_rings + static_cast<uint64_t>(num_ranks) * num_channels * L.ring_bytes;
+  return L;
+}
+
+void notify(const NotifyArgs& a, cudaStream_t stream) {
+  notifyKernel<<<1, kThreads, 0, stream>>>(a);
+  kernels::check(cudaGetLastError(), "normal-mode notify launch");
+}
+
+void layout(const LayoutArgs& a, cudaStream_t stream) {
+  if (a.num_tokens == 0) return;
+  layoutKernel<<<(a.num_tokens + 255) / 256, 256, 0, stream>>>(a);
+  kernels::check(cudaGetLastError(), "normal-mode layout launch");
+}
+
+void prepare(const PrepareArgs& a, cudaStream_t stream) {
+  prepareKernel<<<1, 128, 0, stream>>>(a);
+  kernels::check(cudaGetLastError(), "normal-mode prepare launch");
+}
+
+void dispatch(const DispatchArgs& a, cudaStream_t stream) {
+  dispatchKernel<<<2 * a.L.num_channels, kThreads, 0, stream>>>(a);
+  kernels::check(cudaGetLastError(), "normal-mode dispatch launch");
+}
+
+void combine(const CombineArgs& a, cudaStream_t stream) {
+  combineKernel<<<2 * a.L.num_channels, kThreads, 0, stream>>>(a);
+  kernels::check(cudaGetLastError(), "normal-mode combine launch");
+}
+
+}  // namespace moelink::ep::normal
