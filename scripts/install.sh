@@ -31,6 +31,21 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
+# clang with libFuzzer, for scripts/fuzz.sh (Debian 12's names; elsewhere the fuzz step says
+# what is missing).
+FUZZ_PKGS=(clang libclang-rt-14-dev)
+missing=()
+for p in "${FUZZ_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  say "apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq || true
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
+    say "could not install ${missing[*]}: scripts/fuzz.sh will not run here"
+fi
+
 # --- Python packages (pip) ---
 if ! "$PY" -c "import torch" 2>/dev/null; then
   say "pip install torch==$TORCH_VERSION"
