@@ -1,6 +1,7 @@
 """c10d methods beyond the core collectives, on CPU tensors over "ep", checked against values
 each rank computes itself: all_gather_coalesced, gather_into_tensor, monitored_barrier (passing,
-and failing with the missing rank named)."""
+and failing with the missing rank named), and a walk over the whole public torch.distributed
+surface (cases_surface.py)."""
 
 from datetime import timedelta
 

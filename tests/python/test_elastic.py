@@ -20,9 +20,15 @@ from harness import free_port
 def _run(target, world, kwargs, env, spawn_replacement=None, timeout=240):
     import torch.distributed as dist
 
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))
+    for attempt in range(3):  # a port found free can be taken before the store binds it
+        port = free_port()
+        try:
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=120))
+            break
+        except dist.DistNetworkError:
+            if attempt == 2:
+                raise
     ctx = mp.get_context("spawn")
     saved = dict(os.environ)
     os.environ.update(env)
