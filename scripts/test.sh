@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ tests (GoogleTest through ctest, then again under ASan + UBSan,
-# scripts/sanitize.sh), the tcp wire fuzzer for a bounded time (scripts/fuzz.sh) and the
+# scripts/sanitize.sh, and the engine's and worker's under TSan, scripts/tsan.sh), the tcp wire fuzzer for a bounded time (scripts/fuzz.sh) and the
 # Python tests (pytest, multi-process groups over backend "ep").
 # Installs and builds first. GPU tests skip cleanly without a GPU.
 set -euo pipefail
@@ -13,6 +13,8 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
 if [ "${MOELINK_SKIP_SANITIZERS:-0}" != 1 ]; then
   echo "[moelink test] C++ tests under ASan + UBSan"
   bash scripts/sanitize.sh
+  echo "[moelink test] the engine's and the worker's C++ tests under TSan"
+  bash scripts/tsan.sh
 fi
 if [ "${MOELINK_SKIP_FUZZ:-0}" != 1 ]; then
   echo "[moelink test] tcp wire fuzzer, ${MOELINK_FUZZ_SECONDS:-60} s"
