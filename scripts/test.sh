@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ tests (GoogleTest through ctest, then again under ASan + UBSan,
-# scripts/sanitize.sh, and the engine's and worker's under TSan, scripts/tsan.sh), the tcp wire fuzzer for a bounded time (scripts/fuzz.sh) and the
-# Python tests (pytest, multi-process groups over backend "ep").
+# scripts/sanitize.sh, and the engine's and worker's under TSan, scripts/tsan.sh), the tcp wire
+# fuzzer for a bounded time (scripts/fuzz.sh) and the Python tests (pytest, multi-process groups
+# over backend "ep").
 # Installs and builds first. GPU tests skip cleanly without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
