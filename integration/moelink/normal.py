@@ -241,7 +241,7 @@ def group_dispatch(group, rank: int, world: int, num_experts: int, data: torch.T
         send_counts = send_tokens.cpu().tolist()
         recv_counts = got[:, 0].tolist()
         per_expert = got[:, 1:].sum(0).tolist()
-        rank_of, tok_of = is_token_in_rank.t().nonzero(as_tuple=True)  # grouped by rank, tokens ascending
+        _, tok_of = is_token_in_rank.t().nonzero(as_tuple=True)  # grouped by rank, tokens ascending
         state = NormalState(buffer_key, t, hidden, sum(recv_counts), send_counts, recv_counts, tok_of, "group")
     else:
         per_expert = None
@@ -255,6 +255,8 @@ def group_dispatch(group, rank: int, world: int, num_experts: int, data: torch.T
     payload = torch.cat(parts, 1)[idx]
     got = _a2a(group, payload, state.send_counts, state.recv_counts)
     n = got.shape[0]
+    if num_worst_tokens and n > num_worst_tokens:  # every rank has finished the exchange: none is left waiting
+        raise ValueError(f"moelink dispatch: {n} tokens arrived, more than num_worst_tokens={num_worst_tokens}")
     rows = max(n, num_worst_tokens)
     col = 0
 

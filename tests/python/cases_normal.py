@@ -171,6 +171,13 @@ def bad_input(rank, world, device="cpu"):
         buf.dispatch(x, handle=handle, topk_idx=idx)
     with pytest.raises(ValueError, match="tokens"):
         buf.dispatch(x[:8], handle=handle)
+    # More rows arrive than num_worst_tokens allows: raises on the ranks where that happens.
+    n = reference(rank, world, 16, 256, 4, ne, 7)[0].shape[0]
+    if n > 1:
+        with pytest.raises(ValueError, match="num_worst_tokens"):
+            buf.dispatch(x, num_worst_tokens=1, **kw)
+    else:
+        buf.dispatch(x, num_worst_tokens=1, **kw)
     # Still usable, on every rank.
     check_round(buf, rank, world, 16, 256, 4, False, 1, device, 8)
 

@@ -201,6 +201,17 @@ def calls(rank, world):
         sub, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)])
         dist.barrier(group=sub)
 
+    @add("abort a subgroup")
+    def _():
+        g = dist.new_group(list(range(world)))
+        t = torch.ones(2)
+        dist.all_reduce(t, group=g)
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort(g)
+        else:
+            g.abort()
+
     @add("split_group")
     def _():
         if world % 2:
