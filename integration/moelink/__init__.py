@@ -10,8 +10,9 @@ Environment variables (read when a group is created):
 
 - ``MOELINK_TRANSPORT``: ``auto`` (default: shared memory between ranks on one host,
   tcp otherwise), ``tcp`` or ``shm``.
-- ``MOELINK_HOST_IP``: the address peers use to reach this rank over tcp (default: the
-  first non-loopback IPv4 address).
+- ``MOELINK_HOST_IP``: the address peers use to reach this rank over tcp, and the only one
+  its listener binds (default: the first non-loopback IPv4 address; 127.0.0.1 under
+  ``MOELINK_TRANSPORT=shm``, where every peer is on this host).
 - ``MOELINK_HOST_ID``: overrides the same-host test (default: hostname + boot id).
 - ``MOELINK_CHUNK_BYTES`` (default 524288): mailbox slot size; large ops are pipelined
   through slots of this size.

@@ -76,3 +76,16 @@ def stray_client(rank, world):
 
 def test_stray_client_on_the_tcp_port():
     assert run_group(3, stray_client, env={"MOELINK_TRANSPORT": "tcp"}, timeout=300) == [True] * 3
+
+
+def _listener_address(rank, world):
+    import moelink
+
+    return moelink.get_backend().tcp_address()
+
+
+def test_shm_group_listens_on_loopback_only():
+    """A group held to shared memory has nothing on the network to talk to: its tcp listener
+    binds the loopback address only."""
+    addresses = run_group(2, _listener_address, env={"MOELINK_TRANSPORT": "shm"})
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses

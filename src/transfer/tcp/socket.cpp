@@ -21,6 +21,9 @@ using namespace std::chrono;
 
 std::string advertisedIp() {
   if (const char* ip = std::getenv("MOELINK_HOST_IP"); ip && *ip) return ip;
+  // A group held to shared memory has every rank on this host: nothing on the network needs to
+  // reach this rank's listener (probes and stray connections included).
+  if (const char* t = std::getenv("MOELINK_TRANSPORT"); t && std::string(t) == "shm") return "127.0.0.1";
   std::string found = "127.0.0.1";
   ifaddrs* ifs = nullptr;
   if (getifaddrs(&ifs) == 0) {

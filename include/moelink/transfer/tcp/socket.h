@@ -9,8 +9,8 @@
 
 namespace moelink::transfer::tcp {
 
-// MOELINK_HOST_IP: the address peers use to reach this rank (default: the first
-// non-loopback IPv4 interface, else 127.0.0.1).
+// MOELINK_HOST_IP: the address peers use to reach this rank (default: 127.0.0.1 under
+// MOELINK_TRANSPORT=shm, else the first non-loopback IPv4 interface, else 127.0.0.1).
 std::string advertisedIp();
 // "ip:port" as a socket address; throws naming the address when it is malformed.
 sockaddr_in parseAddress(const std::string& address);
