@@ -51,47 +51,56 @@ NormalBuffer::NormalBuffer(const c10::intrusive_ptr<c10d::Store>& store, int ran
   default_timeout_us_ = env && *env ? std::atoll(env) : 30000000;
   cudaCheck(cudaGetDevice(&device_), "cudaGetDevice");
   bytes_ = align(static_cast<uint64_t>(bytes), 2u << 20);
-  cudaCheck(cudaMalloc(&buffer_, bytes_), "cudaMalloc");
-  cudaCheck(cudaMemset(buffer_, 0, bytes_), "cudaMemset");
-  const size_t report_bytes = sizeof(normal::HostReport) + sizeof(int) * std::max<int64_t>(1, num_experts);
-  cudaCheck(cudaHostAlloc(reinterpret_cast<void**>(&report_), report_bytes, cudaHostAllocMapped), "cudaHostAlloc");
-  std::memset(static_cast<void*>(report_), 0, report_bytes);
-  cudaCheck(cudaHostGetDevicePointer(reinterpret_cast<void**>(&report_dev_), report_, 0), "cudaHostGetDevicePointer");
-
-  cudaIpcMemHandle_t handle;
-  cudaCheck(cudaIpcGetMemHandle(&handle, buffer_), "cudaIpcGetMemHandle");
-  const auto* hb = reinterpret_cast<const uint8_t*>(&handle);
-  store->set(key + "/ipc/" + std::to_string(rank), std::vector<uint8_t>(hb, hb + sizeof handle));
-  for (int r = 0; r < size; ++r) {
-    if (r == rank) {
-      peers_.base[r] = buffer_;
-      continue;
+  try {
+    cudaCheck(cudaMalloc(&buffer_, bytes_), "cudaMalloc");
+    cudaCheck(cudaMemset(buffer_, 0, bytes_), "cudaMemset");
+    const size_t report_bytes = sizeof(normal::HostReport) + sizeof(int) * std::max<int64_t>(1, num_experts);
+    cudaCheck(cudaHostAlloc(reinterpret_cast<void**>(&report_), report_bytes, cudaHostAllocMapped), "cudaHostAlloc");
+    std::memset(static_cast<void*>(report_), 0, report_bytes);
+    cudaCheck(cudaHostGetDevicePointer(reinterpret_cast<void**>(&report_dev_), report_, 0), "cudaHostGetDevicePointer");
+    cudaIpcMemHandle_t handle;
+    cudaCheck(cudaIpcGetMemHandle(&handle, buffer_), "cudaIpcGetMemHandle");
+    const auto* hb = reinterpret_cast<const uint8_t*>(&handle);
+    store->set(key + "/ipc/" + std::to_string(rank), std::vector<uint8_t>(hb, hb + sizeof handle));
+    for (int r = 0; r < size; ++r) {
+      if (r == rank) {
+        peers_.base[r] = buffer_;
+        continue;
+      }
+      auto b = store->get(key + "/ipc/" + std::to_string(r));
+      TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t), "moelink normal mode: bad IPC handle from rank ", r);
+      cudaIpcMemHandle_t ph;
+      std::memcpy(&ph, b.data(), sizeof ph);
+      void* p = nullptr;
+      cudaCheck(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+      peers_.base[r] = static_cast<char*>(p);
     }
-    auto b = store->get(key + "/ipc/" + std::to_string(r));
-    TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t), "moelink normal mode: bad IPC handle from rank ", r);
-    cudaIpcMemHandle_t ph;
-    std::memcpy(&ph, b.data(), sizeof ph);
-    void* p = nullptr;
-    cudaCheck(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
-    peers_.base[r] = static_cast<char*>(p);
-  }
-  cudaCheck(cudaDeviceSynchronize(), "buffer setup");
-  // Every rank has mapped every peer before any kernel writes (the store doubles as barrier).
-  store->add(key + "/mapped", 1);
-  const auto deadline = std::chrono::steady_clock::now() + store->getTimeout();
-  while (store->add(key + "/mapped", 0) < size) {
-    TORCH_CHECK(std::chrono::steady_clock::now() < deadline,
-                "moelink normal mode: timed out waiting for every rank to create its buffer (a collective call)");
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    cudaCheck(cudaDeviceSynchronize(), "buffer setup");
+    // Every rank has mapped every peer before any kernel writes (the store doubles as barrier).
+    store->add(key + "/mapped", 1);
+    const auto deadline = std::chrono::steady_clock::now() + store->getTimeout();
+    while (store->add(key + "/mapped", 0) < size) {
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline,
+                  "moelink normal mode: timed out waiting for every rank to create its buffer (a collective call)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  } catch (...) {
+    release();  // the destructor does not run for a constructor that throws
+    throw;
   }
 }
 
-NormalBuffer::~NormalBuffer() {
+NormalBuffer::~NormalBuffer() { release(); }
+
+void NormalBuffer::release() noexcept {
   cudaDeviceSynchronize();
   for (int r = 0; r < size_; ++r)
     if (r != rank_ && peers_.base[r] != nullptr) cudaIpcCloseMemHandle(peers_.base[r]);
   if (buffer_ != nullptr) cudaFree(buffer_);
   if (report_ != nullptr) cudaFreeHost(report_);
+  peers_ = normal::Peers{};
+  buffer_ = nullptr;
+  report_ = nullptr;
 }
 
 normal::RingLayout NormalBuffer::layoutFor(const NormalShape& shape, int64_t x_bytes, int64_t num_scales,

@@ -71,6 +71,7 @@ class NormalBuffer {
   normal::RingLayout layoutFor(const NormalShape& shape, int64_t x_bytes, int64_t num_scales, int64_t num_topk) const;
   void checkHealthy();  // raises (once) what a kernel reported, and refuses a broken buffer
   int64_t timeoutNs(int64_t timeout_us) const;
+  void release() noexcept;  // unmaps the peers, frees the buffer and the report
   // Starts a cached dispatch or a combine: the barrier kernel (the notify kernel is a
   // dispatch's own).
   void barrier(const normal::RingLayout& L, int64_t timeout_us, cudaStream_t stream);
