@@ -47,7 +47,7 @@ struct RingLayout {
   int num_topk = 0;     // top-k entries per token (dispatch with top-k), else 0
   // Offsets from the buffer base.
   uint64_t off_barrier = 0;  // int [num_ranks]: sequence number each source reached
-  uint64_t off_notify = 0;   // int [num_ranks][notify_ints]: counts each source left here
+  uint64_t off_notify = 0;   // int [2][num_ranks][notify_ints]: counts each source left here, by call parity
   int notify_ints = 0;
   uint64_t off_counters = 0;  // int [num_ranks][num_channels][2]: tail, head (each on its own 16 B)
   uint64_t off_rings = 0;

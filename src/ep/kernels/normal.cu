@@ -100,14 +100,17 @@ __global__ void __launch_bounds__(kThreads, 1) notifyKernel(NotifyArgs a) {
     int acc = 0;
     for (int c = 0; c < C; ++c) a.channel_prefix[threadIdx.x * C + c] = acc += s_count[threadIdx.x * C + c];
   }
-  // Leave them, and this rank's pairs per expert of each peer, in the peer's notify area.
+  // Leave them, and this rank's pairs per expert of each peer, in the peer's notify area: the
+  // half of this call's parity, so that a peer still reading the previous call's counts (it
+  // may, once it has passed that call's barrier) never sees these.
+  const uint64_t half = static_cast<uint64_t>(a.seq & 1) * R * L.notify_ints * sizeof(int);
   for (int i = threadIdx.x; i < R * L.notify_ints; i += blockDim.x) {
     const int r = i / L.notify_ints, j = i % L.notify_ints;
     int v = j < C ? s_count[r * C + j] : a.num_tokens_per_expert[r * nle + (j - C)];
-    reinterpret_cast<int*>(a.peers.base[r] + L.off_notify)[a.rank * L.notify_ints + j] = v;
+    reinterpret_cast<int*>(a.peers.base[r] + L.off_notify + half)[a.rank * L.notify_ints + j] = v;
   }
   barrier(L, a.peers, a.rank, a.seq, a.report, a.timeout_ns);
-  const int* area = reinterpret_cast<const int*>(a.peers.base[a.rank] + L.off_notify);
+  const int* area = reinterpret_cast<const int*>(a.peers.base[a.rank] + L.off_notify + half);
   if (threadIdx.x == 0) {
     int rows = 0;
     for (int s = 0; s < R; ++s) {
@@ -466,7 +469,7 @@ RingLayout RingLayout::make(int num_ranks, int num_channels, int ring_tokens, in
   L.off_barrier = 0;
   L.off_notify = align(num_ranks * sizeof(int), 128);
   L.notify_ints = num_channels + num_local_experts;
-  L.off_counters = align(L.off_notify + static_cast<uint64_t>(num_ranks) * L.notify_ints * sizeof(int), 128);
+  L.off_counters = align(L.off_notify + 2ull * num_ranks * L.notify_ints * sizeof(int), 128);  // two halves
   L.off_rings = align(L.off_counters + static_cast<uint64_t>(num_ranks) * num_channels * 2 * kCounterStride, 128);
   const uint64_t rt = ring_tokens;
   L.r_src = align(rt * x_bytes, 16);
