@@ -2,11 +2,11 @@
 // fuzz target (tcp_wire_fuzz.cpp, libFuzzer) and the regression test that replays the seed
 // corpus and every input the fuzzer ever crashed on (tcp_wire_replay_test.cpp) share it.
 //
-// The transport (rank 0) has one registered segment. An input whose first byte is odd is sent
-// after a valid handshake (the group's secret), so that the frame parser behind it is
-// reached; an even first byte sends the input as it is. Checked on every input: the process
-// survives (ASan guards every byte outside the segment), and without the handshake no byte
-// of the segment changes.
+// Two transports (rank 0), each with one registered segment. An input whose first byte is odd
+// goes to the first after a valid handshake (the group's secret), so that the frame parser
+// behind it is reached; an even first byte sends the input as it is to the second, which no
+// connection ever authenticates to. Checked on every input: the process survives (ASan guards
+// every byte outside the segments), and the second transport's segment never changes.
 #pragma once
 
 #include <cstddef>
@@ -33,22 +33,19 @@ class TcpWireHarness {
   TcpWireHarness();
   ~TcpWireHarness();
 
-  // Sends `data` over a fresh connection and returns once the transport has closed it (or
-  // after a short quiet period), with the segment's bytes as the input left them (the
-  // pattern is restored for the next input). Aborts, with a message, when a check fails.
+  // Sends `data` over a fresh connection, ends it, and returns the authenticated transport's
+  // segment as it is then (its pattern is restored before the next input). Ends: the input is
+  // followed by bytes the transport rejects, so that it closes the connection itself once it has
+  // applied every frame before them; where those bytes land inside a payload instead, this side
+  // resets the connection after a short wait. Aborts, with a message, when a check fails.
   std::vector<uint8_t> feed(const uint8_t* data, size_t size);
 
-  // The segment's bytes before any input.
+  // A segment's bytes before any input.
   static std::vector<uint8_t> pattern();
 
  private:
-  void restorePattern();
-
-  std::unique_ptr<std::vector<uint8_t>> segment_;
-  std::unique_ptr<transfer::LocalSegments> segs_;
-  std::unique_ptr<transfer::tcp::TcpTransport> transport_;
-  std::string host_;
-  int port_ = 0;
+  struct Target;
+  std::unique_ptr<Target> auth_, open_;
 };
 
 }  // namespace moelink::fuzz
