@@ -488,6 +488,11 @@ bool CollectiveWorker::progressCollective(Collective& op) {
       if (!coll_->peek(r.peer)) waiting.push_back(r.peer);
   for (int p = 0; p < world_; ++p)
     if (op.sendpos[p] < op.sendq[p].size() && !coll_->canSend(p)) waiting.push_back(p);
+  // Everything received and sent, but writes not yet acknowledged: over a cut link the ack never
+  // comes, and nothing is left to receive. The ranks this op writes to are checked then.
+  if (waiting.empty() && !op.inflight.empty())
+    for (int p = 0; p < world_; ++p)
+      if (p != rank_ && !op.sendq[p].empty()) waiting.push_back(p);
   if (!late) {
     detect(op, waiting);  // a dead peer starts a membership change (the op is then rerun or fails)
     return false;
