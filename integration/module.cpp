@@ -93,9 +93,13 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def_readonly("half", &DispatchOutputs::half);
   py::class_<EpBuffer, std::shared_ptr<EpBuffer>>(m, "EpBuffer")
       .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const std::string&, int64_t, int64_t,
-                    int64_t>(),
+                    int64_t, const std::vector<int64_t>&>(),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("key"), py::arg("max_tokens"),
-           py::arg("hidden"), py::arg("num_experts"), py::call_guard<py::gil_scoped_release>())
+           py::arg("hidden"), py::arg("num_experts"), py::arg("active") = std::vector<int64_t>{},
+           py::call_guard<py::gil_scoped_release>())
+      .def("nonce", &EpBuffer::nonce)
+      .def("update_members", &EpBuffer::updateMembers, py::arg("mask"), py::arg("nonces"),
+           py::call_guard<py::gil_scoped_release>())
       .def_static("size_hint", &EpBuffer::sizeHint)
       .def("dispatch", &EpBuffer::dispatch)
       .def("dispatch_recv", &EpBuffer::dispatchRecv)

@@ -52,9 +52,13 @@ MOELINK_EP_TIMEOUT_US, 30 s; 0: no limit) marks it inactive in ``active_ranks`` 
 on the GPU; ``buf.active_ranks()``) and treats it as having sent nothing; later rounds skip it.
 The group's own membership (``moelink.get_active_ranks(group)``, changed by agreement when a
 peer dies) is applied too: a rank the group has masked out is masked out of the buffer at its
-next dispatch or combine. A rank readmitted by ``recover_ranks`` stays masked out of a GPU
-buffer created before it left (the buffer's CUDA IPC mappings are not renewed); create a new
-Buffer on every rank to include it again.
+next dispatch or combine. A rank readmitted by ``recover_ranks`` stays masked out until every
+active rank calls ``update_members()``: the survivors after ``recover_ranks``, the replacement
+process after creating its Buffer (the same arguments, the group's same Buffer); it maps the
+new process's buffer, clears the signals and unmasks every rank the group has active. While a
+membership change waits for it, normal-mode calls take the group route. Ranks readmitted on
+another (virtual) host than the others need a new Buffer on every rank instead (the call
+raises on every rank).
 
 Rounds: dispatch/combine pairs alternate between two halves of the buffer, so a round's
 dispatch may be issued while the previous round's combine is still running. Nothing here
@@ -114,9 +118,13 @@ class Buffer:
             raise ValueError("moelink Buffer: num_max_dispatch_tokens_per_rank must be >= 1")
         self._backend = backend
         # Every rank creates its buffers in the same order, so the keys agree.
-        self._key = f"moelink/ep_buffer/{next(_KEYS)}"
+        self._key_index = next(_KEYS)
+        self._key = f"moelink/ep_buffer/{self._key_index}"
         self._impl = None  # the GPU buffer
         self._epoch = 0  # the group's membership epoch last applied to the GPU buffer's mask
+        # The membership epoch the GPU mappings were made for: after a change, the normal
+        # mode's kernels wait for update_members() (its calls take the group route meanwhile).
+        self._connected_epoch = backend.epoch
         self._zero_copy = {}  # (device, half) -> persistent combine source for zero_copy
         self._normal = None  # the normal mode's NVLink buffer, created at its first use
         self._normal_serial = itertools.count()
@@ -134,7 +142,8 @@ class Buffer:
             if not getattr(_C, "HAS_CUDA", False):
                 raise RuntimeError("moelink was built without CUDA (no nvcc at build time): CUDA tensors need it")
             self._impl = _C.EpBuffer(self._backend.store, self.rank, self.num_ranks, self._key,
-                                     self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
+                                     self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts,
+                                     list(self._backend.active_mask()))
         return self._impl
 
     def transport_of(self, rank: int) -> str:
@@ -356,9 +365,54 @@ class Buffer:
             return "group"
         if any(self._impl.transport_of(r) not in ("local", "nvlink") for r in range(self.num_ranks)):
             return "group"
-        if not all(self._backend.active_mask()):
+        if not all(self._backend.active_mask()) or self._backend.epoch != self._connected_epoch:
             return "group"
         return "nvlink"
+
+    def update_members(self) -> None:
+        """Collective over the group's active ranks: brings the GPU buffer up to the group's
+        membership after ``moelink.recover_ranks`` (or ``extend_group_size_to``) without
+        rebuilding it. Survivors call it after readmitting; the readmitted rank's new process
+        calls it after creating its Buffer (with the same arguments, as the group's same
+        Buffer). It waits for this rank's kernels, maps the buffers of readmitted ranks (CUDA
+        IPC), clears every signal, and unmasks every rank the group has active, also one this
+        buffer masked out after a ``timeout_us`` expired; the normal mode's buffer is rebuilt at
+        its next use. No dispatch or combine may be in flight on any rank (their handles from
+        before the call are void). Readmitted ranks must share a (virtual) host with every
+        active rank: ranks on other hosts connect through the CPU proxy or IBGDA, which only a
+        new Buffer on every rank sets up; that case raises ValueError on every rank, changing
+        nothing."""
+        backend = self._backend
+        if self._impl is None:  # no GPU buffer: the host path follows the group's mask by itself
+            self._epoch = self._connected_epoch = backend.epoch
+            return
+        torch.cuda.synchronize()
+        serial = next(self._normal_serial)
+        mine = torch.tensor([self._impl.nonce(), self._key_index + 1, serial], dtype=torch.int64)
+        every = torch.zeros(self.num_ranks * 3, dtype=torch.int64)
+        dist.all_gather_into_tensor(every, mine, group=self.group)  # inactive ranks' slots: zeros
+        mask = list(backend.active_mask())
+        every = every.view(self.num_ranks, 3).tolist()
+        keys = {every[r][1] - 1 for r in range(self.num_ranks) if mask[r]}
+        if len(keys) != 1:
+            raise ValueError(f"moelink Buffer.update_members: the active ranks call it on different Buffers "
+                             f"(creation indices {sorted(keys)}); a replacement process must create the same "
+                             "Buffers in the same order as the others")
+        error = None
+        try:
+            self._impl.update_members(mask, [every[r][0] if mask[r] else 0 for r in range(self.num_ranks)])
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = e
+        self._normal = None  # the next normal-mode call creates it anew, over the new mappings
+        self._normal_serial = itertools.count(max(row[2] for row in every) + 1)
+        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)  # nobody sends before all are ready
+        if error is not None:
+            raise error
+        if not ok.item():
+            raise RuntimeError("moelink Buffer.update_members failed on another rank (see its error); this "
+                               "rank's buffer is up to date but the group's is not")
+        self._epoch = self._connected_epoch = backend.epoch
 
     def _normal_buffer(self, needed: int, config: Config):
         """The NVL buffer, created (collectively: every rank makes the same calls) at first use,

@@ -8,7 +8,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <thread>
+
+#include <unistd.h>
 
 #include "moelink/backend/c10d_store.h"
 #include "moelink/ep/ibgda/nic.h"
@@ -145,8 +148,15 @@ int64_t EpBuffer::sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden
 }
 
 EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& key,
-                   int64_t max_tokens, int64_t hidden, int64_t num_experts)
-    : rank_(rank), size_(size) {
+                   int64_t max_tokens, int64_t hidden, int64_t num_experts, const std::vector<int64_t>& active)
+    : rank_(rank), size_(size), store_(store), key_(key) {
+  TORCH_CHECK_VALUE(active.empty() || static_cast<int>(active.size()) == size, "moelink Buffer: the active mask has ",
+                    active.size(), " entries for a group of ", size);
+  std::vector<bool> on(size, true);
+  for (int r = 0; r < static_cast<int>(active.size()); ++r) on[r] = active[r] != 0;
+  TORCH_CHECK_VALUE(on[rank], "moelink Buffer: rank ", rank, " is not active in the group");
+  int num_on = 0;
+  for (int r = 0; r < size; ++r) num_on += on[r];
   try {
     layout_ = EpLayout::make(size, static_cast<int>(num_experts), static_cast<int>(max_tokens),
                              static_cast<int>(hidden));
@@ -164,6 +174,7 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   const char* rph_env = std::getenv("MOELINK_EP_RANKS_PER_HOST");
   const int rph = rph_env && *rph_env ? std::atoi(rph_env) : 0;
   TORCH_CHECK_VALUE(rph >= 0, "moelink Buffer: MOELINK_EP_RANKS_PER_HOST must be a positive integer, got ", rph_env);
+  ranks_per_host_ = rph;
   cudaCheck(cudaGetDevice(&device_), "cudaGetDevice");
   cudaCheck(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_), "SM count");
   buffer_bytes_ = align(layout_.totalBytes(), 2u << 20);
@@ -173,22 +184,43 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   cudaCheck(cudaMalloc(&scratch_, scratch * sizeof(int)), "cudaMalloc(scratch)");
   cudaCheck(cudaMemset(scratch_, 0, scratch * sizeof(int)), "cudaMemset(scratch)");
 
-  // Exchange host ids and CUDA IPC handles through the group's store.
+  // A buffer that the active ranks created before this rank's process existed (this process
+  // replaces a failed rank): no rank can count itself mapped before every rank has published,
+  // so a count already there means this rank joins. It maps their buffers and waits for nobody.
+  const bool joining = store->check({key + "/mapped"}) && store->add(key + "/mapped", 0) > 0;
+  // Exchange host ids and CUDA IPC handles (with the buffer's identity) through the group's
+  // store; inactive ranks are skipped (they may never publish).
+  {
+    std::random_device rd;
+    while (nonce_ == 0)
+      nonce_ = ((static_cast<uint64_t>(rd()) << 32 | rd()) ^ static_cast<uint64_t>(getpid())) & ((1ull << 62) - 1);
+  }
   cudaIpcMemHandle_t handle;
   cudaCheck(cudaIpcGetMemHandle(&handle, buffer_), "cudaIpcGetMemHandle");
   std::string mine(reinterpret_cast<const char*>(&handle), sizeof handle);
+  mine.append(reinterpret_cast<const char*>(&nonce_), sizeof nonce_);
   store->set(key + "/ipc/" + std::to_string(rank), bytesOf(mine));
   store->set(key + "/host/" + std::to_string(rank), bytesOf(transfer::localHostId()));
-  std::vector<std::string> hosts(size);
+  std::vector<std::string>& hosts = hosts_;
+  hosts.assign(size, "");
   for (int r = 0; r < size; ++r) {
+    if (!on[r]) continue;
     auto h = store->get(key + "/host/" + std::to_string(r));
     hosts[r] = std::string(h.begin(), h.end());
   }
-  // proxy[a][b]: a and b are different ranks on different (possibly virtual) hosts; such a
-  // pair takes IBGDA instead (ibgda[a][b]) when both ends have a NIC for it.
+  // proxy[a][b]: a and b are different active ranks on different (possibly virtual) hosts;
+  // such a pair takes IBGDA instead (ibgda[a][b]) when both ends have a NIC for it.
   std::vector<std::vector<bool>> proxy(size, std::vector<bool>(size, false));
   for (int a = 0; a < size; ++a)
-    for (int b = 0; b < size; ++b) proxy[a][b] = a != b && (hosts[a] != hosts[b] || (rph > 0 && a / rph != b / rph));
+    for (int b = 0; b < size; ++b)
+      proxy[a][b] = a != b && on[a] && on[b] && (hosts[a] != hosts[b] || (rph > 0 && a / rph != b / rph));
+  if (joining) {
+    for (int r = 0; r < size; ++r)
+      TORCH_CHECK_VALUE(!proxy[rank][r], "moelink Buffer: this process joins a buffer the other ranks created "
+                        "before it (it replaces a failed rank), but rank ", r, " is on another (virtual) host: the "
+                        "CPU proxy and IBGDA connect only when every rank creates the buffer together, so "
+                        "create a new Buffer on every rank instead");
+  }
   // MOELINK_EP_IBGDA: auto (default: the mlx5 NIC when there is one), off, or emulate (the
   // emulated NIC, for testing the GPU side of IBGDA on one host).
   const char* ib_env = std::getenv("MOELINK_EP_IBGDA");
@@ -228,6 +260,7 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   {
     std::vector<bool> ok(size);
     for (int r = 0; r < size; ++r) {
+      if (!on[r]) continue;
       auto v = store->get(key + "/ibgda_ok/" + std::to_string(r));
       ok[r] = v.size() == 1 && v[0] == '1';
     }
@@ -249,25 +282,25 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
     emulated_.reset();
   }
   peers_.assign(size, nullptr);
+  peer_nonce_.assign(size, 0);
   transports_.assign(size, "");
   for (int r = 0; r < size; ++r) {
     if (r == rank) {
       peers_[r] = buffer_;
+      peer_nonce_[r] = nonce_;
       transports_[r] = "local";
+    } else if (!on[r]) {
+      transports_[r] = "inactive";  // unmapped until updateMembers() finds it active
     } else if (proxy[rank][r]) {
       transports_[r] = "proxy";
     } else {
       transports_[r] = ibgda[rank][r] ? "ibgda" : "nvlink";
       if (ibgda[rank][r] && !emulated_) continue;  // only the emulated NIC writes through CUDA IPC
-      auto b = store->get(key + "/ipc/" + std::to_string(r));
-      TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t), "moelink Buffer: bad IPC handle from rank ", r);
-      cudaIpcMemHandle_t ph;
-      std::memcpy(&ph, b.data(), sizeof ph);
-      void* p = nullptr;
-      cudaCheck(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
-      peers_[r] = static_cast<char*>(p);
+      mapPeer(r, 0);
     }
   }
+  proxy_pairs_ = proxy;
+  ibgda_pairs_ = ibgda;
   bool other_host_proxy = false;
   for (int r = 0; r < size; ++r) other_host_proxy = other_host_proxy || (hosts[r] != hosts[rank] && proxy[rank][r]);
   if (other_host_proxy) {
@@ -300,12 +333,16 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
     }
   }
   buildRoutes(proxy, ibgda);
-  active_ = at::ones({size}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
+  {
+    std::vector<int> mask(on.begin(), on.end());
+    active_ = at::tensor(mask, at::kInt).to(at::Device(at::kCUDA, device_));
+  }
   cudaCheck(cudaDeviceSynchronize(), "buffer setup");
-  // Every rank has mapped every peer before anyone writes (the store doubles as barrier).
+  // Every active rank has mapped every peer before anyone writes (the store doubles as
+  // barrier); a joining rank finds the count reached.
   store->add(key + "/mapped", 1);
   auto deadline = std::chrono::steady_clock::now() + store->getTimeout();
-  while (store->add(key + "/mapped", 0) < size) {
+  while (store->add(key + "/mapped", 0) < num_on) {
     TORCH_CHECK(std::chrono::steady_clock::now() < deadline,
                 "moelink Buffer: timed out waiting for every rank to create its buffer (a collective call)");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -377,8 +414,8 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
         // in the peer's buffer half.
         place(pr, kRecvFields, my_half, bufferLanding(L, r));
         const Landing there = bufferLanding(L, rank_);
-        if (!ibgda[rank_][r]) {  // stores through the mapping
-          place(pr, kSendFields, peers_[r] + h * L.half_bytes, there);
+        if (!ibgda[rank_][r]) {  // stores through the mapping (none while the peer is unmapped)
+          if (peers_[r] != nullptr) place(pr, kSendFields, peers_[r] + h * L.half_bytes, there);
           continue;
         }
         // IBGDA: the staging window for (half, peer), posted as WRITEs to the peer's buffer.
@@ -399,9 +436,78 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
       place(pr, kRecvFields, proxy_->inbox() + h * in_me.half, in_me.of(L, j));
     }
   }
-  cudaCheck(cudaMalloc(&routes_dev_, routes.size() * sizeof(kernels::PeerRoute)), "cudaMalloc(routes)");
+  if (routes_dev_ == nullptr)
+    cudaCheck(cudaMalloc(&routes_dev_, routes.size() * sizeof(kernels::PeerRoute)), "cudaMalloc(routes)");
   cudaCheck(cudaMemcpy(routes_dev_, routes.data(), routes.size() * sizeof(kernels::PeerRoute), cudaMemcpyHostToDevice),
             "routes copy");
+}
+
+void EpBuffer::mapPeer(int r, uint64_t expect) {
+  auto b = store_->get(key_ + "/ipc/" + std::to_string(r));
+  TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t) + sizeof(uint64_t), "moelink Buffer: bad IPC record from rank ", r);
+  cudaIpcMemHandle_t ph;
+  uint64_t nonce = 0;
+  std::memcpy(&ph, b.data(), sizeof ph);
+  std::memcpy(&nonce, b.data() + sizeof ph, sizeof nonce);
+  TORCH_CHECK(expect == 0 || nonce == expect, "moelink Buffer.update_members: rank ", r,
+              " published another buffer than the one it reports (did every rank create its Buffers in the same "
+              "order?)");
+  void* p = nullptr;
+  cudaCheck(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  peers_[r] = static_cast<char*>(p);
+  peer_nonce_[r] = nonce;
+}
+
+bool EpBuffer::remoteHost(int r) const {
+  const int rph = ranks_per_host_;
+  return hosts_[r] != hosts_[rank_] || (rph > 0 && r / rph != rank_ / rph);
+}
+
+void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces) {
+  TORCH_CHECK_VALUE(static_cast<int>(mask.size()) == size_ && static_cast<int>(nonces.size()) == size_,
+                    "moelink Buffer.update_members: the mask and the identities need ", size_, " entries each");
+  TORCH_CHECK_VALUE(mask[rank_] != 0, "moelink Buffer.update_members: rank ", rank_, " is not active in the group");
+  c10::cuda::CUDAGuard guard(device_);
+  cudaCheck(cudaDeviceSynchronize(), "update_members: the rounds in flight");
+  // The active ranks whose buffer this rank has not mapped: checked first, so that a refusal
+  // changes nothing (and every rank refuses alike: the test depends on the store's records
+  // and the mask only).
+  std::vector<int> changed;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_ || mask[r] == 0) continue;
+    TORCH_CHECK_VALUE(nonces[r] != 0, "moelink Buffer.update_members: active rank ", r, " reports no GPU buffer");
+    if (static_cast<uint64_t>(nonces[r]) != peer_nonce_[r]) changed.push_back(r);
+  }
+  for (int r : changed) {
+    auto h = store_->get(key_ + "/host/" + std::to_string(r));
+    hosts_[r] = std::string(h.begin(), h.end());
+    for (int a = 0; a < size_; ++a) {
+      if (mask[a] == 0 || a == r) continue;
+      auto ha = store_->get(key_ + "/host/" + std::to_string(a));
+      const int rph = ranks_per_host_;
+      TORCH_CHECK_VALUE(std::string(ha.begin(), ha.end()) == hosts_[r] && (rph == 0 || a / rph == r / rph),
+                        "moelink Buffer.update_members: rank ", r, " has a new process, and it is on another "
+                        "(virtual) host than rank ", a, ": the CPU proxy and IBGDA connect only when every rank "
+                        "creates the buffer together, so create a new Buffer on every rank instead");
+    }
+  }
+  for (int r : changed) {
+    if (peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);  // the failed process's buffer
+    peers_[r] = nullptr;
+    peer_nonce_[r] = 0;
+    mapPeer(r, static_cast<uint64_t>(nonces[r]));
+    transports_[r] = "nvlink";
+  }
+  if (!changed.empty()) buildRoutes(proxy_pairs_, ibgda_pairs_);
+  // Every rank has finished its rounds (the caller's collective follows the synchronization
+  // above), so no signal is on its way: start the next round from clean signals, half 0.
+  cudaCheck(cudaMemset(buffer_, 0, buffer_bytes_), "update_members: clearing the buffer");
+  cudaCheck(cudaMemset(scratch_, 0, kernels::scratchInts(layout_) * sizeof(int)), "update_members: clearing scratch");
+  round_ = 0;
+  std::vector<int> m(mask.begin(), mask.end());
+  for (int& v : m) v = v != 0;
+  active_.copy_(at::tensor(m, at::kInt));
+  cudaCheck(cudaDeviceSynchronize(), "update_members");
 }
 
 // Teardown with IBGDA peers: the last round's last WRITEs may still be in flight at the NIC,

@@ -339,7 +339,7 @@ def training_loop(rank, world, device="cuda", steps=3):
 
 
 def all_gpu(rank, world, big_tokens=4096):
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU: MOELINK_TEST_SHARE_GPU
     path = moelink.Buffer(None, 128, 256, 4 * world)._normal_path(torch.device("cuda", rank))
     routing(rank, world, "cuda", (2048, 7168), big_tokens)
     bad_input(rank, world, "cuda")

@@ -144,15 +144,19 @@ def raiser(rank, world, port, out_dir, victim):
 def gpu_member(rank, world, port, out_dir, replacement=False):
     """2 GPUs: CUDA all_reduce and an EP round trip; rank 1 dies; rank 0 goes on over itself
     (CUDA collectives over the host route, the EP buffer with rank 1 masked out), then
-    readmits a replacement and both run CUDA all_reduce over the whole group."""
+    readmits a replacement; both bring the EP buffer up to date (``update_members``), check a
+    low-latency and a normal-mode round trip over both ranks, and run CUDA all_reduce over
+    the whole group."""
     import torch
     import torch.distributed as dist
 
+    import cases_normal
     import moelink
 
     res = {"rank": rank, "replacement": replacement}
+    hidden, experts, tokens = 1024, 16, 64
     try:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
         _init(rank, world, port, extension=replacement)
 
         def cuda_allreduce(i):
@@ -167,31 +171,42 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
             assert torch.all(x == want).item(), f"op {i}: {x[0].item()} != {want} over {mask}"
             return mask
 
+        def ep_round(buf, local_only):
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+            idx = torch.rand(tokens, experts, generator=g).topk(4, dim=1).indices.cuda()
+            w = torch.ones(tokens, 4, device="cuda")
+            recv, count, handle, _, _ = buf.dispatch(x, idx, 128, experts, use_fp8=False, timeout_us=5_000_000)
+            out, _, _ = buf.combine(recv, idx, w, handle, timeout_us=5_000_000)
+            torch.cuda.synchronize()
+            per_rank = experts // world
+            counted = (idx // per_rank == rank).sum(1) if local_only else (idx >= 0).sum(1)
+            want = x.float() * counted.unsqueeze(1).float()
+            err = (out.float() - want).abs().max().item()
+            assert err <= 0.05 * want.abs().max().item() + 1e-3, f"EP round trip off by {err}"
+
+        def rejoined(buf):
+            """After the readmission, on both ranks: the buffer follows the group again."""
+            buf.update_members()
+            res["ep_active"] = buf.active_ranks().tolist()
+            res["transports"] = [buf.transport_of(r) for r in range(world)]
+            ep_round(buf, local_only=False)
+            res["normal_path"] = buf._normal_path(torch.device("cuda"))
+            cases_normal.check_round(buf, rank, world, 512, hidden, 4, False, 1, "cuda", seed=3)
+            ep_round(buf, local_only=False)  # the low-latency halves after the normal mode's calls
+            res["ep_rejoined"] = "ok"
+
         if replacement:
             res["path_before"] = moelink.get_backend().cuda_path()
+            rejoined(moelink.Buffer(None, 128, hidden, experts))
             res["masks"] = [cuda_allreduce(1000 + k) for k in range(5)]
             res["path"] = moelink.get_backend().cuda_path()
         else:
-            hidden, experts, tokens = 1024, 16, 64
             buf = moelink.Buffer(None, 128, hidden, experts)
-
-            def ep_round(local_only):
-                g = torch.Generator().manual_seed(rank)
-                x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
-                idx = torch.rand(tokens, experts, generator=g).topk(4, dim=1).indices.cuda()
-                w = torch.ones(tokens, 4, device="cuda")
-                recv, count, handle, _, _ = buf.dispatch(x, idx, 128, experts, use_fp8=False, timeout_us=5_000_000)
-                out, _, _ = buf.combine(recv, idx, w, handle, timeout_us=5_000_000)
-                torch.cuda.synchronize()
-                per_rank = experts // world
-                counted = (idx // per_rank == rank).sum(1) if local_only else (idx >= 0).sum(1)
-                want = x.float() * counted.unsqueeze(1).float()
-                err = (out.float() - want).abs().max().item()
-                assert err <= 0.05 * want.abs().max().item() + 1e-3, f"EP round trip off by {err}"
-
+            for i in range(3):  # both halves of the buffer in use before the failure
+                ep_round(buf, local_only=False)
             for i in range(5):
                 cuda_allreduce(i)
-            ep_round(local_only=False)
             res["path_before"] = moelink.get_backend().cuda_path()
             if rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -204,13 +219,16 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
             res["detect_s"] = time.monotonic() - t0
             res["masks_after"] = [cuda_allreduce(6 + k) for k in range(5)]
             res["path_after"] = moelink.get_backend().cuda_path()
-            ep_round(local_only=True)
+            ep_round(buf, local_only=True)
             res["ep_after"] = "ok"
             deadline = time.monotonic() + 120
             while not moelink.get_peer_state([1])[0]:
                 assert time.monotonic() < deadline, "the replacement never became ready"
                 time.sleep(0.2)
             moelink.recover_ranks([1])
+            res["ep_active_before_update"] = buf.active_ranks().tolist()
+            res["normal_path_before_update"] = buf._normal_path(torch.device("cuda"))
+            rejoined(buf)
             res["masks"] = [cuda_allreduce(1000 + k) for k in range(5)]
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001

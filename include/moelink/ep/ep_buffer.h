@@ -43,8 +43,9 @@ struct DispatchOutputs {
 
 class EpBuffer {
  public:
+  // `active`: the group's mask (1 = active; empty: every rank).
   EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& key,
-           int64_t max_tokens, int64_t hidden, int64_t num_experts);
+           int64_t max_tokens, int64_t hidden, int64_t num_experts, const std::vector<int64_t>& active = {});
   ~EpBuffer();
 
   static int64_t sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts);
@@ -62,6 +63,11 @@ class EpBuffer {
                      int64_t timeout_us, const std::optional<at::Tensor>& active_ranks, bool launch_recv);
   void combineRecv(const at::Tensor& topk_idx, const at::Tensor& topk_weights, const DispatchOutputs& handle,
                    at::Tensor& out, int64_t timeout_us, const std::optional<at::Tensor>& active_ranks);
+
+  // This buffer's identity (random, non-zero), published with its IPC handle.
+  int64_t nonce() const { return static_cast<int64_t>(nonce_); }
+  // See the file comment. `nonces[r]`: the identity of rank r's buffer (0 for inactive ranks).
+  void updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces);
 
   std::string transportOf(int rank) const;
   // The transfer-engine transport under a proxy peer ("shm" or "tcp"); "" for others.
@@ -81,12 +87,24 @@ class EpBuffer {
   void buildRoutes(const std::vector<std::vector<bool>>& proxy, const std::vector<std::vector<bool>>& ibgda);
   void setupIbgda(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
                   const std::vector<std::vector<bool>>& ibgda);
+  // Opens rank r's published buffer (its IPC handle) and records its identity; `expect` (if
+  // non-zero) is the identity it must carry.
+  void mapPeer(int r, uint64_t expect);
+  // True when this rank and r are on different (possibly virtual) hosts.
+  bool remoteHost(int r) const;
 
   int rank_, size_, device_;
   EpLayout layout_;
   char* buffer_ = nullptr;
   uint64_t buffer_bytes_ = 0;  // the layout's size, rounded up to 2 MiB (registrable as a dma-buf)
   int* scratch_ = nullptr;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string key_;
+  int ranks_per_host_ = 0;            // MOELINK_EP_RANKS_PER_HOST (0: real hosts only)
+  std::vector<std::string> hosts_;    // per rank ("" while unknown: inactive at construction)
+  uint64_t nonce_ = 0;
+  std::vector<uint64_t> peer_nonce_;  // the identity of the buffer mapped per peer
+  std::vector<std::vector<bool>> proxy_pairs_, ibgda_pairs_;
   std::vector<char*> peers_;           // NVLink peers' buffers (IPC mappings), own buffer
   kernels::PeerRoute* routes_dev_ = nullptr;  // [2][size]
   std::unique_ptr<EpProxy> proxy_;
