@@ -122,9 +122,16 @@ class CudaCollectivesImpl final : public CudaCollectives {
   template <typename Body>
   Work run(const Kind& k, Tensors outputs, const Tensors& used, Route route, Timeout timeout, Body&& body);
   void bind(int device, const char* opname);
-  // In-host kernels: while the group has had no membership change (the staging areas of a
-  // rank that left, or of its replacement, are not consistent any more), host route after.
+  // In-host kernels: while the group's membership is the one the staging areas were set up
+  // for (the areas of a rank that left, or of its replacement, are not consistent any more).
   bool inHost() const { return staging_ != nullptr && !changed_.load(std::memory_order_acquire); }
+  // After a membership change, once every rank is active again (the readmissions are done),
+  // every rank sets up new staging areas at its first CUDA op of the new epoch (the same op
+  // on every rank: the epoch changes at an op boundary of the group), so the group is back
+  // on the in-host kernels. While ranks are missing, the host route serves it.
+  void restageIfDue(const char* opname, bool capturing);
+  // Sets up the staging areas under `tag` (holding mu_); false where some rank cannot map.
+  bool openStaging(const std::string& tag);
   // One flat collective over contiguous CUDA buffers (`in` or `out` undefined where this rank
   // has none), by the group's route: the exchange `x`, or the worker op `host(ctx, in, out)`
   // built over pinned copies.
@@ -153,6 +160,8 @@ class CudaCollectivesImpl final : public CudaCollectives {
   std::unique_ptr<MappedArray<uint32_t>> ready_, done_;
   std::unique_ptr<MappedArray<uint32_t>> abort_;  // [0]: raised on a membership change; kernels give up
   std::atomic<bool> changed_{false};
+  bool capable_ = false;      // every rank on this host: the in-host kernels can serve the group
+  uint64_t staged_epoch_ = 0;  // the membership epoch the staging areas were set up in
   std::unique_ptr<Completer> completer_;
   cudaEvent_t start_ = nullptr;  // recorded on the caller's stream at each op's start
   uint32_t ticket_ = 0;
@@ -204,7 +213,6 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
     changed->store(true, std::memory_order_release);
     __atomic_store_n(abort_word, 1u, __ATOMIC_RELEASE);
   });
-  if (b_.worker().epoch() > 0) changed_ = true;
   // In-host when every rank is on this host (MOELINK_RANKS_PER_HOST=n declares virtual hosts
   // of n ranks, as for the EP buffer) and every rank maps every peer's staging area.
   // MOELINK_RANKS_PER_HOST: group ranks [0, n), [n, 2n), ... into virtual hosts, so that the
@@ -214,16 +222,17 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   TORCH_CHECK_VALUE(rph >= 0, "moelink: MOELINK_RANKS_PER_HOST must be a positive integer, got ", rph_env);
   bool one_host = size_ <= collective::kExchangeMaxRanks && (rph == 0 || rph >= size_);
   for (int q = 0; q < size_ && one_host; ++q) one_host = b_.hostIdOf(q) == b_.hostIdOf(rank_);
-  // After a membership change the staging areas cannot be set up with every rank (a replacement
-  // process joins a group whose ranks set theirs up long ago): the host route serves the group.
-  if (one_host && b_.worker().epoch() > 0) {
-    one_host = false;
-    LOG(WARNING) << "moelink: CUDA collectives go through host memory (the group's membership has changed)";
-  }
-  if (one_host) {
-    std::string why;
-    staging_ = ExchangeStaging::open(b_.store(), rank_, size_, tuning_, &why);
-    if (!staging_) LOG(WARNING) << "moelink: CUDA collectives go through host memory: " << why;
+  capable_ = one_host;
+  // After a membership change, the areas are set up under the epoch's tag, by every rank at
+  // the same op (a replacement's first, the survivors' first after readmitting it), and only
+  // with every rank active; restageIfDue() takes over from there.
+  const uint64_t epoch = b_.worker().epoch();
+  bool all_active = true;
+  for (int q = 0; q < size_; ++q) all_active = all_active && b_.worker().isActive(q);
+  if (one_host && all_active) {
+    if (openStaging(epoch > 0 ? std::string("e").append(std::to_string(epoch)) : "")) staged_epoch_ = epoch;
+  } else if (one_host) {
+    changed_ = true;  // set up once every rank is active
   }
   collective::CollectiveWorker* worker = &b_.worker();
   completer_ = std::make_unique<Completer>(device, kSlots, [worker] { worker->watchPeers(); });
@@ -231,6 +240,41 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   device_ = device;
   VLOG(1) << "moelink: rank " << rank_ << " CUDA collectives on cuda:" << device << " via "
           << (staging_ ? "nvlink" : "host");
+}
+
+bool CudaCollectivesImpl::openStaging(const std::string& tag) {
+  std::string why;
+  staging_ = ExchangeStaging::open(b_.store(), rank_, size_, tuning_, &why, tag);
+  if (!staging_) LOG(WARNING) << "moelink: CUDA collectives go through host memory: " << why;
+  return staging_ != nullptr;
+}
+
+void CudaCollectivesImpl::restageIfDue(const char* opname, bool capturing) {
+  if (!capable_ || !changed_.load(std::memory_order_acquire)) return;
+  const uint64_t epoch = b_.worker().epoch();
+  if (epoch == staged_epoch_) return;
+  for (int q = 0; q < size_; ++q)
+    if (!b_.worker().isActive(q)) return;  // ranks missing: the host route serves the group
+  TORCH_CHECK_VALUE(!capturing, "moelink ", opname, ": the first CUDA op after the group's membership changed sets "
+                    "up its GPU buffers anew and cannot be captured; run one CUDA collective on this group first");
+  std::lock_guard<std::mutex> g(mu_);
+  c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device_));
+  // The group's earlier ops are done with the old areas (host-route ops finish through the
+  // worker; in-host ones were aborted by the change). Point-to-point ops (the receive
+  // stream) never use the areas, and one may wait for a peer's later send: not waited for.
+  cudaCheck(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize");
+  staging_.reset();
+  staged_epoch_ = epoch;  // one try per epoch: a failure leaves the group on the host route
+  if (!openStaging(std::string("e").append(std::to_string(epoch)))) return;
+  __atomic_store_n(abort_->host(0), 0u, __ATOMIC_RELEASE);
+  changed_.store(false, std::memory_order_release);
+  // A change decided meanwhile (the worker sets the epoch before it calls the listeners)
+  // raises the flags again; one from here on does so itself.
+  if (b_.worker().epoch() != epoch) {
+    changed_.store(true, std::memory_order_release);
+    __atomic_store_n(abort_->host(0), 1u, __ATOMIC_RELEASE);
+  }
+  LOG(INFO) << "moelink: rank " << rank_ << " CUDA collectives back on the in-host kernels at epoch " << epoch;
 }
 
 template <typename Body>
@@ -247,11 +291,12 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
   // One op at a time per group: ranks must queue ops in one order, and start_ and the
   // tickets are shared.
   std::lock_guard<std::mutex> submitting(submit_mu_);
-  const bool host = route != Route::kGroup || !inHost();
   const auto dev = static_cast<c10::DeviceIndex>(device);
   c10::cuda::CUDAStream user = c10::cuda::getCurrentCUDAStream(dev);
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   cudaCheck(cudaStreamIsCapturing(user.stream(), &cs), "cudaStreamIsCapturing");
+  if (route == Route::kGroup) restageIfDue(k.name, cs != cudaStreamCaptureStatusNone);
+  const bool host = route != Route::kGroup || !inHost();
   Op op;
   op.captured = cs != cudaStreamCaptureStatusNone;
   TORCH_CHECK_VALUE(!(op.captured && host), "moelink ", k.name, ": in this group the op runs through host memory (",

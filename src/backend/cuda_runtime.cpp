@@ -222,7 +222,8 @@ std::vector<uint8_t> bytesOf(const void* p, size_t n) {
 
 std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                        int size, const collective::ExchangeTuning& tuning,
-                                                       std::string* why_not) {
+                                                       std::string* why_not, const std::string& tag) {
+  const std::string prefix = tag.empty() ? "moelink_cuda/" : "moelink_cuda/" + tag + "/";
   std::unique_ptr<ExchangeStaging> s(new ExchangeStaging());
   s->rank_ = rank;
   s->layout_ = collective::ExchangeLayout::make(size, tuning.round_bytes);
@@ -231,11 +232,11 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
   cudaCheck(cudaMemset(s->areas_[rank], 0, s->layout_.total), "cudaMemset(staging)");
   cudaIpcMemHandle_t handle;
   cudaCheck(cudaIpcGetMemHandle(&handle, s->areas_[rank]), "cudaIpcGetMemHandle");
-  store->set("moelink_cuda/ipc/" + std::to_string(rank), bytesOf(&handle, sizeof handle));
+  store->set(prefix + "ipc/" + std::to_string(rank), bytesOf(&handle, sizeof handle));
   std::string mine;
   for (int q = 0; q < size && mine.empty(); ++q) {
     if (q == rank) continue;
-    auto h = store->get("moelink_cuda/ipc/" + std::to_string(q));
+    auto h = store->get(prefix + "ipc/" + std::to_string(q));
     if (h.size() != sizeof(cudaIpcMemHandle_t)) {
       mine = "rank " + std::to_string(q) + " published a malformed handle";
       break;
@@ -252,10 +253,10 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
       s->areas_[q] = static_cast<char*>(p);
     }
   }
-  store->set("moelink_cuda/ok/" + std::to_string(rank), bytesOf(mine.data(), mine.size()));
+  store->set(prefix + "ok/" + std::to_string(rank), bytesOf(mine.data(), mine.size()));
   std::string why;
   for (int q = 0; q < size; ++q) {
-    auto v = store->get("moelink_cuda/ok/" + std::to_string(q));
+    auto v = store->get(prefix + "ok/" + std::to_string(q));
     if (!v.empty() && why.empty()) why.assign(v.begin(), v.end());
   }
   if (!why.empty()) {

@@ -138,9 +138,12 @@ class Completer {
 // every rank unless every rank could map every peer's area.
 class ExchangeStaging {
  public:
+  // Collective over the group's ranks: allocates this rank's area, maps every peer's.
+  // `tag` names the set of areas in the store ("" for the group's first; after a membership
+  // change, the epoch, so that nobody reads a failed process's handle).
   static std::unique_ptr<ExchangeStaging> open(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                const collective::ExchangeTuning& tuning,
-                                               std::string* why_not);
+                                               std::string* why_not, const std::string& tag = "");
   ~ExchangeStaging();
   const collective::ExchangeLayout& layout() const { return layout_; }
   char* area(int rank) const { return areas_[rank]; }

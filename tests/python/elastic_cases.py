@@ -146,7 +146,7 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
     (CUDA collectives over the host route, the EP buffer with rank 1 masked out), then
     readmits a replacement; both bring the EP buffer up to date (``update_members``), check a
     low-latency and a normal-mode round trip over both ranks, and run CUDA all_reduce over
-    the whole group."""
+    the whole group (back on the in-host kernels)."""
     import torch
     import torch.distributed as dist
 
@@ -159,8 +159,8 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
         torch.cuda.set_device(rank % torch.cuda.device_count())
         _init(rank, world, port, extension=replacement)
 
-        def cuda_allreduce(i):
-            x = torch.full((4096,), float(rank + 1 + i), device="cuda")
+        def cuda_allreduce(i, n=4096):
+            x = torch.full((n,), float(rank + 1 + i), device="cuda")
             mask = moelink.get_active_ranks().tolist()
             w = dist.all_reduce(x, async_op=True)
             w.wait()  # stream-ordered: raises only an error already known
@@ -199,7 +199,7 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
         if replacement:
             res["path_before"] = moelink.get_backend().cuda_path()
             rejoined(moelink.Buffer(None, 128, hidden, experts))
-            res["masks"] = [cuda_allreduce(1000 + k) for k in range(5)]
+            res["masks"] = [cuda_allreduce(1000 + k, n=4096 << (3 * k)) for k in range(5)]
             res["path"] = moelink.get_backend().cuda_path()
         else:
             buf = moelink.Buffer(None, 128, hidden, experts)
@@ -229,7 +229,8 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
             res["ep_active_before_update"] = buf.active_ranks().tolist()
             res["normal_path_before_update"] = buf._normal_path(torch.device("cuda"))
             rejoined(buf)
-            res["masks"] = [cuda_allreduce(1000 + k) for k in range(5)]
+            res["masks"] = [cuda_allreduce(1000 + k, n=4096 << (3 * k)) for k in range(5)]
+            res["path"] = moelink.get_backend().cuda_path()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         res["error"] = traceback.format_exc()

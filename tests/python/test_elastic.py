@@ -241,7 +241,8 @@ def test_two_hosts_partition_and_rejoin():
 def test_gpu_survivor_and_rejoin():
     """2 GPUs: rank 1 is killed; rank 0's CUDA all_reduce and EP buffer go on over the mask
     (the op in flight on the in-host kernels either finished or raises naming the loss), a
-    replacement rejoins and CUDA all_reduce sums over both again."""
+    replacement rejoins, the EP buffer follows (update_members), and CUDA all_reduce sums over
+    both again on the in-host kernels."""
     import torch
 
     shared = os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"  # both ranks on one GPU (time-sliced)
@@ -260,6 +261,8 @@ def test_gpu_survivor_and_rejoin():
         assert r["ep_active"] == [1, 1] and r["ep_rejoined"] == "ok" and r["normal_path"] == "nvlink", r
     assert old["transports"] == ["local", "nvlink"] and new["transports"] == ["nvlink", "local"]
     assert all(m == [1, 1] for m in old["masks"]) and all(m == [1, 1] for m in new["masks"])
+    # The CUDA collectives set up new staging areas with the replacement: in-host kernels again.
+    assert old["path"] == new["path"] == "nvlink", (old["path"], new["path"])
 
 
 def test_group_grows_with_extension_ranks():
