@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 
@@ -125,13 +126,11 @@ class CudaCollectivesImpl final : public CudaCollectives {
   // In-host kernels: while the group's membership is the one the staging areas were set up
   // for (the areas of a rank that left, or of its replacement, are not consistent any more).
   bool inHost() const { return staging_ != nullptr && !changed_.load(std::memory_order_acquire); }
-  // After a membership change, once every rank is active again (the readmissions are done),
-  // every rank sets up new staging areas at its first CUDA op of the new epoch (the same op
-  // on every rank: the epoch changes at an op boundary of the group), so the group is back
-  // on the in-host kernels. While ranks are missing, the host route serves it.
-  void restageIfDue(const char* opname, bool capturing);
-  // Sets up the staging areas under `tag` (holding mu_); false where some rank cannot map.
-  bool openStaging(const std::string& tag);
+  // After a membership change, the group's next op on every rank sets up new staging areas
+  // over the active ranks (restage), so the survivors, and later the group with its
+  // readmitted ranks, run on the in-host kernels again. Returns the op's number (`seq`, or
+  // the agreed one for a rank that has none yet).
+  uint64_t restage(const char* opname, bool capturing, uint64_t seq);
   // One flat collective over contiguous CUDA buffers (`in` or `out` undefined where this rank
   // has none), by the group's route: the exchange `x`, or the worker op `host(ctx, in, out)`
   // built over pinned copies.
@@ -161,7 +160,16 @@ class CudaCollectivesImpl final : public CudaCollectives {
   std::unique_ptr<MappedArray<uint32_t>> abort_;  // [0]: raised on a membership change; kernels give up
   std::atomic<bool> changed_{false};
   bool capable_ = false;      // every rank on this host: the in-host kernels can serve the group
-  uint64_t staged_epoch_ = 0;  // the membership epoch the staging areas were set up in
+  // The set of staging areas in use: the epoch it was set up in, its ranks (sorted) and this
+  // rank's position among them.
+  bool staged_ = false;
+  uint64_t staged_epoch_ = 0;
+  std::vector<int> members_;
+  int me_ = 0;
+  // Group ops issued on this rank (every rank issues the same ones, in one order), and the
+  // first that runs over the current areas: ops that some ranks issued before they saw a
+  // membership change and others after are dropped on the latter, so that ranks stay in step.
+  uint64_t seq_ = 0, start_seq_ = 0;
   std::unique_ptr<Completer> completer_;
   cudaEvent_t start_ = nullptr;  // recorded on the caller's stream at each op's start
   uint32_t ticket_ = 0;
@@ -223,16 +231,19 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   bool one_host = size_ <= collective::kExchangeMaxRanks && (rph == 0 || rph >= size_);
   for (int q = 0; q < size_ && one_host; ++q) one_host = b_.hostIdOf(q) == b_.hostIdOf(rank_);
   capable_ = one_host;
-  // After a membership change, the areas are set up under the epoch's tag, by every rank at
-  // the same op (a replacement's first, the survivors' first after readmitting it), and only
-  // with every rank active; restageIfDue() takes over from there.
-  const uint64_t epoch = b_.worker().epoch();
+  // The group's first areas, with every rank at its first CUDA op; after a membership change,
+  // restage() sets them up at the next op, with the ranks active then.
   bool all_active = true;
   for (int q = 0; q < size_; ++q) all_active = all_active && b_.worker().isActive(q);
-  if (one_host && all_active) {
-    if (openStaging(epoch > 0 ? std::string("e").append(std::to_string(epoch)) : "")) staged_epoch_ = epoch;
+  if (one_host && all_active && b_.worker().epoch() == 0) {
+    std::string why;
+    staging_ = ExchangeStaging::open(b_.store(), rank_, size_, tuning_, &why);
+    if (!staging_) LOG(WARNING) << "moelink: CUDA collectives go through host memory: " << why;
+    staged_ = true;
+    for (int q = 0; q < size_; ++q) members_.push_back(q);
+    me_ = rank_;
   } else if (one_host) {
-    changed_ = true;  // set up once every rank is active
+    changed_ = true;
   }
   collective::CollectiveWorker* worker = &b_.worker();
   completer_ = std::make_unique<Completer>(device, kSlots, [worker] { worker->watchPeers(); });
@@ -242,39 +253,75 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
           << (staging_ ? "nvlink" : "host");
 }
 
-bool CudaCollectivesImpl::openStaging(const std::string& tag) {
-  std::string why;
-  staging_ = ExchangeStaging::open(b_.store(), rank_, size_, tuning_, &why, tag);
-  if (!staging_) LOG(WARNING) << "moelink: CUDA collectives go through host memory: " << why;
-  return staging_ != nullptr;
-}
-
-void CudaCollectivesImpl::restageIfDue(const char* opname, bool capturing) {
-  if (!capable_ || !changed_.load(std::memory_order_acquire)) return;
-  const uint64_t epoch = b_.worker().epoch();
-  if (epoch == staged_epoch_) return;
-  for (int q = 0; q < size_; ++q)
-    if (!b_.worker().isActive(q)) return;  // ranks missing: the host route serves the group
-  TORCH_CHECK_VALUE(!capturing, "moelink ", opname, ": the first CUDA op after the group's membership changed sets "
-                    "up its GPU buffers anew and cannot be captured; run one CUDA collective on this group first");
-  std::lock_guard<std::mutex> g(mu_);
-  c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device_));
-  // The group's earlier ops are done with the old areas (host-route ops finish through the
-  // worker; in-host ones were aborted by the change). Point-to-point ops (the receive
-  // stream) never use the areas, and one may wait for a peer's later send: not waited for.
-  cudaCheck(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize");
-  staging_.reset();
-  staged_epoch_ = epoch;  // one try per epoch: a failure leaves the group on the host route
-  if (!openStaging(std::string("e").append(std::to_string(epoch)))) return;
-  __atomic_store_n(abort_->host(0), 0u, __ATOMIC_RELEASE);
-  changed_.store(false, std::memory_order_release);
-  // A change decided meanwhile (the worker sets the epoch before it calls the listeners)
-  // raises the flags again; one from here on does so itself.
-  if (b_.worker().epoch() != epoch) {
-    changed_.store(true, std::memory_order_release);
-    __atomic_store_n(abort_->host(0), 1u, __ATOMIC_RELEASE);
+uint64_t CudaCollectivesImpl::restage(const char* opname, bool capturing, uint64_t seq) {
+  collective::CollectiveWorker& w = b_.worker();
+  for (;;) {
+    const uint64_t epoch = w.epoch();
+    if (staged_ && epoch == staged_epoch_) {
+      changed_.store(false, std::memory_order_release);
+      return seq;
+    }
+    std::vector<int> members;
+    for (int q = 0; q < size_; ++q)
+      if (w.isActive(q)) members.push_back(q);
+    if (!w.isActive(rank_)) return seq;  // out of the group: the host route says so
+    TORCH_CHECK_VALUE(!capturing, "moelink ", opname, ": the first CUDA op after the group's membership changed "
+                      "sets up its GPU buffers anew and cannot be captured; run one CUDA collective on this group "
+                      "first");
+    std::lock_guard<std::mutex> g(mu_);
+    c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device_));
+    // The group's earlier ops are done with the old areas (host-route ops finish through the
+    // worker; in-host ones that waited on a rank that left were aborted by the change).
+    // Point-to-point ops (the receive stream) never use the areas, and one may wait for a
+    // peer's later send: not waited for.
+    cudaCheck(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize");
+    staging_.reset();
+    // Each member publishes the number of the op it is issuing (a rank with no areas yet, a
+    // replacement, publishes none): the new areas serve ops from the largest on.
+    const std::string tag = std::string("e").append(std::to_string(epoch));
+    const std::string seq_key = "moelink_cuda/" + tag + "/seq/";
+    const std::string mine = staged_ ? std::to_string(seq) : "-";
+    b_.store()->set(seq_key + std::to_string(rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
+    auto moved = [&w, epoch] { return w.epoch() != epoch; };
+    std::string why;
+    staging_ = ExchangeStaging::open(b_.store(), rank_, size_, tuning_, &why, tag, members, moved);
+    if (!staging_ && moved()) continue;  // another change while setting up: over again
+    uint64_t start = seq;
+    bool any = false;
+    for (int q : members) {
+      if (!b_.store()->check({seq_key + std::to_string(q)})) continue;  // (a failed set-up)
+      auto v = b_.store()->get(seq_key + std::to_string(q));
+      const std::string text(v.begin(), v.end());
+      if (text == "-") continue;
+      const uint64_t theirs = std::stoull(text);
+      start = any ? std::max(start, theirs) : theirs;
+      any = true;
+    }
+    if (!staged_ || !any) {  // a rank new to the group takes the others' numbering
+      seq = start;
+      seq_ = start + 1;
+    }
+    start_seq_ = start;
+    staged_ = true;
+    staged_epoch_ = epoch;
+    members_ = members;
+    me_ = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    if (!staging_) {
+      LOG(WARNING) << "moelink: CUDA collectives go through host memory after the membership change: " << why;
+      return seq;
+    }
+    __atomic_store_n(abort_->host(0), 0u, __ATOMIC_RELEASE);
+    changed_.store(false, std::memory_order_release);
+    // A change decided meanwhile (the worker sets the epoch before it calls the listeners)
+    // raises the flags again; one from here on does so itself.
+    if (w.epoch() != epoch) {
+      changed_.store(true, std::memory_order_release);
+      __atomic_store_n(abort_->host(0), 1u, __ATOMIC_RELEASE);
+    }
+    LOG(INFO) << "moelink: rank " << rank_ << " CUDA collectives on the in-host kernels over " << members.size()
+              << " rank(s) from epoch " << epoch << ", op #" << start;
+    return seq;
   }
-  LOG(INFO) << "moelink: rank " << rank_ << " CUDA collectives back on the in-host kernels at epoch " << epoch;
 }
 
 template <typename Body>
@@ -295,10 +342,22 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
   c10::cuda::CUDAStream user = c10::cuda::getCurrentCUDAStream(dev);
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
   cudaCheck(cudaStreamIsCapturing(user.stream(), &cs), "cudaStreamIsCapturing");
-  if (route == Route::kGroup) restageIfDue(k.name, cs != cudaStreamCaptureStatusNone);
+  // An op that other ranks issued before they saw a membership change, and that failed
+  // there (aborted), fails here too, without running: its Work carries the error, as theirs.
+  std::string dropped;
+  if (route == Route::kGroup) {
+    uint64_t seq = seq_++;
+    if (capable_ && changed_.load(std::memory_order_acquire))
+      seq = restage(k.name, cs != cudaStreamCaptureStatusNone, seq);
+    if (seq < start_seq_)
+      dropped = c10::str(k.name, " #", seq, ": not run: rank(s) left the group while the ranks were issuing "
+                         "CUDA ops (epoch ", staged_epoch_, "), and another rank had issued this op before it saw the "
+                         "change, where it failed; the ranks are in step again from op #", start_seq_);
+  }
   const bool host = route != Route::kGroup || !inHost();
   Op op;
   op.captured = cs != cudaStreamCaptureStatusNone;
+  TORCH_CHECK(dropped.empty() || !op.captured, dropped);
   TORCH_CHECK_VALUE(!(op.captured && host), "moelink ", k.name, ": in this group the op runs through host memory (",
                     route != Route::kGroup ? "point-to-point ops always do" : "its ranks are on several hosts",
                     ") and cannot be captured in a CUDA graph");
@@ -313,7 +372,12 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
   {
     c10::cuda::CUDAStreamGuard guard(*op.stream);
     try {
-      body(op);
+      if (dropped.empty()) {
+        body(op);
+      } else {
+        op.work->host = std::make_shared<HostOutcome>();
+        op.work->host->set(dropped, -1);
+      }
     } catch (...) {
       // Retire the reserved slot: the work completes once what was queued has run.
       op.work->status = nullptr;
@@ -334,17 +398,30 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
   return op.work;
 }
 
-void CudaCollectivesImpl::exchange(Op& op, const Exchange& x, const void* in, void* out) {
+void CudaCollectivesImpl::exchange(Op& op, const Exchange& full, const void* in, void* out) {
+  // Over the active ranks after a membership change: the group's plan restricted to them
+  // (plans built for the sub-group already, the two-shot halves, pass as they are), with
+  // zeros where an inactive rank's data would land.
+  const int n = static_cast<int>(members_.size());
+  const bool restrict = n < size_ && static_cast<int>(full.send_bytes.size()) == size_;
+  if (full.root >= 0)
+    TORCH_CHECK_VALUE(std::binary_search(members_.begin(), members_.end(), full.root), "moelink: root rank ",
+                      full.root, " is not active in the group (it left; moelink.recover_ranks readmits it)");
+  const Exchange x = restrict ? collective::restrictExchange(full, members_) : full;
+  if (restrict)
+    for (auto [off, len] : collective::droppedRanges(full, members_))
+      cudaCheck(cudaMemsetAsync(static_cast<char*>(out) + off, 0, len, op.stream->stream()), "cudaMemsetAsync");
   collective::ExchangeLaunch l;
-  collective::describeLaunch(x, rank_, tuning_, l);
+  collective::describeLaunch(x, me_, tuning_, l);
   l.in = static_cast<const char*>(in);
   l.out = static_cast<char*>(out);
-  for (int q = 0; q < size_; ++q) l.staging[q] = staging_->area(q);
+  for (int j = 0; j < n; ++j) l.staging[j] = staging_->area(members_[j]);
   l.layout = staging_->layout();
   l.timeout_ns = static_cast<uint64_t>(op.timeout.count()) * 1000000ull;
   l.status = status_->dev(op.slot);
   l.abort = abort_->dev(0);
   op.work->status = op.captured ? nullptr : status_->host(op.slot);
+  if (n < size_) op.work->peers = members_;
   cudaCheck(collective::launchExchange(l, op.stream->stream()), "launching the exchange kernel");
 }
 
@@ -420,13 +497,17 @@ void CudaCollectivesImpl::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp 
     hostFlat(op, buf, buf, [=](const algo::AlgoContext& c, char* in, char*) {
       return algo::allreduceOp(c, in, count, t, rop);
     });
-  } else if (tuning_.oneShot(size_, nbytes(buf))) {
-    exchange(op, collective::exchangeAllreduceOneShot(size_, rank_, count, t, rop), ptr(buf), ptr(buf));
   } else {
-    auto blocks = collective::allreduceBlocks(size_, count, t);
-    exchange(op, collective::exchangeAllreduceScatter(size_, rank_, count, t, rop), ptr(buf),
-             ptr(buf) + blocks[rank_].first * collective::elementSize(t));
-    exchange(op, collective::exchangeAllreduceGather(size_, rank_, count, t), ptr(buf), ptr(buf));
+    // Over the active ranks (all of them unless the membership changed).
+    const int n = static_cast<int>(members_.size());
+    if (tuning_.oneShot(n, nbytes(buf))) {
+      exchange(op, collective::exchangeAllreduceOneShot(n, me_, count, t, rop), ptr(buf), ptr(buf));
+    } else {
+      auto blocks = collective::allreduceBlocks(n, count, t);
+      exchange(op, collective::exchangeAllreduceScatter(n, me_, count, t, rop), ptr(buf),
+               ptr(buf) + blocks[me_].first * collective::elementSize(t));
+      exchange(op, collective::exchangeAllreduceGather(n, me_, count, t), ptr(buf), ptr(buf));
+    }
   }
 }
 

@@ -191,6 +191,7 @@ void Completer::loop() {
       if (*code != collective::ExchangeStatus::kOk) {
         collective::ExchangeStatus s;
         std::memcpy(&s, w->status, sizeof s);
+        if (s.peer >= 0 && s.peer < static_cast<int>(w->peers.size())) s.peer = w->peers[s.peer];
         error = collective::describeStatus(s, w->timeout_ms);
         *code = collective::ExchangeStatus::kOk;
       }
@@ -222,8 +223,26 @@ std::vector<uint8_t> bytesOf(const void* p, size_t n) {
 
 std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                        int size, const collective::ExchangeTuning& tuning,
-                                                       std::string* why_not, const std::string& tag) {
+                                                       std::string* why_not, const std::string& tag,
+                                                       const std::vector<int>& members,
+                                                       const std::function<bool()>& cancelled) {
   const std::string prefix = tag.empty() ? "moelink_cuda/" : "moelink_cuda/" + tag + "/";
+  std::vector<int> who = members;
+  if (who.empty())
+    for (int q = 0; q < size; ++q) who.push_back(q);
+  // Waits for a member's key: a blocking get, or, when the wait can be cancelled, a poll.
+  auto fetch = [&](const std::string& key, std::vector<uint8_t>* v) {
+    if (cancelled) {
+      const auto deadline = std::chrono::steady_clock::now() + store->getTimeout();
+      while (!store->check({key})) {
+        if (cancelled()) return false;
+        if (std::chrono::steady_clock::now() > deadline) return false;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    *v = store->get(key);
+    return true;
+  };
   std::unique_ptr<ExchangeStaging> s(new ExchangeStaging());
   s->rank_ = rank;
   s->layout_ = collective::ExchangeLayout::make(size, tuning.round_bytes);
@@ -234,9 +253,13 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
   cudaCheck(cudaIpcGetMemHandle(&handle, s->areas_[rank]), "cudaIpcGetMemHandle");
   store->set(prefix + "ipc/" + std::to_string(rank), bytesOf(&handle, sizeof handle));
   std::string mine;
-  for (int q = 0; q < size && mine.empty(); ++q) {
-    if (q == rank) continue;
-    auto h = store->get(prefix + "ipc/" + std::to_string(q));
+  for (int q : who) {
+    if (q == rank || !mine.empty()) continue;
+    std::vector<uint8_t> h;
+    if (!fetch(prefix + "ipc/" + std::to_string(q), &h)) {
+      if (why_not) *why_not = "rank " + std::to_string(q) + " did not set up its staging area";
+      return nullptr;
+    }
     if (h.size() != sizeof(cudaIpcMemHandle_t)) {
       mine = "rank " + std::to_string(q) + " published a malformed handle";
       break;
@@ -255,8 +278,12 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
   }
   store->set(prefix + "ok/" + std::to_string(rank), bytesOf(mine.data(), mine.size()));
   std::string why;
-  for (int q = 0; q < size; ++q) {
-    auto v = store->get(prefix + "ok/" + std::to_string(q));
+  for (int q : who) {
+    std::vector<uint8_t> v;
+    if (!fetch(prefix + "ok/" + std::to_string(q), &v)) {
+      if (why_not) *why_not = "rank " + std::to_string(q) + " did not finish setting up its staging area";
+      return nullptr;
+    }
     if (!v.empty() && why.empty()) why.assign(v.begin(), v.end());
   }
   if (!why.empty()) {

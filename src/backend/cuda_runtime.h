@@ -85,6 +85,7 @@ class CudaWork : public c10d::Work, public LostRanks {
   int device() const { return device_; }
   // The exchange status slot this op's kernels report into (nullptr: none).
   collective::ExchangeStatus* status = nullptr;
+  std::vector<int> peers;  // the group rank of each rank the status may name (empty: the same)
   uint64_t timeout_ms = 0;
   // The host-staged worker op this op waits for (nullptr: none).
   std::shared_ptr<HostOutcome> host;
@@ -138,12 +139,15 @@ class Completer {
 // every rank unless every rank could map every peer's area.
 class ExchangeStaging {
  public:
-  // Collective over the group's ranks: allocates this rank's area, maps every peer's.
-  // `tag` names the set of areas in the store ("" for the group's first; after a membership
-  // change, the epoch, so that nobody reads a failed process's handle).
+  // Collective over `members` (sorted ranks of the group; empty: all): allocates this rank's
+  // area, maps every member's. `tag` names the set of areas in the store ("" for the group's
+  // first; after a membership change, the epoch, so that nobody reads a failed process's
+  // handle). `cancelled` (polled while waiting for the members) gives up the wait.
   static std::unique_ptr<ExchangeStaging> open(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                                const collective::ExchangeTuning& tuning,
-                                               std::string* why_not, const std::string& tag = "");
+                                               std::string* why_not, const std::string& tag = "",
+                                               const std::vector<int>& members = {},
+                                               const std::function<bool()>& cancelled = nullptr);
   ~ExchangeStaging();
   const collective::ExchangeLayout& layout() const { return layout_; }
   char* area(int rank) const { return areas_[rank]; }

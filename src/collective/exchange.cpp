@@ -170,6 +170,36 @@ Exchange exchangeAlltoall(int n, int me, const std::vector<uint64_t>& send_off,
   return x;
 }
 
+Exchange restrictExchange(const Exchange& x, const std::vector<int>& members) {
+  const int n = static_cast<int>(x.send_bytes.size());
+  Exchange y = x;
+  y.send_off.clear();
+  y.send_bytes.clear();
+  y.recv_off.clear();
+  y.recv_bytes.clear();
+  int prev = -1;
+  for (int q : members) {
+    MOELINK_CHECK(q > prev && q < n, "a sub-group lists ranks of the group in increasing order, got rank ", q);
+    prev = q;
+    y.send_off.push_back(x.send_off[q]);
+    y.send_bytes.push_back(x.send_bytes[q]);
+    y.recv_off.push_back(x.recv_off[q]);
+    y.recv_bytes.push_back(x.recv_bytes[q]);
+  }
+  return y;
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> droppedRanges(const Exchange& x, const std::vector<int>& members) {
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  if (x.mode != ExchangeMode::kCopy) return out;
+  std::vector<bool> in(x.recv_bytes.size(), false);
+  for (int q : members)
+    if (q >= 0 && q < static_cast<int>(in.size())) in[q] = true;
+  for (size_t q = 0; q < in.size(); ++q)
+    if (!in[q] && x.recv_bytes[q]) out.emplace_back(x.recv_off[q], x.recv_bytes[q]);
+  return out;
+}
+
 ExchangeTuning ExchangeTuning::fromEnv() {
   ExchangeTuning t;
   t.round_bytes = envNumber("MOELINK_CUDA_ROUND_BYTES", t.round_bytes);

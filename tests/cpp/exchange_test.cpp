@@ -3,6 +3,7 @@
 // piece by piece, exactly as the kernel splits them, and each builder's result is checked
 // against the collective it stands for. Plus the piece split, the layout and the mismatch
 // messages.
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -213,6 +214,128 @@ TEST_P(ExchangePlan, UnevenAlltoall) {
   for (int r = 0; r < n; ++r)
     for (int q = 0; q < n; ++q)
       ASSERT_EQ(0, std::memcmp(out[r].data() + xs[r].recv_off[q], in[q].data() + xs[q].send_off[r], bytes(q, r)));
+}
+
+// After a membership change: the full group's plans restricted to the active ranks, moved
+// among those only, give the collective over them, with zeros where an inactive rank's data
+// would land.
+class ExchangeSubgroup : public ::testing::TestWithParam<std::vector<int>> {};
+
+TEST_P(ExchangeSubgroup, CollectivesOverTheActiveRanks) {
+  const int n = 5;
+  const std::vector<int> members = GetParam();
+  const int m = static_cast<int>(members.size());
+  const uint64_t count = 20001, bytes = count * 4;
+  const ExchangeTuning t = small();
+  auto restricted = [&](auto build) {
+    std::vector<Exchange> xs;
+    for (int r : members) xs.push_back(restrictExchange(build(r), members));
+    return xs;
+  };
+  auto zeroDropped = [&](auto build, std::vector<Bytes>& out) {
+    for (int j = 0; j < m; ++j)
+      for (auto [off, len] : droppedRanges(build(members[j]), members)) std::memset(out[j].data() + off, 0, len);
+  };
+  std::vector<Bytes> in;
+  for (int r : members) in.push_back(floats(r, count * n));
+
+  // all_gather: the members' blocks; zeros in the others'.
+  auto ag = [&](int r) { return exchangeAllgather(n, r, bytes); };
+  std::vector<Bytes> out(m, Bytes(n * bytes, 7));
+  zeroDropped(ag, out);
+  model(restricted(ag), in, out, t);
+  for (int j = 0; j < m; ++j)
+    for (int q = 0, k = 0; q < n; ++q) {
+      const bool active = k < m && members[k] == q;
+      for (uint64_t i = 0; i < bytes; ++i)
+        ASSERT_EQ(out[j][q * bytes + i], active ? in[k][i] : 0) << "rank " << members[j] << " slot " << q;
+      k += active;
+    }
+
+  // all_reduce (one-shot) SUM and AVG: over the members.
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+    auto ar = [&](int r) { return exchangeAllreduceOneShot(n, r, count, DType::kFloat32, op); };
+    std::vector<Bytes> io(m);
+    for (int j = 0; j < m; ++j) io[j] = Bytes(in[j].begin(), in[j].begin() + bytes);
+    std::vector<Bytes> src = io;
+    model(restricted(ar), src, io, t);
+    for (int j = 0; j < m; ++j)
+      for (uint64_t i = 0; i < count; i += 97) {
+        float want = 0;
+        for (int k = 0; k < m; ++k) want += at(src[k], i);
+        if (op == ReduceOp::kAvg) want /= m;
+        ASSERT_FLOAT_EQ(at(io[j], i), want);
+      }
+  }
+
+  // reduce_scatter MAX: each member's own block over the members.
+  auto rs = [&](int r) { return exchangeReduceScatter(n, r, count, DType::kFloat32, ReduceOp::kMax); };
+  out.assign(m, Bytes(bytes));
+  model(restricted(rs), in, out, t);
+  for (int j = 0; j < m; ++j)
+    for (uint64_t i = 0; i < count; i += 89) {
+      float want = at(in[0], members[j] * count + i);
+      for (int k = 1; k < m; ++k) want = std::max(want, at(in[k], members[j] * count + i));
+      ASSERT_EQ(at(out[j], i), want);
+    }
+
+  // gather to the last member; uneven all_to_all among the members, zeros from the others.
+  const int root = members.back();
+  auto ga = [&](int r) { return exchangeGather(n, r, bytes, root); };
+  out.assign(m, Bytes(n * bytes, 7));
+  zeroDropped(ga, out);
+  model(restricted(ga), in, out, t);
+  for (int q = 0, k = 0; q < n; ++q) {
+    const bool active = k < m && members[k] == q;
+    ASSERT_EQ(0, active ? std::memcmp(out[m - 1].data() + q * bytes, in[k].data(), bytes)
+                        : static_cast<int>(std::count(out[m - 1].begin() + q * bytes,
+                                                      out[m - 1].begin() + (q + 1) * bytes, 0) != static_cast<long>(bytes)));
+    k += active;
+  }
+  auto pair = [](int r, int q) { return static_cast<uint64_t>((r + 2) * (q + 1) * 1001 + r); };
+  auto a2a = [&](int r) {
+    std::vector<uint64_t> so(n), sb(n), ro(n), rb(n);
+    uint64_t s = 0, u = 0;
+    for (int q = 0; q < n; ++q) {
+      sb[q] = pair(r, q);
+      rb[q] = pair(q, r);
+      so[q] = s;
+      ro[q] = u;
+      s += sb[q];
+      u += rb[q];
+    }
+    return exchangeAlltoall(n, r, so, sb, ro, rb);
+  };
+  std::vector<Bytes> ain(m), aout(m);
+  for (int j = 0; j < m; ++j) {
+    const Exchange x = a2a(members[j]);
+    ain[j].resize(x.send_off[n - 1] + x.send_bytes[n - 1]);
+    for (size_t i = 0; i < ain[j].size(); ++i) ain[j][i] = static_cast<char>(members[j] * 31 + i * 7 + 1);
+    aout[j].assign(x.recv_off[n - 1] + x.recv_bytes[n - 1], 7);
+  }
+  zeroDropped(a2a, aout);
+  model(restricted(a2a), ain, aout, t);
+  for (int j = 0; j < m; ++j) {
+    const Exchange x = a2a(members[j]);
+    for (int q = 0, k = 0; q < n; ++q) {
+      const bool active = k < m && members[k] == q;
+      for (uint64_t i = 0; i < pair(q, members[j]); i += 13) {
+        const char want = active ? ain[k][a2a(q).send_off[members[j]] + i] : 0;
+        ASSERT_EQ(aout[j][x.recv_off[q] + i], want) << members[j] << " from " << q;
+      }
+      k += active;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Members, ExchangeSubgroup,
+                         ::testing::Values(std::vector<int>{0, 2, 3}, std::vector<int>{1, 3, 4},
+                                           std::vector<int>{2}, std::vector<int>{0, 1, 2, 3}));
+
+TEST(ExchangeSubgroup, RefusesUnorderedMembers) {
+  const Exchange x = exchangeAllgather(4, 1, 64);
+  EXPECT_THROW(restrictExchange(x, {2, 1}), moelink::Error);
+  EXPECT_THROW(restrictExchange(x, {1, 4}), moelink::Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, ExchangePlan,

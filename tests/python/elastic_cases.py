@@ -238,6 +238,97 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
         json.dump(res, f)
 
 
+def gpu_trio(rank, world, port, out_dir, victim=1, kill_iter=12, iters=40, replacement=False):
+    """3 GPU processes (or 3 on one GPU): a loop of async CUDA all_reduce (one- and two-shot
+    sizes) and all_gather_into_tensor with ops in flight (up to 6 iterations on rank 2, 1 on
+    rank 0, so the survivors issue ahead of each other) and no host sync between issues; the
+    victim kills itself with ops in flight. Survivors record every op's outcome
+    (its values, or that it failed); the parent checks that they agree op by op and that the
+    ops after the change run over the survivors on the in-host kernels. Then a replacement is
+    readmitted and the group runs full sums, in-host again."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    import moelink
+
+    res = {"rank": rank, "replacement": replacement}
+    try:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        _init(rank, world, port, extension=replacement)
+        sizes = [1000, 1 << 19]  # floats: one-shot, and two-shot for 3 ranks (2 MiB)
+
+        def full_sums(base):
+            out = []
+            for k in range(4):
+                n = sizes[k % 2]
+                x = torch.full((n,), float(rank + 1 + base + k), device="cuda")
+                w = dist.all_reduce(x, async_op=True)
+                w.get_future().wait()
+                out.append(x[0].item() == sum(r + 1 + base + k for r in range(world)) and bool(torch.all(x == x[0])))
+            return out
+
+        if replacement:
+            res["full"] = full_sums(5000)
+            res["path"] = moelink.get_backend().cuda_path()
+        else:
+            rnd = random.Random(rank)
+            pending, outcomes = [], {}
+
+            def settle(item):
+                i, x, w, ag, w2 = item
+                try:
+                    w.get_future().wait()  # this op is over on the GPU (later ones may still run)
+                    w2.get_future().wait()
+                    w.wait()  # the current stream after it, for the reads below
+                    w2.wait()
+                    vals = x.unique().tolist()
+                    slots = [ag[r * 64:(r + 1) * 64].unique().tolist() for r in range(world)]
+                    outcomes[i] = {"sum": vals, "slots": slots}
+                except Exception as e:  # noqa: BLE001
+                    outcomes[i] = {"error": str(e)[:300]}
+
+            for i in range(iters):
+                n = sizes[i % 2]
+                x = torch.full((n,), float(rank + 1 + i), device="cuda")
+                y = torch.full((64,), float(100 * (rank + 1) + i), device="cuda")
+                ag = torch.full((world * 64,), -1.0, device="cuda")
+                torch.cuda._sleep(rnd.randint(0, 2_000_000))  # the stream runs behind the host
+                works = []
+                for issue in (lambda: dist.all_reduce(x, async_op=True),
+                              lambda: dist.all_gather_into_tensor(ag, y, async_op=True)):
+                    try:  # every op is issued, whatever the one before did (the ranks stay in step)
+                        works.append(issue())
+                    except Exception as e:  # noqa: BLE001
+                        outcomes[i] = {"error": "at issue: " + str(e)[:300]}
+                if len(works) == 2:
+                    pending.append((i, x, works[0], ag, works[1]))
+                if rank == victim and i == kill_iter:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                while len(pending) > (6 if rank == 2 else 1):  # rank 2 runs ahead of rank 0
+                    settle(pending.pop(0))
+                if i < kill_iter:
+                    time.sleep(rnd.random() * 0.01)
+            while pending:
+                settle(pending.pop(0))
+            res["outcomes"] = {str(i): o for i, o in sorted(outcomes.items())}
+            res["mask"] = moelink.get_active_ranks().tolist()
+            res["path_after"] = moelink.get_backend().cuda_path()
+            deadline = time.monotonic() + 120
+            while not moelink.get_peer_state([victim])[0]:
+                assert time.monotonic() < deadline, "the replacement never became ready"
+                time.sleep(0.2)
+            moelink.recover_ranks([victim])
+            res["full"] = full_sums(5000)
+            res["path"] = moelink.get_backend().cuda_path()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        res["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"{'new' if replacement else 'old'}{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
 def grower(rank, world, port, out_dir, initial, replacement=False):
     """A group created by ranks [0, initial) of `world`; the rest join as extensions and
     extend_group_size_to(world) readmits them."""

@@ -253,7 +253,7 @@ def test_gpu_survivor_and_rejoin():
     assert old["inflight"] == "completed" or "left the group" in old["inflight"], old["inflight"]
     assert old["detect_s"] < 2 + 5, old["detect_s"]
     assert all(m == [1, 0] for m in old["masks_after"]), old["masks_after"]
-    assert old["path_after"] == "host" and old["ep_after"] == "ok"
+    assert old["path_after"] == "nvlink" and old["ep_after"] == "ok"  # the in-host kernels over the survivor
     # Readmitted: masked out of the EP buffer (and the normal mode on the group route) until
     # update_members; then exact round trips over both ranks, the normal mode on its kernels.
     assert old["ep_active_before_update"] == [1, 0] and old["normal_path_before_update"] == "group"
@@ -263,6 +263,43 @@ def test_gpu_survivor_and_rejoin():
     assert all(m == [1, 1] for m in old["masks"]) and all(m == [1, 1] for m in new["masks"])
     # The CUDA collectives set up new staging areas with the replacement: in-host kernels again.
     assert old["path"] == new["path"] == "nvlink", (old["path"], new["path"])
+
+
+def test_gpu_three_ranks_kill_in_flight():
+    """3 GPU ranks with async CUDA ops in flight when rank 1 dies: the survivors agree op by
+    op (the same values, or both failed), every op after the change is over the two of them on
+    the in-host kernels, and after a replacement is readmitted the group is whole and in-host."""
+    import torch
+
+    shared = os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"
+    if not torch.cuda.is_available() or (torch.cuda.device_count() < 3 and not shared):
+        pytest.skip("needs 3 GPUs (or MOELINK_TEST_SHARE_GPU=1 and one)")
+    res = _run(elastic_cases.gpu_trio, 3, {}, {}, spawn_replacement=1, timeout=300)
+    a, b, new = res["old0"], res["old2"], res["new1"]
+    assert a["outcomes"].keys() == b["outcomes"].keys()
+    full = lambda i: float(sum(r + 1 + i for r in range(3)))  # noqa: E731
+    two = lambda i: float(1 + i + 3 + i)  # noqa: E731
+    survivors_only = []
+    for i, oa in a["outcomes"].items():
+        ob = b["outcomes"][i]
+        i = int(i)
+        assert ("error" in oa) == ("error" in ob), (i, oa, ob)
+        if "error" in oa:
+            continue
+        assert oa == ob, (i, oa, ob)
+        assert oa["sum"] in ([full(i)], [two(i)]), (i, oa)
+        over_two = oa["sum"] == [two(i)]
+        want_slots = [[100.0 + i], [0.0] if over_two else [200.0 + i], [300.0 + i]]
+        assert oa["slots"] == want_slots, (i, oa)
+        survivors_only.append(over_two)
+    # Ops fail only around the kill; from some op on, every op runs over the two survivors.
+    last = [int(i) for i, o in a["outcomes"].items() if "error" in o]
+    assert not last or max(last) < 12 + 8, a["outcomes"]
+    assert all(survivors_only[-15:]) and len(survivors_only) >= 25, survivors_only
+    assert a["mask"] == b["mask"] == [1, 0, 1]
+    assert a["path_after"] == b["path_after"] == "nvlink"
+    for r in (a, b, new):
+        assert all(r["full"]) and r["path"] == "nvlink", r
 
 
 def test_group_grows_with_extension_ranks():

@@ -81,6 +81,17 @@ Exchange exchangeAlltoall(int n, int me, const std::vector<uint64_t>& send_off,
                           const std::vector<uint64_t>& recv_off,
                           const std::vector<uint64_t>& recv_bytes);
 
+// The same exchange over a sub-group (after a membership change: the active ranks).
+// `members`: sorted ranks of the group, `x`'s rank among them. Pairs between members keep
+// their offsets and sizes, at the member's position in `members`; pairs with other ranks are
+// dropped. Valid for every builder above but the two-shot halves (whose blocks belong to
+// ranks: build those over the sub-group's size instead). A reduction is then over the
+// members, and AVG divides by their number.
+Exchange restrictExchange(const Exchange& x, const std::vector<int>& members);
+// The (offset, bytes) ranges of the output that a kCopy exchange `x` receives from ranks
+// outside `members`: the caller zero-fills them (an inactive rank's slot is zeros, never stale).
+std::vector<std::pair<uint64_t, uint64_t>> droppedRanges(const Exchange& x, const std::vector<int>& members);
+
 // Tunables every rank must share (checked in the header).
 struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
