@@ -208,15 +208,48 @@ collective::ReduceOp toReduceOp(const c10d::ReduceOp& op, at::ScalarType t, cons
     case c10d::ReduceOp::BAND: r = ReduceOp::kBand; break;
     case c10d::ReduceOp::BOR: r = ReduceOp::kBor; break;
     case c10d::ReduceOp::BXOR: r = ReduceOp::kBxor; break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      TORCH_CHECK_TYPE(at::isFloatingType(t) || at::isComplexType(t), "moelink ", opname,
+                       ": PREMUL_SUM needs floating-point or complex tensors, got ", t);
+      const auto* s = dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK_VALUE(s != nullptr, "moelink ", opname, ": PREMUL_SUM without its factor (make it with "
+                        "torch.distributed._make_nccl_premul_sum)");
+      TORCH_CHECK_VALUE(!s->tensor_factor.defined() || s->tensor_factor.numel() == 1, "moelink ", opname,
+                        ": the PREMUL_SUM factor must be a one-element tensor");
+      r = ReduceOp::kSum;
+      break;
+    }
     default:
-      TORCH_CHECK_VALUE(false, "moelink ", opname, ": unsupported reduce op (PREMUL_SUM and custom "
-                        "ops are not supported)");
+      TORCH_CHECK_VALUE(false, "moelink ", opname, ": unsupported reduce op (custom reduce ops are not supported)");
   }
   collective::DType d = toDType(t);
   TORCH_CHECK_TYPE(d != collective::DType::kBytes, "moelink ", opname, ": cannot reduce dtype ", t);
   std::string why = collective::reduceUnsupportedReason(d, r);
   TORCH_CHECK_TYPE(why.empty(), "moelink ", opname, ": ", why);
   return r;
+}
+
+namespace {
+const c10d::PreMulSumSupplement* preMulOf(const c10d::ReduceOp& op) {
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return nullptr;
+  return dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+}
+}  // namespace
+
+at::Tensor preMultiplied(const c10d::ReduceOp& op, const at::Tensor& x) {
+  const auto* s = preMulOf(op);
+  if (s == nullptr) return x;
+  if (s->tensor_factor.defined()) return x * s->tensor_factor.to(x.device()).reshape({}).to(x.scalar_type());
+  return x * s->double_factor;
+}
+
+void preMultiplyInPlace(const c10d::ReduceOp& op, at::Tensor& x) {
+  const auto* s = preMulOf(op);
+  if (s == nullptr) return;
+  if (s->tensor_factor.defined())
+    x.mul_(s->tensor_factor.to(x.device()).reshape({}).to(x.scalar_type()));
+  else
+    x.mul_(s->double_factor);
 }
 
 at::Tensor inplaceBuffer(EpWork& w, const at::Tensor& t) {

@@ -53,6 +53,7 @@ char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                     const c10d::BroadcastOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   checkSingle(tensors, "broadcast");
   checkRoot(opts.rootRank, size_, "broadcast");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink broadcast: rootTensor must be 0");
@@ -68,9 +69,12 @@ c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   checkSingle(tensors, "allreduce");
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce");
-  if (DevicePlacement("allreduce").add(tensors).cuda()) return cuda().allreduce(tensors, op, timeoutOf(opts.timeout));
+  const bool on_cuda = DevicePlacement("allreduce").add(tensors).cuda();
+  preMultiplyInPlace(opts.reduceOp, tensors[0]);  // PREMUL_SUM: the tensor is the output too
+  if (on_cuda) return cuda().allreduce(tensors, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::ALLREDUCE, "ep:all_reduce", tensors);
   at::Tensor buf = inplaceBuffer(*w, tensors[0]);
   return enqueue(w, [=](const algo::AlgoContext& c) {
@@ -81,13 +85,16 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& ten
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   TORCH_CHECK_VALUE(!tensors.empty(), "moelink allreduce_coalesced: no tensors");
   for (const auto& t : tensors) {
     checkTensor(t, "allreduce_coalesced");
     checkSameDtype(t, tensors[0], "allreduce_coalesced");
   }
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce_coalesced");
-  if (DevicePlacement("allreduce_coalesced").add(tensors).cuda()) return cuda().allreduce(tensors, op, timeoutOf(opts.timeout));
+  const bool on_cuda = DevicePlacement("allreduce_coalesced").add(tensors).cuda();
+  for (auto& t : tensors) preMultiplyInPlace(opts.reduceOp, t);
+  if (on_cuda) return cuda().allreduce(tensors, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced", tensors);
   at::Tensor flat = concat(*w, tensors);
   scatterBack(*w, flat, tensors);
@@ -99,13 +106,21 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensors,
                                                  const c10d::ReduceOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   checkSingle(tensors, "reduce");
   checkRoot(opts.rootRank, size_, "reduce");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink reduce: rootTensor must be 0");
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "reduce");
-  if (DevicePlacement("reduce").add(tensors).cuda()) return cuda().reduce(tensors[0], op, static_cast<int>(opts.rootRank), timeoutOf(opts.timeout));
-  auto w = makeWork(rank_, OpType::REDUCE, "ep:reduce", tensors);
-  at::Tensor buf = inplaceBuffer(*w, tensors[0]);
+  const bool on_cuda = DevicePlacement("reduce").add(tensors).cuda();
+  // PREMUL_SUM: the root's tensor receives the result; the others' stay as they were.
+  std::vector<at::Tensor> in = tensors;
+  if (rank_ == opts.rootRank)
+    preMultiplyInPlace(opts.reduceOp, in[0]);
+  else
+    in[0] = preMultiplied(opts.reduceOp, tensors[0]);
+  if (on_cuda) return cuda().reduce(in[0], op, static_cast<int>(opts.rootRank), timeoutOf(opts.timeout));
+  auto w = makeWork(rank_, OpType::REDUCE, "ep:reduce", in);
+  at::Tensor buf = inplaceBuffer(*w, in[0]);
   return enqueue(w, [=](const algo::AlgoContext& c) {
     auto spec = algo::reduceOp(c, ptr(buf), ptr(buf), buf.numel(), toDType(buf.scalar_type()),
                              op, static_cast<int>(opts.rootRank));
@@ -116,6 +131,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensor
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllgatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   checkSingle(inputs, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1, "moelink allgather: expects one output list per process");
   checkList(outputs[0], inputs[0], size_, "allgather", "the output list");
@@ -133,6 +149,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                           const c10d::AllgatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   checkTensor(output, "all_gather_into_tensor");
   checkTensor(input, "all_gather_into_tensor");
   checkSameDtype(output, input, "all_gather_into_tensor");
@@ -152,6 +169,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const char* name = "allgather_into_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
                     ": needs as many outputs as inputs (", outputs.size(), " vs ", inputs.size(), ")");
@@ -188,6 +206,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllgatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const char* name = "all_gather_coalesced";
   TORCH_CHECK_VALUE(!inputs.empty(), "moelink ", name, ": no input tensors");
   TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "moelink ", name,
@@ -248,6 +267,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_coalesced(std::vector<std::v
 
 c10::intrusive_ptr<c10d::Work> EpBackend::gather_into_tensor(at::Tensor& output, at::Tensor& input,
                                                              const c10d::GatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const char* name = "gather_into_tensor";
   checkTensor(input, name);
   checkRoot(opts.rootRank, size_, name);
@@ -268,6 +288,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::gather_into_tensor(at::Tensor& output,
 c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                  std::vector<at::Tensor>& inputs,
                                                  const c10d::GatherOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   checkSingle(inputs, "gather");
   checkRoot(opts.rootRank, size_, "gather");
   int root = static_cast<int>(opts.rootRank);
@@ -298,6 +319,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outputs,
                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                   const c10d::ScatterOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   checkSingle(outputs, "scatter");
   checkRoot(opts.rootRank, size_, "scatter");
   int root = static_cast<int>(opts.rootRank);
@@ -325,13 +347,17 @@ c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outpu
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                          std::vector<std::vector<at::Tensor>>& inputs,
                                                          const c10d::ReduceScatterOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   checkSingle(outputs, "reduce_scatter");
   TORCH_CHECK_VALUE(inputs.size() == 1, "moelink reduce_scatter: expects one input list per process");
   checkList(inputs[0], outputs[0], size_, "reduce_scatter", "the input list");
   auto op = toReduceOp(opts.reduceOp, outputs[0].scalar_type(), "reduce_scatter");
-  if (DevicePlacement("reduce_scatter").add(outputs).add(inputs).cuda()) return cuda().reduceScatter(outputs[0], inputs[0], op, timeoutOf(opts.timeout));
+  const bool on_cuda = DevicePlacement("reduce_scatter").add(outputs).add(inputs).cuda();
+  std::vector<at::Tensor> ins;
+  for (const auto& t : inputs[0]) ins.push_back(preMultiplied(opts.reduceOp, t));  // PREMUL_SUM
+  if (on_cuda) return cuda().reduceScatter(outputs[0], ins, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::REDUCE_SCATTER, "ep:reduce_scatter", outputs);
-  at::Tensor in = concat(*w, inputs[0]);
+  at::Tensor in = concat(*w, ins);
   at::Tensor out = outputBuffer(*w, outputs[0]);
   return enqueue(w, [=](const algo::AlgoContext& c) {
     auto spec = algo::reduceScatterOp(c, ptr(in), ptr(out), out.numel(),
@@ -342,6 +368,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                const c10d::ReduceScatterOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const char* name = "reduce_scatter_tensor";
   checkTensor(output, name);
   checkTensor(input, name);
@@ -350,9 +377,11 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& outpu
                     " elements, expected ", output.numel() * size_, " (output ", output.numel(),
                     " x group size ", size_, ")");
   auto op = toReduceOp(opts.reduceOp, output.scalar_type(), name);
-  if (DevicePlacement("reduce_scatter_tensor").add(output).add(input).cuda()) return cuda().reduceScatter(output, input, op, timeoutOf(opts.timeout));
+  const bool on_cuda = DevicePlacement("reduce_scatter_tensor").add(output).add(input).cuda();
+  at::Tensor scaled = preMultiplied(opts.reduceOp, input);  // PREMUL_SUM
+  if (on_cuda) return cuda().reduceScatter(output, scaled, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", {output});
-  at::Tensor in = inputBuffer(*w, input);
+  at::Tensor in = inputBuffer(*w, scaled);
   at::Tensor out = outputBuffer(*w, output);
   return enqueue(w, [=](const algo::AlgoContext& c) {
     auto spec = algo::reduceScatterOp(c, ptr(in), ptr(out), out.numel(),
@@ -363,6 +392,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& outpu
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const char* name = "reduce_scatter_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size() && !inputs.empty(), "moelink ", name,
                     ": needs as many outputs as inputs");
@@ -375,14 +405,17 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
                       " has ", inputs[i].numel(), " elements, expected ", outputs[i].numel() * size_);
   }
   auto op = toReduceOp(opts.reduceOp, inputs[0].scalar_type(), name);
-  if (DevicePlacement("reduce_scatter_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().reduceScatterCoalesced(outputs, inputs, op, timeoutOf(opts.timeout));
+  const bool on_cuda = DevicePlacement("reduce_scatter_tensor_coalesced").add(outputs).add(inputs).cuda();
+  std::vector<at::Tensor> scaled;
+  for (const auto& t : inputs) scaled.push_back(preMultiplied(opts.reduceOp, t));  // PREMUL_SUM
+  if (on_cuda) return cuda().reduceScatterCoalesced(outputs, scaled, op, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced", outputs);
   // Block layout [rank][output 0 | output 1 | ...] built from each input's rank slices.
   std::vector<at::Tensor> pieces;
   for (int r = 0; r < size_; ++r)
     for (size_t i = 0; i < inputs.size(); ++i) {
       int64_t n = outputs[i].numel();
-      pieces.push_back(inputs[i].reshape({-1}).narrow(0, r * n, n));
+      pieces.push_back(scaled[i].reshape({-1}).narrow(0, r * n, n));
     }
   at::Tensor in = at::cat(pieces);
   w->keep(in);
@@ -399,6 +432,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
                                                         std::vector<int64_t>& out_splits,
                                                         std::vector<int64_t>& in_splits,
                                                         const c10d::AllToAllOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const char* name = "all_to_all_single";
   checkTensor(output, name);
   checkTensor(input, name);
@@ -420,6 +454,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
 c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                    std::vector<at::Tensor>& inputs,
                                                    const c10d::AllToAllOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   const char* name = "all_to_all";
   TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
                     "moelink ", name, ": needs one input and one output tensor per rank (", size_, ")");
@@ -508,6 +543,7 @@ void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::barrier(const c10d::BarrierOptions& opts) {
+  seq_collective_.fetch_add(1, std::memory_order_relaxed);
   auto w = makeWork(rank_, OpType::BARRIER, "ep:barrier", {});
   return enqueue(w, [](const algo::AlgoContext& c) { return algo::barrierOp(c); }, timeoutOf(opts.timeout));
 }

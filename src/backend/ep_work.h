@@ -95,6 +95,11 @@ PairLayout alltoallLayout(const std::vector<at::Tensor>& inputs, const std::vect
 collective::DType toDType(at::ScalarType t);
 // Maps and validates a reduction for `t`, raising for unsupported combinations.
 collective::ReduceOp toReduceOp(const c10d::ReduceOp& op, at::ScalarType t, const char* opname);
+// PREMUL_SUM (torch.distributed._make_nccl_premul_sum(factor)) runs as SUM over inputs
+// multiplied by the factor first (toReduceOp gives kSum): `x` times the factor, as a new
+// tensor (x itself for other ops), or in place where `x` is also the output.
+at::Tensor preMultiplied(const c10d::ReduceOp& op, const at::Tensor& x);
+void preMultiplyInPlace(const c10d::ReduceOp& op, at::Tensor& x);
 
 // A contiguous buffer holding `t`'s values; written back into `t` on success when `t`
 // itself is not contiguous (for ops that update `t` in place).

@@ -362,8 +362,19 @@ def ddp_matches_nccl(rank, world):
 
 
 def c10d_extras(rank, world):
-    """all_gather_coalesced and gather_into_tensor on CUDA tensors."""
+    """all_gather_coalesced, gather_into_tensor and PREMUL_SUM on CUDA tensors."""
     d = dev(rank)
+    total = float(sum(range(1, world + 1)))
+    x = torch.full((1000,), float(rank + 1), device=d)
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.0))
+    same(x, torch.full((1000,), 2 * total, device=d), "premul_sum all_reduce")
+    x = torch.full((1000,), float(rank + 1), device=d, dtype=torch.bfloat16)
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(torch.tensor([0.5], device=d)))
+    same(x, torch.full((1000,), 0.5 * total, device=d, dtype=torch.bfloat16), "premul_sum tensor factor")
+    r = torch.empty(8, device=d)
+    dist.reduce_scatter_tensor(r, torch.full((world * 8,), float(rank + 1), device=d),
+                               op=dist._make_nccl_premul_sum(3.0))
+    same(r, torch.full((8,), 3 * total, device=d), "premul_sum reduce_scatter_tensor")
     ins = [torch.full((3,), float(rank), device=d), torch.arange(4, device=d, dtype=torch.float32) + 10 * rank]
     outs = [[torch.empty(3, device=d), torch.empty(4, device=d)] for _ in range(world)]
     dist.all_gather_coalesced(outs, ins)

@@ -55,6 +55,17 @@ def calls(rank, world):
         t = torch.full((4,), r1)
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0))
         _expect(torch.allclose(t, torch.full((4,), 2 * _sum_of_ranks(world))), f"premul: {t}")
+        t = torch.full((4,), r1, dtype=torch.float64)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor([0.5], dtype=torch.float64)))
+        _expect(torch.allclose(t, torch.full((4,), 0.5 * _sum_of_ranks(world), dtype=torch.float64)), f"premul t: {t}")
+        x = torch.full((world * 2,), r1)
+        out = torch.empty(2)
+        dist.reduce_scatter_tensor(out, x, op=dist._make_nccl_premul_sum(3.0))
+        _expect(torch.allclose(out, torch.full((2,), 3 * _sum_of_ranks(world))), f"premul reduce_scatter: {out}")
+        t = torch.full((3,), r1)
+        dist.reduce(t, dst=0, op=dist._make_nccl_premul_sum(2.0))
+        want = 2 * _sum_of_ranks(world) if rank == 0 else r1  # the others' tensors are left alone
+        _expect(torch.allclose(t, torch.full((3,), float(want))), f"premul reduce: {t}")
 
     @add("broadcast / reduce")
     def _():
@@ -251,16 +262,20 @@ def calls(rank, world):
 
     @add("sequence numbers")
     def _():
-        dist.group.WORLD._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+        seq = dist.group.WORLD._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+        every = [None] * world
+        dist.all_gather_object(every, seq)
+        _expect(len(set(every)) == 1 and seq > 0, f"sequence numbers: {every}")
+        dist.all_reduce(torch.ones(1))
+        after = dist.group.WORLD._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+        _expect(after > seq, f"sequence number {seq} -> {after}")
 
     return out
 
 
 # Calls that may raise (cleanly) instead of working, and why.
 MAY_RAISE = {
-    "premul_sum": "PREMUL_SUM is NCCL's; gloo refuses it too",
     "split_group": "torch splits only groups bound to an accelerator whose backend supports splitting",
-    "sequence numbers": "not kept by this backend (c10d's own error)",
 }
 
 

@@ -74,3 +74,27 @@ def test_public_surface_walk(world):
             if name.endswith("(trace)"):
                 continue
             assert outcome == "ok" or name in cases_surface.MAY_RAISE, f"rank {r}: {name}: {outcome}"
+
+
+def debug_detail(rank, world):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend in c10d's ProcessGroupWrapper, which
+    checks every collective's fingerprint and sequence number across ranks first."""
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    assert "Wrapper" in type(pg).__name__, type(pg)
+    x = torch.full((5,), float(rank + 1))
+    dist.all_reduce(x)
+    assert torch.all(x == sum(range(1, world + 1)))
+    out = torch.empty(world * 3)
+    dist.all_gather_into_tensor(out, torch.full((3,), float(rank)))
+    assert torch.equal(out, torch.arange(world, dtype=torch.float32).repeat_interleave(3))
+    y = torch.full((2,), float(rank))
+    dist.broadcast(y, src=world - 1)
+    assert torch.all(y == world - 1)
+    r = torch.empty(2)
+    dist.reduce_scatter_tensor(r, torch.ones(world * 2))
+    assert torch.all(r == world)
+    dist.barrier()
+
+
+def test_debug_detail_wrapper():
+    run_group(2, debug_detail, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=120, pg_timeout=30)

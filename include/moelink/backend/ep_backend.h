@@ -12,6 +12,7 @@
 // the destructor) stops both and releases sockets and shared memory.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -56,6 +57,10 @@ class EpBackend : public c10d::Backend {
   ~EpBackend() override;
 
   const std::string getBackendName() const override { return "ep"; }
+  // Collectives issued on this group by this rank (every rank issues the same ones): c10d's
+  // sequence number, which TORCH_DISTRIBUTED_DEBUG=DETAIL checks across ranks before each op.
+  uint64_t getSequenceNumberForGroup() override { return seq_collective_.load(std::memory_order_relaxed); }
+  void setSequenceNumberForGroup() override {}  // numbers start at 0 on every rank
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -153,6 +158,7 @@ class EpBackend : public c10d::Backend {
       std::chrono::milliseconds timeout);
 
   std::chrono::milliseconds timeout_;
+  std::atomic<uint64_t> seq_collective_{0};
   Options options_;
   c10::intrusive_ptr<c10d::Store> c10d_store_;
   std::shared_ptr<transfer::MetadataStore> store_;
