@@ -158,7 +158,13 @@ class CudaCollectivesImpl final : public CudaCollectives {
   std::unique_ptr<MappedArray<collective::ExchangeStatus>> status_;  // kSlots + a sink for captured ops
   std::unique_ptr<MappedArray<uint32_t>> ready_, done_;
   std::unique_ptr<MappedArray<uint32_t>> abort_;  // [0]: raised on a membership change; kernels give up
+  std::atomic<uint32_t*> abort_word_{nullptr};    // abort_'s word (the membership listener raises it)
   std::atomic<bool> changed_{false};
+  // Staging areas (and their abort words, raised for good) that ops captured in CUDA graphs
+  // still name: kept, so that replaying such a graph after a membership change ends its
+  // kernels at once instead of touching freed memory (the graph must be captured again).
+  std::vector<std::pair<std::unique_ptr<ExchangeStaging>, std::unique_ptr<MappedArray<uint32_t>>>> retired_;
+  bool captured_since_stage_ = false;
   bool capable_ = false;      // every rank on this host: the in-host kernels can serve the group
   // The set of staging areas in use: the epoch it was set up in, its ranks (sorted) and this
   // rank's position among them.
@@ -214,12 +220,13 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   ready_ = std::make_unique<MappedArray<uint32_t>>(kSlots);
   done_ = std::make_unique<MappedArray<uint32_t>>(kSlots);
   abort_ = std::make_unique<MappedArray<uint32_t>>(1);
-  uint32_t* abort_word = abort_->host(0);
+  abort_word_.store(abort_->host(0));
   std::atomic<bool>* changed = &changed_;
+  std::atomic<uint32_t*>* abort_word = &abort_word_;
   // The worker outlives no CUDA unit of its group (shutdown destroys the worker first).
   b_.worker().onChange([abort_word, changed] {
     changed->store(true, std::memory_order_release);
-    __atomic_store_n(abort_word, 1u, __ATOMIC_RELEASE);
+    __atomic_store_n(abort_word->load(), 1u, __ATOMIC_RELEASE);
   });
   // In-host when every rank is on this host (MOELINK_RANKS_PER_HOST=n declares virtual hosts
   // of n ranks, as for the EP buffer) and every rank maps every peer's staging area.
@@ -275,6 +282,14 @@ uint64_t CudaCollectivesImpl::restage(const char* opname, bool capturing, uint64
     // Point-to-point ops (the receive stream) never use the areas, and one may wait for a
     // peer's later send: not waited for.
     cudaCheck(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize");
+    if (captured_since_stage_ && staging_) {
+      // Graphs captured over these areas may be replayed: keep them, their abort word raised.
+      __atomic_store_n(abort_->host(0), 1u, __ATOMIC_RELEASE);
+      retired_.emplace_back(std::move(staging_), std::move(abort_));
+      abort_ = std::make_unique<MappedArray<uint32_t>>(1);
+      abort_word_.store(abort_->host(0));
+      captured_since_stage_ = false;
+    }
     staging_.reset();
     // Each member publishes the number of the op it is issuing (a rank with no areas yet, a
     // replacement, publishes none): the new areas serve ops from the largest on.
@@ -421,6 +436,7 @@ void CudaCollectivesImpl::exchange(Op& op, const Exchange& full, const void* in,
   l.status = status_->dev(op.slot);
   l.abort = abort_->dev(0);
   op.work->status = op.captured ? nullptr : status_->host(op.slot);
+  if (op.captured) captured_since_stage_ = true;
   if (n < size_) op.work->peers = members_;
   cudaCheck(collective::launchExchange(l, op.stream->stream()), "launching the exchange kernel");
 }

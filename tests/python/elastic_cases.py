@@ -207,6 +207,19 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
                 ep_round(buf, local_only=False)
             for i in range(5):
                 cuda_allreduce(i)
+            # A CUDA graph captured before the failure: replayed after it, its kernels give up
+            # at once (no hang, no crash, the group unharmed); it has to be captured again.
+            gx = torch.ones(4096, device="cuda")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                with torch.cuda.graph(graph, stream=side):
+                    dist.all_reduce(gx)
+            torch.cuda.current_stream().wait_stream(side)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.all(gx == world), gx[:4]
             res["path_before"] = moelink.get_backend().cuda_path()
             if rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -219,6 +232,11 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
             res["detect_s"] = time.monotonic() - t0
             res["masks_after"] = [cuda_allreduce(6 + k) for k in range(5)]
             res["path_after"] = moelink.get_backend().cuda_path()
+            t0 = time.monotonic()
+            graph.replay()  # the stale graph
+            torch.cuda.synchronize()
+            res["stale_graph_s"] = time.monotonic() - t0
+            res["after_stale_graph"] = cuda_allreduce(20)
             ep_round(buf, local_only=True)
             res["ep_after"] = "ok"
             deadline = time.monotonic() + 120

@@ -254,6 +254,7 @@ def test_gpu_survivor_and_rejoin():
     assert old["detect_s"] < 2 + 5, old["detect_s"]
     assert all(m == [1, 0] for m in old["masks_after"]), old["masks_after"]
     assert old["path_after"] == "nvlink" and old["ep_after"] == "ok"  # the in-host kernels over the survivor
+    assert old["stale_graph_s"] < 5 and old["after_stale_graph"] == [1, 0], old
     # Readmitted: masked out of the EP buffer (and the normal mode on the group route) until
     # update_members; then exact round trips over both ranks, the normal mode on its kernels.
     assert old["ep_active_before_update"] == [1, 0] and old["normal_path_before_update"] == "group"
