@@ -211,7 +211,7 @@ collective::ReduceOp toReduceOp(const c10d::ReduceOp& op, at::ScalarType t, cons
     case c10d::ReduceOp::PREMUL_SUM: {
       TORCH_CHECK_TYPE(at::isFloatingType(t) || at::isComplexType(t), "moelink ", opname,
                        ": PREMUL_SUM needs floating-point or complex tensors, got ", t);
-      const auto* s = dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+      const auto* s = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
       TORCH_CHECK_VALUE(s != nullptr, "moelink ", opname, ": PREMUL_SUM without its factor (make it with "
                         "torch.distributed._make_nccl_premul_sum)");
       TORCH_CHECK_VALUE(!s->tensor_factor.defined() || s->tensor_factor.numel() == 1, "moelink ", opname,
@@ -230,9 +230,9 @@ collective::ReduceOp toReduceOp(const c10d::ReduceOp& op, at::ScalarType t, cons
 }
 
 namespace {
-const c10d::PreMulSumSupplement* preMulOf(const c10d::ReduceOp& op) {
+const c10d::NCCLPreMulSumSupplement* preMulOf(const c10d::ReduceOp& op) {
   if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return nullptr;
-  return dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+  return dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
 }
 }  // namespace
 
