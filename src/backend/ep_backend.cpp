@@ -6,6 +6,8 @@
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "cuda_collectives.h"
 #include "ep_work.h"
@@ -280,6 +282,23 @@ at::Tensor inputBuffer(EpWork& w, const at::Tensor& t) {
 
 uint64_t nbytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
+// The tcp listener's address when nothing beyond this host can be in the group: every rank
+// reached the store at a loopback address (a local launch: torchrun --standalone, or a
+// TCPStore at 127.0.0.1 / localhost), the transport is automatic and MOELINK_HOST_IP is not
+// set. Then the listener (probes, and tcp between ranks if shm is ruled out) binds 127.0.0.1
+// and no port is open to the network. "" otherwise (the usual address).
+static std::string localOnlyListener(const c10::intrusive_ptr<c10d::Store>& store) {
+  if (const char* ip = std::getenv("MOELINK_HOST_IP"); ip && *ip) return "";
+  if (const char* t = std::getenv("MOELINK_TRANSPORT"); t && *t && std::string(t) != "auto") return "";
+  c10::intrusive_ptr<c10d::Store> s = store;
+  while (auto* p = dynamic_cast<c10d::PrefixStore*>(s.get())) s = p->getUnderlyingStore();
+  auto* tcp = dynamic_cast<c10d::TCPStore*>(s.get());
+  if (tcp == nullptr) return "";
+  const std::string host = tcp->getHost();
+  const bool loopback = host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+  return loopback ? "127.0.0.1" : "";
+}
+
 // ---- the backend ----
 
 EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -295,6 +314,7 @@ EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int
     eo.world_size = size;
     eo.timeout = timeout;
     eo.extension = options.extension;
+    eo.listen_ip = localOnlyListener(store);
     engine_ = std::make_unique<transfer::TransferEngine>(store_, eo);
     auto wo = collective::WorkerOptions::fromEnv(timeout);
     wo.raise_on_peer_failure = options.raise_on_peer_failure;

@@ -146,7 +146,7 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
   peer_doorbells_.assign(opts_.world_size, nullptr);
   doorbell_ = static_cast<DoorbellWord*>(allocateSegment(kDoorbellSegment, sizeof(DoorbellWord)));
   tcp_ = std::make_unique<tcp::TcpTransport>(opts_.rank, secret_, local_, opts_.timeout,
-                                             [this] { ringDoorbell(doorbell_); });
+                                             [this] { ringDoorbell(doorbell_); }, opts_.listen_ip);
   shm_ = std::make_unique<shm::ShmTransport>(host_id_);
   store_->set(key(opts_.rank, "peer"), endpointRecord(host_id_, tcp_->address()));
 }

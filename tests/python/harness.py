@@ -24,7 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world, port, target_mod, target_name, kwargs, out_dir, env, backend, pg_timeout):
+def _child(rank, world, port, target_mod, target_name, kwargs, out_dir, env, backend, pg_timeout,
+           store_host="127.0.0.1"):
     os.environ.update(env)
     result = {"rank": rank}
     try:
@@ -36,7 +37,7 @@ def _child(rank, world, port, target_mod, target_name, kwargs, out_dir, env, bac
 
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{store_host}:{port}",
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=pg_timeout),
@@ -51,9 +52,11 @@ def _child(rank, world, port, target_mod, target_name, kwargs, out_dir, env, bac
         json.dump(result, f)
 
 
-def run_group(world, target, *, kwargs=None, env=None, timeout=300, backend="ep", pg_timeout=60, killed=()):
+def run_group(world, target, *, kwargs=None, env=None, timeout=300, backend="ep", pg_timeout=60, killed=(),
+              store_host="127.0.0.1"):
     """Returns the per-rank results; raises AssertionError naming failing ranks. Ranks in
-    `killed` are expected to die (their result is None)."""
+    `killed` are expected to die (their result is None). The group's store listens at
+    `store_host` (rank 0 hosts it)."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
@@ -61,7 +64,7 @@ def run_group(world, target, *, kwargs=None, env=None, timeout=300, backend="ep"
             ctx.Process(
                 target=_child,
                 args=(r, world, port, target.__module__, target.__name__, kwargs or {}, out_dir,
-                      dict(env or {}), backend, pg_timeout),
+                      dict(env or {}), backend, pg_timeout, store_host),
             )
             for r in range(world)
         ]

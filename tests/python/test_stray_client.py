@@ -8,6 +8,7 @@ import socket
 import struct
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -89,3 +90,32 @@ def test_shm_group_listens_on_loopback_only():
     binds the loopback address only."""
     addresses = run_group(2, _listener_address, env={"MOELINK_TRANSPORT": "shm"})
     assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+
+
+def test_local_launch_listens_on_loopback_only():
+    """Automatic transport, every rank reaching the store at 127.0.0.1 (a local launch): the
+    group is on this host, and its listener binds the loopback address only."""
+    addresses = run_group(2, _listener_address)
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
+
+
+def _interface_ip():
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing interface
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def test_store_on_an_interface_listens_there():
+    """A store reached at the host's address may have ranks on other hosts: the listener binds
+    that interface (the first non-loopback one), as peers there need."""
+    ip = _interface_ip()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 interface")
+    addresses = run_group(2, _listener_address, store_host=ip)
+    assert all(not a.startswith("127.") for a in addresses), addresses

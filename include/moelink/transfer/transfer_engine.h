@@ -75,6 +75,9 @@ struct EngineOptions {
   // A process that takes the place of a failed rank (or grows the group): it joins a
   // running group instead of creating one (it does not make the group's secret).
   bool extension = false;
+  // The tcp listener's address ("": MOELINK_HOST_IP, else the first interface; see
+  // tcp::advertisedIp()).
+  std::string listen_ip;
 };
 
 class TransferEngine {

@@ -112,7 +112,7 @@ class TcpTransport::Impl {
   };
 
   Impl(int rank, uint64_t secret, LocalSegments& segs, milliseconds timeout,
-       std::function<void()> ring_local)
+       std::function<void()> ring_local, const std::string& listen_ip)
       : rank_(rank), secret_(secret), segs_(segs), timeout_(timeout), ring_local_(std::move(ring_local)) {
     listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     MOELINK_SYSCHECK(listen_fd_, "socket");
@@ -122,7 +122,7 @@ class TcpTransport::Impl {
     a.sin_family = AF_INET;
     // Listen on the address peers are told to use (MOELINK_HOST_IP or the first interface),
     // not on every interface; all interfaces only when that address is not local.
-    const std::string ip = advertisedIp();
+    const std::string ip = listen_ip.empty() ? advertisedIp() : listen_ip;
     a.sin_port = 0;
     if (inet_pton(AF_INET, ip.c_str(), &a.sin_addr) != 1 ||
         bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) < 0) {
@@ -746,8 +746,8 @@ class TcpTransport::Impl {
 };
 
 TcpTransport::TcpTransport(int rank, uint64_t secret, LocalSegments& segments,
-                           milliseconds connect_timeout, std::function<void()> ring_local)
-    : impl_(std::make_unique<Impl>(rank, secret, segments, connect_timeout, std::move(ring_local))) {}
+                           milliseconds connect_timeout, std::function<void()> ring_local, const std::string& ip)
+    : impl_(std::make_unique<Impl>(rank, secret, segments, connect_timeout, std::move(ring_local), ip)) {}
 
 TcpTransport::~TcpTransport() = default;
 

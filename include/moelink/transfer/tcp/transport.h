@@ -29,8 +29,11 @@ class TcpTransport : public Transport {
  public:
   // `ring_local` rings this process's doorbell: called after applying a peer's write
   // flagged notify, and after this side's requests complete or fail.
+  // `ip`: the address to listen on and advertise ("": MOELINK_HOST_IP, or the first interface;
+  // see advertisedIp()).
   TcpTransport(int rank, uint64_t secret, LocalSegments& segments,
-               std::chrono::milliseconds connect_timeout, std::function<void()> ring_local);
+               std::chrono::milliseconds connect_timeout, std::function<void()> ring_local,
+               const std::string& ip = "");
   ~TcpTransport() override;
   const char* name() const override { return "tcp"; }
   bool open(const PeerInfo& peer, RemoteSegment& seg) override;
