@@ -402,6 +402,10 @@ def host_path(rank, world):
     recv, _, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
     with pytest.raises(ValueError, match="the dispatch's"):
         buf.combine(recv, idx[:4], w[:4], handle)
+    # update_members on a CPU buffer: nothing to remap (the host path follows the group's
+    # mask by itself), and the buffer keeps working.
+    buf.update_members()
+    check_round(buf, rank, world, 17, 256, 4, False, device="cpu")
 
 
 CASES = ["routing_matrix", "modes", "two_rounds_in_flight", "cuda_graph", "bad_input_raises",
