@@ -386,7 +386,7 @@ class Buffer:
         if self._impl is None:  # no GPU buffer: the host path follows the group's mask by itself
             self._epoch = self._connected_epoch = backend.epoch
             return
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self._impl.active_ranks().device)  # this rank's rounds are over
         serial = next(self._normal_serial)
         mine = torch.tensor([self._impl.nonce(), self._key_index + 1, serial], dtype=torch.int64)
         every = torch.zeros(self.num_ranks * 3, dtype=torch.int64)
