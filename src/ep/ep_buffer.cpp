@@ -458,11 +458,6 @@ void EpBuffer::mapPeer(int r, uint64_t expect) {
   peer_nonce_[r] = nonce;
 }
 
-bool EpBuffer::remoteHost(int r) const {
-  const int rph = ranks_per_host_;
-  return hosts_[r] != hosts_[rank_] || (rph > 0 && r / rph != rank_ / rph);
-}
-
 void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces) {
   TORCH_CHECK_VALUE(static_cast<int>(mask.size()) == size_ && static_cast<int>(nonces.size()) == size_,
                     "moelink Buffer.update_members: the mask and the identities need ", size_, " entries each");
@@ -491,12 +486,24 @@ void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector
                         "creates the buffer together, so create a new Buffer on every rank instead");
     }
   }
-  for (int r : changed) {
-    if (peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);  // the failed process's buffer
-    peers_[r] = nullptr;
-    peer_nonce_[r] = 0;
-    mapPeer(r, static_cast<uint64_t>(nonces[r]));
-    transports_[r] = "nvlink";
+  try {
+    for (int r : changed) {
+      if (peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);  // the failed process's buffer
+      peers_[r] = nullptr;
+      peer_nonce_[r] = 0;
+      transports_[r] = "inactive";
+      mapPeer(r, static_cast<uint64_t>(nonces[r]));
+      transports_[r] = "nvlink";
+    }
+  } catch (...) {
+    // A rank left unmapped is masked out and routed nowhere, never through a closed mapping.
+    at::Tensor keep = active_.cpu();
+    for (int r : changed)
+      if (peers_[r] == nullptr) keep[r].fill_(0);
+    active_.copy_(keep);
+    buildRoutes(proxy_pairs_, ibgda_pairs_);
+    cudaDeviceSynchronize();
+    throw;
   }
   if (!changed.empty()) buildRoutes(proxy_pairs_, ibgda_pairs_);
   // Every rank has finished its rounds (the caller's collective follows the synchronization

@@ -90,8 +90,6 @@ class EpBuffer {
   // Opens rank r's published buffer (its IPC handle) and records its identity; `expect` (if
   // non-zero) is the identity it must carry.
   void mapPeer(int r, uint64_t expect);
-  // True when this rank and r are on different (possibly virtual) hosts.
-  bool remoteHost(int r) const;
 
   int rank_, size_, device_;
   EpLayout layout_;
