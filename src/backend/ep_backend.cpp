@@ -198,6 +198,14 @@ collective::DType toDType(at::ScalarType t) {
   }
 }
 
+namespace {
+// PREMUL_SUM's factor (nullptr for other ops, or one made without it).
+const c10d::NCCLPreMulSumSupplement* preMulOf(const c10d::ReduceOp& op) {
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return nullptr;
+  return dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+}
+}  // namespace
+
 collective::ReduceOp toReduceOp(const c10d::ReduceOp& op, at::ScalarType t, const char* opname) {
   using collective::ReduceOp;
   ReduceOp r;
@@ -213,7 +221,7 @@ collective::ReduceOp toReduceOp(const c10d::ReduceOp& op, at::ScalarType t, cons
     case c10d::ReduceOp::PREMUL_SUM: {
       TORCH_CHECK_TYPE(at::isFloatingType(t) || at::isComplexType(t), "moelink ", opname,
                        ": PREMUL_SUM needs floating-point or complex tensors, got ", t);
-      const auto* s = dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+      const auto* s = preMulOf(op);
       TORCH_CHECK_VALUE(s != nullptr, "moelink ", opname, ": PREMUL_SUM without its factor (make it with "
                         "torch.distributed._make_nccl_premul_sum)");
       TORCH_CHECK_VALUE(!s->tensor_factor.defined() || s->tensor_factor.numel() == 1, "moelink ", opname,
@@ -230,13 +238,6 @@ collective::ReduceOp toReduceOp(const c10d::ReduceOp& op, at::ScalarType t, cons
   TORCH_CHECK_TYPE(why.empty(), "moelink ", opname, ": ", why);
   return r;
 }
-
-namespace {
-const c10d::NCCLPreMulSumSupplement* preMulOf(const c10d::ReduceOp& op) {
-  if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return nullptr;
-  return dynamic_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
-}
-}  // namespace
 
 at::Tensor preMultiplied(const c10d::ReduceOp& op, const at::Tensor& x) {
   const auto* s = preMulOf(op);

@@ -201,8 +201,7 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   mine.append(reinterpret_cast<const char*>(&nonce_), sizeof nonce_);
   store->set(key + "/ipc/" + std::to_string(rank), bytesOf(mine));
   store->set(key + "/host/" + std::to_string(rank), bytesOf(transfer::localHostId()));
-  std::vector<std::string>& hosts = hosts_;
-  hosts.assign(size, "");
+  std::vector<std::string> hosts(size);
   for (int r = 0; r < size; ++r) {
     if (!on[r]) continue;
     auto h = store->get(key + "/host/" + std::to_string(r));
@@ -475,12 +474,12 @@ void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector
   }
   for (int r : changed) {
     auto h = store_->get(key_ + "/host/" + std::to_string(r));
-    hosts_[r] = std::string(h.begin(), h.end());
+    const std::string host(h.begin(), h.end());
     for (int a = 0; a < size_; ++a) {
       if (mask[a] == 0 || a == r) continue;
       auto ha = store_->get(key_ + "/host/" + std::to_string(a));
       const int rph = ranks_per_host_;
-      TORCH_CHECK_VALUE(std::string(ha.begin(), ha.end()) == hosts_[r] && (rph == 0 || a / rph == r / rph),
+      TORCH_CHECK_VALUE(std::string(ha.begin(), ha.end()) == host && (rph == 0 || a / rph == r / rph),
                         "moelink Buffer.update_members: rank ", r, " has a new process, and it is on another "
                         "(virtual) host than rank ", a, ": the CPU proxy and IBGDA connect only when every rank "
                         "creates the buffer together, so create a new Buffer on every rank instead");

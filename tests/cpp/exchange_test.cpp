@@ -93,6 +93,26 @@ ExchangeTuning small() {
   return t;
 }
 
+// Rank r's all-to-all plan when r sends bytes(r, q) to q, packed in rank order both ways.
+template <typename PairBytes>
+Exchange packedAlltoall(int n, int r, PairBytes bytes) {
+  std::vector<uint64_t> so(n), sb(n), ro(n), rb(n);
+  uint64_t s = 0, t = 0;
+  for (int q = 0; q < n; ++q) {
+    sb[q] = bytes(r, q);
+    rb[q] = bytes(q, r);
+    so[q] = s;
+    ro[q] = t;
+    s += sb[q];
+    t += rb[q];
+  }
+  return exchangeAlltoall(n, r, so, sb, ro, rb);
+}
+
+// Bytes of the packed input / output of an all-to-all plan.
+uint64_t sentBytes(const Exchange& x) { return x.send_off.back() + x.send_bytes.back(); }
+uint64_t receivedBytes(const Exchange& x) { return x.recv_off.back() + x.recv_bytes.back(); }
+
 class ExchangePlan : public ::testing::TestWithParam<std::tuple<int, uint64_t>> {};
 
 TEST_P(ExchangePlan, AllreduceOneShotAndTwoShot) {
@@ -195,20 +215,10 @@ TEST_P(ExchangePlan, UnevenAlltoall) {
   std::vector<Bytes> in(n), out(n);
   std::vector<Exchange> xs;
   for (int r = 0; r < n; ++r) {
-    std::vector<uint64_t> so(n), sb(n), ro(n), rb(n);
-    uint64_t s = 0, t = 0;
-    for (int q = 0; q < n; ++q) {
-      sb[q] = bytes(r, q);
-      rb[q] = bytes(q, r);
-      so[q] = s;
-      ro[q] = t;
-      s += sb[q];
-      t += rb[q];
-    }
-    in[r].resize(s);
-    for (uint64_t i = 0; i < s; ++i) in[r][i] = static_cast<char>(r * 31 + i * 7);
-    out[r].assign(t, 0);
-    xs.push_back(exchangeAlltoall(n, r, so, sb, ro, rb));
+    xs.push_back(packedAlltoall(n, r, bytes));
+    in[r].resize(sentBytes(xs.back()));
+    for (uint64_t i = 0; i < in[r].size(); ++i) in[r][i] = static_cast<char>(r * 31 + i * 7);
+    out[r].assign(receivedBytes(xs.back()), 0);
   }
   model(xs, in, out, small());
   for (int r = 0; r < n; ++r)
@@ -287,31 +297,21 @@ TEST_P(ExchangeSubgroup, CollectivesOverTheActiveRanks) {
   model(restricted(ga), in, out, t);
   for (int q = 0, k = 0; q < n; ++q) {
     const bool active = k < m && members[k] == q;
-    ASSERT_EQ(0, active ? std::memcmp(out[m - 1].data() + q * bytes, in[k].data(), bytes)
-                        : static_cast<int>(std::count(out[m - 1].begin() + q * bytes,
-                                                      out[m - 1].begin() + (q + 1) * bytes, 0) != static_cast<long>(bytes)));
+    const char* slot = out[m - 1].data() + q * bytes;
+    if (active)
+      ASSERT_EQ(0, std::memcmp(slot, in[k].data(), bytes)) << "gather slot " << q;
+    else
+      ASSERT_TRUE(std::all_of(slot, slot + bytes, [](char c) { return c == 0; })) << "gather slot " << q;
     k += active;
   }
   auto pair = [](int r, int q) { return static_cast<uint64_t>((r + 2) * (q + 1) * 1001 + r); };
-  auto a2a = [&](int r) {
-    std::vector<uint64_t> so(n), sb(n), ro(n), rb(n);
-    uint64_t s = 0, u = 0;
-    for (int q = 0; q < n; ++q) {
-      sb[q] = pair(r, q);
-      rb[q] = pair(q, r);
-      so[q] = s;
-      ro[q] = u;
-      s += sb[q];
-      u += rb[q];
-    }
-    return exchangeAlltoall(n, r, so, sb, ro, rb);
-  };
+  auto a2a = [&](int r) { return packedAlltoall(n, r, pair); };
   std::vector<Bytes> ain(m), aout(m);
   for (int j = 0; j < m; ++j) {
     const Exchange x = a2a(members[j]);
-    ain[j].resize(x.send_off[n - 1] + x.send_bytes[n - 1]);
+    ain[j].resize(sentBytes(x));
     for (size_t i = 0; i < ain[j].size(); ++i) ain[j][i] = static_cast<char>(members[j] * 31 + i * 7 + 1);
-    aout[j].assign(x.recv_off[n - 1] + x.recv_bytes[n - 1], 7);
+    aout[j].assign(receivedBytes(x), 7);
   }
   zeroDropped(a2a, aout);
   model(restricted(a2a), ain, aout, t);

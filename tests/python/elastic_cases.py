@@ -23,6 +23,22 @@ def _init(rank, world, port, extension=False, timeout=60, on_peer_failure="conti
                             pg_options=moelink.EpOptions(is_extension=extension, on_peer_failure=on_peer_failure))
 
 
+def _readmit(victim, wait_s):
+    """On the active ranks: waits until `victim`'s replacement is ready, then readmits it."""
+    import moelink
+
+    deadline = time.monotonic() + wait_s
+    while not moelink.get_peer_state([victim])[0]:
+        assert time.monotonic() < deadline, "the replacement never became ready"
+        time.sleep(0.2)
+    moelink.recover_ranks([victim])
+
+
+def _save(out_dir, rank, result, replacement=False):
+    with open(os.path.join(out_dir, f"{'new' if replacement else 'old'}{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def _step(i, rank, world, log):
     """One iteration (two ops); checks results against the mask; appends to log."""
     import torch
@@ -55,8 +71,6 @@ def _step(i, rank, world, log):
 def member(rank, world, port, out_dir, victim, kill_iter, rejoin_iter, end_iter, replacement=False):
     import torch.distributed as dist
 
-    import moelink
-
     log, result = [], {"rank": rank, "replacement": replacement}
     try:
         _init(rank, world, port, extension=replacement)
@@ -66,11 +80,7 @@ def member(rank, world, port, out_dir, victim, kill_iter, rejoin_iter, end_iter,
             if not replacement and rank == victim and i == kill_iter:
                 os.kill(os.getpid(), signal.SIGKILL)
             if not replacement and rank != victim and i == rejoin_iter:
-                deadline = time.monotonic() + 60
-                while not moelink.get_peer_state([victim])[0]:
-                    assert time.monotonic() < deadline, "the replacement never became ready"
-                    time.sleep(0.2)
-                moelink.recover_ranks([victim])
+                _readmit(victim, 60)
                 result["recovered_at"] = time.time()
             _step(i, rank, world, log)
             i += 1
@@ -78,8 +88,7 @@ def member(rank, world, port, out_dir, victim, kill_iter, rejoin_iter, end_iter,
     except BaseException:  # noqa: BLE001
         result["error"] = traceback.format_exc()
     result["log"] = log
-    with open(os.path.join(out_dir, f"{'new' if replacement else 'old'}{rank}.json"), "w") as f:
-        json.dump(result, f)
+    _save(out_dir, rank, result, replacement)
 
 
 def staller(rank, world, port, out_dir, stall_rank, stall_s, iters):
@@ -99,8 +108,7 @@ def staller(rank, world, port, out_dir, stall_rank, stall_s, iters):
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"old{rank}.json"), "w") as f:
-        json.dump(result, f)
+    _save(out_dir, rank, result)
 
 
 def raiser(rank, world, port, out_dir, victim):
@@ -137,8 +145,7 @@ def raiser(rank, world, port, out_dir, victim):
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"old{rank}.json"), "w") as f:
-        json.dump(result, f)
+    _save(out_dir, rank, result)
 
 
 def gpu_member(rank, world, port, out_dir, replacement=False):
@@ -239,11 +246,7 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
             res["after_stale_graph"] = cuda_allreduce(20)
             ep_round(buf, local_only=True)
             res["ep_after"] = "ok"
-            deadline = time.monotonic() + 120
-            while not moelink.get_peer_state([1])[0]:
-                assert time.monotonic() < deadline, "the replacement never became ready"
-                time.sleep(0.2)
-            moelink.recover_ranks([1])
+            _readmit(1, 120)
             res["ep_active_before_update"] = buf.active_ranks().tolist()
             res["normal_path_before_update"] = buf._normal_path(torch.device("cuda"))
             rejoined(buf)
@@ -252,8 +255,7 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         res["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"{'new' if replacement else 'old'}{rank}.json"), "w") as f:
-        json.dump(res, f)
+    _save(out_dir, rank, res, replacement)
 
 
 def gpu_trio(rank, world, port, out_dir, victim=1, kill_iter=12, iters=40, replacement=False):
@@ -333,18 +335,13 @@ def gpu_trio(rank, world, port, out_dir, victim=1, kill_iter=12, iters=40, repla
             res["outcomes"] = {str(i): o for i, o in sorted(outcomes.items())}
             res["mask"] = moelink.get_active_ranks().tolist()
             res["path_after"] = moelink.get_backend().cuda_path()
-            deadline = time.monotonic() + 120
-            while not moelink.get_peer_state([victim])[0]:
-                assert time.monotonic() < deadline, "the replacement never became ready"
-                time.sleep(0.2)
-            moelink.recover_ranks([victim])
+            _readmit(victim, 120)
             res["full"] = full_sums(5000)
             res["path"] = moelink.get_backend().cuda_path()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         res["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"{'new' if replacement else 'old'}{rank}.json"), "w") as f:
-        json.dump(res, f)
+    _save(out_dir, rank, res, replacement)
 
 
 def grower(rank, world, port, out_dir, initial, replacement=False):
@@ -382,5 +379,4 @@ def grower(rank, world, port, out_dir, initial, replacement=False):
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         res["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"old{rank}.json"), "w") as f:
-        json.dump(res, f)
+    _save(out_dir, rank, res)

@@ -99,7 +99,6 @@ class EpBuffer {
   c10::intrusive_ptr<c10d::Store> store_;
   std::string key_;
   int ranks_per_host_ = 0;            // MOELINK_EP_RANKS_PER_HOST (0: real hosts only)
-  std::vector<std::string> hosts_;    // per rank ("" while unknown: inactive at construction)
   uint64_t nonce_ = 0;
   std::vector<uint64_t> peer_nonce_;  // the identity of the buffer mapped per peer
   std::vector<std::vector<bool>> proxy_pairs_, ibgda_pairs_;
