@@ -17,12 +17,47 @@
 namespace py = pybind11;
 using moelink::backend::EpBackend;
 
+namespace {
+
+// The holder of a backend's Python object. Its last reference goes without the GIL: the
+// backend's teardown joins its worker thread, and that thread may need the GIL to finish (a
+// completed op's tensors are released there), so tearing down while holding it deadlocks.
+// Python drops the object with the GIL held (c10d's ProcessGroup releases its backends
+// through their Python objects), hence the release here, where Python and the backend meet.
+// One intrusive_ptr, as c10d's own holder of Backend, which pybind11 reads it as.
+template <typename T>
+class ReleasedWithoutGil {
+ public:
+  ReleasedWithoutGil() = default;
+  // pybind11 wraps an object it does not own this way: take a reference of its own.
+  explicit ReleasedWithoutGil(T* p) : ptr_(c10::intrusive_ptr<T>::unsafe_reclaim_from_nonowning(p)) {}
+  explicit ReleasedWithoutGil(c10::intrusive_ptr<T> p) : ptr_(std::move(p)) {}
+  ReleasedWithoutGil(const ReleasedWithoutGil&) = default;
+  ReleasedWithoutGil(ReleasedWithoutGil&&) noexcept = default;
+  ReleasedWithoutGil& operator=(const ReleasedWithoutGil&) = default;
+  ReleasedWithoutGil& operator=(ReleasedWithoutGil&&) noexcept = default;
+  ~ReleasedWithoutGil() {
+    if (ptr_ && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      ptr_.reset();
+    }
+  }
+  T* get() const { return ptr_.get(); }
+
+ private:
+  c10::intrusive_ptr<T> ptr_;
+};
+
+}  // namespace
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, ReleasedWithoutGil<T>, true);
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "moelink native module: the 'ep' c10d backend";
   py::module_::import("torch.distributed");
   m.attr("TORCH_VERSION") = TORCH_VERSION;
 
-  py::class_<EpBackend, c10d::Backend, c10::intrusive_ptr<EpBackend>>(m, "EpBackend", R"(
+  py::class_<EpBackend, c10d::Backend, ReleasedWithoutGil<EpBackend>>(m, "EpBackend", R"(
 The c10d backend behind ``backend="ep"``. Created by torch.distributed through the
 registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -32,7 +67,7 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
              o.raise_on_peer_failure = raise_on_peer_failure;
              o.extension = extension;
              o.initial_size = initial_size;
-             return c10::make_intrusive<EpBackend>(store, rank, size, timeout, o);
+             return ReleasedWithoutGil<EpBackend>(c10::make_intrusive<EpBackend>(store, rank, size, timeout, o));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("raise_on_peer_failure") = false, py::arg("extension") = false, py::arg("initial_size") = 0,

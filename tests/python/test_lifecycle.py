@@ -52,6 +52,30 @@ def test_destroy_releases_everything():
     run_group(3, create_use_destroy, timeout=300)
 
 
+def drop_right_after_ops(rank, world):
+    """A group dropped right after its ops return: the worker may still be releasing an op's
+    tensors (which takes the GIL) while Python tears the backend down; the teardown must not
+    hold the GIL while it waits for the worker."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    for i in range(60):
+        g = dist.new_group(list(range(world)))
+        x = torch.ones(4)
+        dist.all_reduce(x, group=g)
+        assert torch.all(x == world), (i, x)
+        if i % 2:
+            dist.destroy_process_group(g)
+        else:
+            abort(g) if abort is not None else g.abort()
+        del g  # the last reference: the backend goes now
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    assert torch.all(x == world), x
+
+
+def test_drop_right_after_ops_does_not_hang():
+    run_group(3, drop_right_after_ops, timeout=120, pg_timeout=30)
+
+
 def test_module_built_for_other_torch_is_refused():
     code = (
         "import sys, types\n"
