@@ -84,6 +84,8 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def_property_readonly("epoch", &EpBackend::epoch)
       .def("transport_of", &EpBackend::transportOf, py::arg("rank"),
            "How this rank reaches `rank` for collectives: 'shm', 'tcp' or 'local'.")
+      .def("reads_directly", &EpBackend::readsDirectly, py::arg("rank"),
+           "Whether `rank` reads this rank's large collective payloads straight from this process's memory.")
       .def("active_ranks", &EpBackend::activeRanks, "Ranks currently in the active-rank mask.")
       .def("cuda_path", &EpBackend::cudaPath,
            "How CUDA tensors travel in this group: 'nvlink' (in-host kernels), 'host' (staged through host "

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "Buffer", "EventOverlap", "EpOptions", "get_backend", "transport_of", "ibgda_status", "BACKEND_NAME",
+    "Buffer", "EventOverlap", "EpOptions", "get_backend", "transport_of", "reads_directly", "ibgda_status", "BACKEND_NAME",
     "get_active_ranks", "get_peer_state", "recover_ranks", "failed_ranks", "get_num_synced_ranks",
     "extend_group_size_to", "Config", "dispatch_with_grad", "combine_with_grad",
 ]
@@ -249,6 +249,13 @@ def failed_ranks(work) -> list:
 def transport_of(rank: int, group=None) -> str:
     """How this process reaches ``rank`` of ``group``: 'shm', 'tcp' or 'local'."""
     return get_backend(group).transport_of(rank)
+
+
+def reads_directly(rank: int, group=None) -> bool:
+    """Whether ``rank`` of ``group`` reads this process's large collective payloads straight from
+    its memory (one copy, same host; ``MOELINK_SHM_PULL=0`` turns it off) rather than out of
+    shared-memory slots (two copies). False for ranks on other hosts and for this rank itself."""
+    return get_backend(group).reads_directly(rank)
 
 
 def ibgda_status() -> dict:

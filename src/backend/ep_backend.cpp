@@ -449,6 +449,11 @@ std::string EpBackend::transportOf(int peer) const {
   return worker().transportTo(peer);
 }
 
+bool EpBackend::readsDirectly(int peer) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < size_, "moelink: rank ", peer, " is outside the group of size ", size_);
+  return worker().peerReadsDirectly(peer);
+}
+
 std::vector<int64_t> EpBackend::activeRanks() const {
   std::vector<int64_t> r;
   for (int i = 0; i < size_; ++i)

@@ -61,6 +61,12 @@ void copyIfElsewhere(char* dst, const char* got, uint64_t len) {
 }
 const char* at(const void* p, uint64_t off) { return static_cast<const char*>(p) + off; }
 
+// Whether [a, a+na) and [b, b+nb) share no byte.
+bool disjoint(const void* a, uint64_t na, const void* b, uint64_t nb) {
+  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x + na <= y || y + nb <= x;
+}
+
 // Reduces, in participant order, `own` (this rank's piece) with the received pieces.
 std::function<void(const std::vector<const char*>&)> reduceConsumer(
     const AlgoContext& c, const char* own, char* out, uint64_t count, DType t, ReduceOp op,
@@ -119,6 +125,7 @@ OpSpec base(OpKind k, DType t, ReduceOp op, int root, uint64_t op_bytes) {
 OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root) {
   size_t r = indexOf(c, root);
   OpSpec s = base(OpKind::kBroadcast, DType::kBytes, ReduceOp::kNone, root, bytes);
+  s.pullable = true;  // the root's buffer only changes on the others, a chunk only once before it is forwarded
   // First every other rank tells the root it takes part, with this root in its header: a rank
   // that disagrees about the root then receives a message naming another root, and the op
   // fails on the ranks that disagree instead of leaving them with diverged data.
@@ -261,6 +268,7 @@ OpSpec allgatherOp(const AlgoContext& c, const void* in, void* out, uint64_t byt
   const uint64_t me = static_cast<uint64_t>(c.me);
   const auto gone = absent(c);
   OpSpec s = base(OpKind::kAllgather, DType::kBytes, ReduceOp::kNone, -1, bytes);
+  s.pullable = disjoint(in, bytes, out, bytes * worldOf(c)) || in == at(out, me * bytes);
   Pieces pc{bytes, c.chunk};
   for (size_t i = 0; i < pc.count(); ++i) {
     Step st;
@@ -282,6 +290,7 @@ OpSpec gatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes,
   const uint64_t me = static_cast<uint64_t>(c.me);
   const auto gone = absent(c);
   OpSpec s = base(OpKind::kGather, DType::kBytes, ReduceOp::kNone, root, bytes);
+  s.pullable = true;  // only the root receives, and it sends nothing
   Pieces pc{bytes, c.chunk};
   for (size_t i = 0; i < pc.count(); ++i) {
     Step st;
@@ -306,6 +315,7 @@ OpSpec scatterOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes
   indexOf(c, c.me);
   const uint64_t me = static_cast<uint64_t>(c.me);
   OpSpec s = base(OpKind::kScatter, DType::kBytes, ReduceOp::kNone, root, bytes);
+  s.pullable = true;  // only the root sends, and it receives nothing
   Pieces pc{bytes, c.chunk};
   for (size_t i = 0; i < pc.count(); ++i) {
     Step st;
@@ -353,17 +363,28 @@ OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64
   const size_t w = static_cast<size_t>(worldOf(c));
   MOELINK_CHECK(send_bytes.size() == w && recv_bytes.size() == w, "alltoall needs one split per rank");
   OpSpec s = base(OpKind::kAlltoall, DType::kBytes, ReduceOp::kNone, -1, 0);
+  uint64_t in_end = 0, out_end = 0;
+  for (size_t r = 0; r < w; ++r) {
+    in_end = std::max(in_end, send_off[r] + send_bytes[r]);
+    out_end = std::max(out_end, recv_off[r] + recv_bytes[r]);
+  }
+  s.pullable = disjoint(in, in_end, out, out_end);  // in place, a receive would overwrite unread data
+  // A pair whose receiver reads the sender's memory moves in larger pieces: fewer round trips.
+  auto piece = [&](const std::vector<char>& direct, int r) {
+    return s.pullable && c.pull_chunk && r < static_cast<int>(direct.size()) && direct[r] ? c.pull_chunk : c.chunk;
+  };
   size_t steps = 1;
   for (int r : c.ranks) {
     if (r == c.me) continue;
-    steps = std::max({steps, Pieces{send_bytes[r], c.chunk}.count(), Pieces{recv_bytes[r], c.chunk}.count()});
+    steps = std::max({steps, Pieces{send_bytes[r], piece(c.reads_me, r)}.count(),
+                      Pieces{recv_bytes[r], piece(c.i_read, r)}.count()});
   }
   for (size_t i = 0; i < steps; ++i) {
     Step st;
     std::vector<std::pair<char*, uint64_t>> dst;
     for (int r : c.ranks) {
       if (r == c.me) continue;
-      Pieces sp{send_bytes[r], c.chunk}, rp{recv_bytes[r], c.chunk};
+      Pieces sp{send_bytes[r], piece(c.reads_me, r)}, rp{recv_bytes[r], piece(c.i_read, r)};
       if (i < sp.count()) st.sends.push_back({r, at(in, send_off[r] + sp.off(i)), sp.len(i)});
       if (i < rp.count()) {
         dst.push_back({at(out, recv_off[r] + rp.off(i)), rp.len(i)});

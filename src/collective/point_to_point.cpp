@@ -86,7 +86,7 @@ bool CollectiveWorker::progressSends() {
       progressed = true;
       continue;
     }
-    if (abort_pending_[p] && p2p_->canSend(p)) {
+    if (abort_pending_[p] && p2p_->canSendControl(p)) {
       MsgHeader h;
       h.kind = static_cast<uint8_t>(OpKind::kSend);
       h.flags = kAbort | kLast;

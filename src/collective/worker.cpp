@@ -35,6 +35,9 @@ WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
   o.chunk_bytes = envNumber("MOELINK_CHUNK_BYTES", o.chunk_bytes);
   o.depth = static_cast<int>(envNumber("MOELINK_MAILBOX_DEPTH", static_cast<uint64_t>(o.depth)));
   o.allreduce_small_bytes = envNumber("MOELINK_ALLREDUCE_SMALL_BYTES", o.allreduce_small_bytes);
+  o.pull_min_bytes = envNumber("MOELINK_PULL_MIN_BYTES", o.pull_min_bytes);
+  o.pull_chunk_bytes = envNumber("MOELINK_PULL_CHUNK_BYTES", o.pull_chunk_bytes);
+  MOELINK_CHECK(o.pull_chunk_bytes >= 64, "MOELINK_PULL_CHUNK_BYTES must be at least 64");
   if (const char* v = std::getenv("MOELINK_CHAIN_BROADCAST_BYTES"); v && *v)
     o.chain_broadcast_bytes = static_cast<int64_t>(envNumber("MOELINK_CHAIN_BROADCAST_BYTES", 0));
   MOELINK_CHECK(o.chunk_bytes >= 64, "MOELINK_CHUNK_BYTES must be at least 64");
@@ -109,6 +112,7 @@ CollectiveWorker::~CollectiveWorker() {
   } catch (const std::exception& e) {
     VLOG(1) << "moelink: rank " << rank_ << " could not announce its exit: " << e.what();
   }
+  coll_->revokePulls();  // the ops below end here: their memory is the callers' again
   const std::string why = "the process group was shut down before this op finished";
   if (current_) current_->done(why);
   for (auto& c : queue_) c->done(why);
@@ -143,9 +147,23 @@ AlgoContext CollectiveWorker::context() const {
   c.allreduce_small_bytes = opts_.allreduce_small_bytes;
   c.chain_broadcast_bytes = chain_broadcast_bytes_;
   c.world = world_;
-  std::lock_guard<std::mutex> g(mu_);
-  for (int r = 0; r < world_; ++r)
-    if (active_[r] || r == rank_) c.ranks.push_back(r);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (int r = 0; r < world_; ++r)
+      if (active_[r] || r == rank_) c.ranks.push_back(r);
+  }
+  // Which pairs pull (mailbox.h). A process that has just taken a rank says so as it opens
+  // its mailbox, right after its admission: wait for that briefly rather than disagree.
+  c.pull_chunk = opts_.pull_chunk_bytes;
+  c.reads_me.assign(world_, 0);
+  c.i_read.assign(world_, 0);
+  const auto until = Clock::now() + seconds(5);
+  for (int r : c.ranks) {
+    if (r == rank_ || coll_->transportTo(r) != "shm") continue;
+    while (!coll_->peerHasSaid(r) && Clock::now() < until) std::this_thread::sleep_for(microseconds(100));
+    c.reads_me[r] = coll_->canPull(r);
+    c.i_read[r] = coll_->readsFrom(r);
+  }
   return c;
 }
 
@@ -382,7 +400,11 @@ bool CollectiveWorker::progressCollective(Collective& op) {
       h.bytes = snd.bytes;
       bool last = op.sendpos[p] + 1 == q.size();
       h.flags = (op.sendpos[p] == 0 ? kFirst : 0) | (last ? kLast : 0);
-      auto batch = coll_->send(p, h, snd.data);
+      // A piece larger than a slot is pulled (the pair pulls: AlgoContext::reads_me).
+      const bool big = snd.bytes >= opts_.pull_min_bytes || snd.bytes > coll_->chunkBytes();
+      auto batch = op.spec.pullable && big && coll_->canPull(p)
+                       ? coll_->sendPull(p, h, snd.data)
+                       : coll_->send(p, h, snd.data);
       op.step_batches[s].push_back(batch);
       op.inflight.push_back(std::move(batch));
       op.sends_issued[s]++;
@@ -403,18 +425,23 @@ bool CollectiveWorker::progressCollective(Collective& op) {
     }
     got.clear();
     bool ready = true;
+    // Every message of the step that is here is taken at once (a pulled one is read now,
+    // so that its sender is free sooner), whether or not the others have come.
     for (const auto& r : st.recvs) {
       const MsgHeader* h = nextFresh(r.peer, op.seq);
       if (!h) {
         ready = false;
-        break;
+        continue;
       }
       std::string bad = checkHeader(op, r.peer, *h, r.bytes);
-      if (!bad.empty()) {
-        failCollective(op, bad);
+      const char* data = bad.empty() ? coll_->payload(r.peer, r.landing, &bad) : nullptr;
+      if (!data) {
+        failCollective(op, bad.rfind(opKindName(op.spec.kind), 0) == 0
+                               ? bad
+                               : str(opKindName(op.spec.kind), " #", op.seq, ": ", bad));
         return true;
       }
-      got.push_back(coll_->payload(r.peer));
+      got.push_back(data);
     }
     if (!ready) break;
     if (st.consume) st.consume(got);
@@ -434,6 +461,7 @@ bool CollectiveWorker::progressCollective(Collective& op) {
     progressed = true;
   }
   // Transfers: a failure fails the op; finished ones are dropped.
+  coll_->pollPulls();
   for (size_t i = 0; i < op.inflight.size();) {
     if (op.inflight[i]->failed()) {
       // A write to a peer whose connection broke: the membership unit probes that peer and,
@@ -526,13 +554,14 @@ void CollectiveWorker::failCollective(Collective& op, const std::string& why) {
 // send for this op, wait for our own writes to finish (they read the caller's memory).
 bool CollectiveWorker::progressDrain(Collective& op) {
   bool progressed = false, pending = false;
+  coll_->revokePulls();  // this op's data may change once it has failed
   for (int p = 0; p < world_; ++p) {
     if (!lostPeer(p).empty()) {  // gone: nothing to tell it, nothing more will come from it
       op.abort_sent[p] = op.last_sent[p] = op.last_seen[p] = 1;
       continue;
     }
     if (!op.sendq[p].empty() && !op.abort_sent[p]) {
-      if (coll_->canSend(p)) {
+      if (coll_->canSendControl(p)) {
         MsgHeader h = headerFor(op, rank_, membership_->epoch());
         h.flags = kAbort | kLast;
         h.pair_bytes = op.pair_send[p];

@@ -92,6 +92,7 @@ void CollectiveWorker::readmit(const std::vector<int>& ranks, OpCallback done, m
         for (int r : ranks) {
           int64_t inc = std::stoll(store_.get(str("member/waiting/", r), opts_.timeout));
           incs.push_back(inc);
+          coll_->dropPeer(r);
           engine_.forgetPeer(r);
           coll_->resetPeer(r);
           p2p_->resetPeer(r);
@@ -151,6 +152,7 @@ bool CollectiveWorker::startCollective(Collective& op) {
 }
 
 void CollectiveWorker::finishCollective(Collective& op, const std::string& error) {
+  if (!error.empty()) coll_->revokePulls();  // what peers have not read yet is the caller's again
   completed_seq_ = std::max(completed_seq_, op.seq);
   auto done = std::move(op.done);
   op_lost_ = op.lost;
@@ -249,13 +251,21 @@ void CollectiveWorker::applyChange(const MembershipChange& c) {
   // Drop what is still queued for the ranks that left: a tcp connection over a cut link keeps
   // its frames, which point into the callers' memory, until it is closed.
   // (A rank that is out of the group keeps its connections until its group is destroyed.)
-  for (int p : c.removed) engine_.forgetPeer(p);
+  for (int p : c.removed) {
+    coll_->revokePulls(p);
+    coll_->dropPeer(p);
+    engine_.forgetPeer(p);
+  }
   if (current_ && current_->built) {
     // The op's own writes read its buffers: let them settle (those to the ranks that left fail
     // as their connections close) before the op is failed or rerun.
     const auto until = Clock::now() + seconds(2);
     for (auto& b : current_->inflight)
-      while (!b->done() && Clock::now() < until) std::this_thread::sleep_for(microseconds(50));
+      while (!b->done() && Clock::now() < until) {
+        std::this_thread::sleep_for(microseconds(50));
+        coll_->pollPulls();
+      }
+    coll_->revokePulls();  // the op is failed or rerun from its inputs: unread data is withdrawn
   }
   notifyChange();
   for (int p = 0; p < world_; ++p)

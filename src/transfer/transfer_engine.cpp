@@ -12,6 +12,7 @@
 #include <glog/logging.h>
 
 #include "moelink/common/error.h"
+#include "moelink/transfer/shm/process_read.h"
 #include "moelink/transfer/shm/transport.h"
 #include "moelink/transfer/tcp/socket.h"
 #include "moelink/transfer/tcp/transport.h"
@@ -123,9 +124,16 @@ std::string pidNamespace() {
   return n > 0 ? std::string(buf, n) : std::string();
 }
 
-std::string endpointRecord(const std::string& host, const std::string& tcp) {
+std::string endpointRecord(const std::string& host, const std::string& tcp, const uint64_t* read_probe) {
   int64_t pid = getpid();
-  return str(host, "\n", tcp, "\n", pid, "\n", processStart(pid).first, "\n", pidNamespace());
+  return str(host, "\n", tcp, "\n", pid, "\n", processStart(pid).first, "\n", pidNamespace(), "\n",
+             reinterpret_cast<uint64_t>(read_probe));
+}
+
+// The value of `rank`'s cross-memory probe word: from the group's secret, so that a reader
+// that finds it has read the right process.
+uint64_t readProbeValue(uint64_t secret, int rank) {
+  return (secret ^ 0x6d6f656c696e6b21ull) * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(rank);
 }
 
 }  // namespace
@@ -148,7 +156,8 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
   tcp_ = std::make_unique<tcp::TcpTransport>(opts_.rank, secret_, local_, opts_.timeout,
                                              [this] { ringDoorbell(doorbell_); }, opts_.listen_ip);
   shm_ = std::make_unique<shm::ShmTransport>(host_id_);
-  store_->set(key(opts_.rank, "peer"), endpointRecord(host_id_, tcp_->address()));
+  read_probe_ = readProbeValue(secret_, opts_.rank);
+  store_->set(key(opts_.rank, "peer"), endpointRecord(host_id_, tcp_->address(), &read_probe_));
 }
 
 std::string TransferEngine::key(int rank, const std::string& what, std::optional<milliseconds> wait) {
@@ -207,6 +216,7 @@ void TransferEngine::forgetPeer(int peer) {
       }
     }
     peers_.erase(peer);
+    readable_.erase(peer);
     incarnations_.erase(peer);
     peer_doorbells_[peer] = nullptr;
   }
@@ -317,6 +327,7 @@ PeerInfo TransferEngine::readPeerInfo(int peer, const std::string& k, std::optio
     info.start_time = std::stoull(f[3]);
     info.pid_ns = f[4];
   }
+  if (f.size() >= 6) info.read_probe = std::stoull(f[5]);
   return info;
 }
 
@@ -377,6 +388,43 @@ void TransferEngine::notify(int peer) {
   } else {  // an empty write that rings on arrival
     submit({TransferRequest{Opcode::kWrite, nullptr, peer, kDoorbellSegment, 0, 0, true}});
   }
+}
+
+bool TransferEngine::canReadFrom(int peer) {
+  if (peer < 0 || peer >= opts_.world_size || peer == opts_.rank || mode_ == "tcp" || !opts_.cross_memory_reads)
+    return false;
+  if (const char* v = std::getenv("MOELINK_SHM_PULL"); v && std::string(v) == "0") return false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = readable_.find(peer);
+    if (it != readable_.end()) return it->second;
+  }
+  const PeerInfo& info = peerInfo(peer);
+  bool ok = info.host_id == host_id_ && info.pid_ns == pidNamespace() &&
+            shm::canReadProcess(info.pid, info.read_probe, readProbeValue(secret_, peer));
+  VLOG(1) << "moelink: rank " << opts_.rank << (ok ? " can" : " cannot") << " read rank " << peer
+          << "'s memory directly";
+  std::lock_guard<std::mutex> g(mu_);
+  readable_[peer] = ok;
+  return ok;
+}
+
+std::string TransferEngine::readFrom(int peer, void* dst, uint64_t remote_addr, uint64_t length) {
+  int64_t pid = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto r = readable_.find(peer);
+    auto it = peers_.find(peer);
+    if (r != readable_.end() && r->second && it != peers_.end()) pid = it->second.pid;
+  }
+  if (!pid) return str("rank ", peer, "'s memory cannot be read directly from this process");
+  return shm::readProcess(pid, dst, remote_addr, length);
+}
+
+void* TransferEngine::mappedAt(int peer, SegmentId id, uint64_t offset, uint64_t length) {
+  RemoteSegment* seg = findOpened(peer, id);
+  if (!seg || !seg->mapped || offset > seg->desc.length || length > seg->desc.length - offset) return nullptr;
+  return static_cast<char*>(seg->mapped) + offset;
 }
 
 std::string TransferEngine::lostReason(int peer) const { return tcp_ ? tcp_->lostReason(peer) : ""; }

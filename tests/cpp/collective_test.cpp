@@ -23,20 +23,28 @@ struct Rank {
   std::unique_ptr<CollectiveWorker> worker;
 };
 
+// transport "pull": shm, with every piece of a pullable op read by its receiver from the
+// sender's memory (the ranks are threads of one process, which may read its own memory).
 Rank makeRank(std::shared_ptr<InProcessStore> store, int rank, int world, const std::string& transport,
               uint64_t chunk = 4096) {
   EngineOptions o;
   o.rank = rank;
   o.world_size = world;
-  o.transport = transport;
+  o.transport = transport == "pull" ? "shm" : transport;
+  o.cross_memory_reads = transport == "pull";
   o.timeout = seconds(30);
   Rank r;
   r.engine = std::make_unique<TransferEngine>(store, o);
   WorkerOptions w;
   w.chunk_bytes = chunk;  // small, so that tests cross many chunks
   w.allreduce_small_bytes = 1024;
+  w.pull_min_bytes = transport == "pull" ? 1 : UINT64_MAX;
+  w.pull_chunk_bytes = 5000;  // all_to_all pieces of a pulling pair: larger than a slot, and several
   w.timeout = seconds(30);
   r.worker = std::make_unique<CollectiveWorker>(*r.engine, *store, w);
+  if (transport == "pull")
+    for (int p = 0; p < world; ++p)
+      if (p != rank) EXPECT_TRUE(r.worker->peerReadsDirectly(p)) << "rank " << p << " cannot read rank " << rank;
   return r;
 }
 
@@ -160,7 +168,7 @@ TEST(CollectiveMask, BlocksByRankAndZeroFilledForInactiveRanks) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, CollectiveTest,
-                         ::testing::Combine(::testing::Values("tcp", "shm"), ::testing::Values(2, 3, 4)),
+                         ::testing::Combine(::testing::Values("tcp", "shm", "pull"), ::testing::Values(2, 3, 4)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_w" + std::to_string(std::get<1>(info.param));
                          });
@@ -178,6 +186,34 @@ TEST(Collective, SizeMismatchFailsBothSidesThenRecovers) {
     std::vector<float> y(5000, static_cast<float>(rank + 1));
     ASSERT_EQ("", run(*r.worker, allreduceOp(r.worker->context(), y.data(), y.size(), DType::kFloat32, ReduceOp::kSum)));
     for (float v : y) ASSERT_EQ(v, 3.0f);
+  });
+}
+
+// A pulled send whose op fails on the sender (here: it times out before the receiver comes)
+// is withdrawn: the late receiver fails instead of reading memory that has changed since, and
+// the next op is exact.
+TEST(Collective, PulledDataIsWithdrawnWhenTheSenderFails) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    Rank r = makeRank(store, rank, 2, "pull");
+    const uint64_t n = 3 * 4096 * 2;  // three chunks to each rank
+    std::vector<uint64_t> off{0, n / 2}, len{n / 2, n / 2};
+    std::vector<uint8_t> in(n, static_cast<uint8_t>(10 + rank)), out(n, 0);
+    if (rank == 1) {
+      std::string err = run(*r.worker, alltoallOp(r.worker->context(), in.data(), off, len, out.data(), off, len),
+                            milliseconds(300));
+      EXPECT_NE(err.find("timed out"), std::string::npos) << err;
+      std::fill(in.begin(), in.end(), 0xEE);  // the caller's memory again
+      storeBarrier(*store, "failed", 2, seconds(30));
+    } else {
+      storeBarrier(*store, "failed", 2, seconds(30));
+      std::string err = run(*r.worker, alltoallOp(r.worker->context(), in.data(), off, len, out.data(), off, len));
+      EXPECT_NE(err, "") << "a late rank took data from an op that failed on its sender";
+    }
+    storeBarrier(*store, "next", 2, seconds(30));
+    std::vector<uint8_t> in2(n, static_cast<uint8_t>(20 + rank)), out2(n, 0);
+    ASSERT_EQ("", run(*r.worker, alltoallOp(r.worker->context(), in2.data(), off, len, out2.data(), off, len)));
+    for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(out2[i], 20 + i / (n / 2)) << i;
   });
 }
 

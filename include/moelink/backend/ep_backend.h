@@ -125,6 +125,9 @@ class EpBackend : public c10d::Backend {
   std::string tcpAddress() const;
   // How this rank reaches `peer` for collectives ("shm", "tcp", "local").
   std::string transportOf(int peer) const;
+  // Whether `peer` reads this rank's large collective payloads straight from this process's
+  // memory (one copy; same host, where the kernel allows cross-memory reads).
+  bool readsDirectly(int peer) const;
   std::vector<int64_t> activeRanks() const;
   // Per rank: 1 = active (the group's mask), as int32.
   std::vector<int32_t> activeMask() const;

@@ -27,6 +27,12 @@ struct AlgoContext {
   // Above this (0: never), broadcast is a pipelined chain from the root instead of direct
   // writes, so that the root sends the data once (chosen for groups that talk over tcp).
   uint64_t chain_broadcast_bytes = 0;
+  // Pairs whose receiver reads the sender's memory itself (pulled messages, mailbox.h), per
+  // rank: `reads_me[r]`, rank r reads this rank's; `i_read[r]`, this rank reads rank r's.
+  // Both ends of a pair see the same answer. all_to_all cuts such a pair's data into pieces
+  // of `pull_chunk` bytes rather than `chunk` (a piece needs no slot). Empty: none.
+  std::vector<char> reads_me, i_read;
+  uint64_t pull_chunk = 0;
 };
 
 OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root);

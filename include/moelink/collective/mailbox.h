@@ -1,18 +1,39 @@
 // Mailbox: per-peer FIFO message slots in one registered segment per rank.
 //
 // Every rank owns one segment laid out as
-//   signals[src][depth]   uint64, written by src: the sequence number of the message in
+//   signals[src][depth+1] uint64, written by src: the sequence number of the message in
 //                         that slot (a message is there when signal == its number)
 //   acks[dst]             uint64, written by dst: how many of my messages dst consumed
-//   slots[src][depth]     MsgHeader (64 B) + payload (chunk bytes), written by src
+//   slots[src][depth+1]   MsgHeader (64 B) + payload (chunk bytes), written by src
 // A sender writes payload and header, then the 8-byte signal (the engine applies them in
 // order, the signal as a release store). The receiver acquires the signal, reads, and
 // acks by writing its consumed count into the sender's acks[receiver]. `depth` slots per
 // pair make the pipeline: a sender may be `depth` messages ahead of its receiver, so that
-// chunk k+1 is copied in while chunk k is being consumed.
+// chunk k+1 is copied in while chunk k is being consumed. Data may fill `depth` slots; the
+// one beyond is for a control message (ABORT), so that a sender whose op failed can put it
+// behind its data even when the receiver has not consumed any of it yet.
+//
+// Pulled messages (same host, where the receiver can read the sender's memory: see
+// transfer/shm/process_read.h): the slot carries the header only, with the address of the
+// payload in the sender's memory, and the receiver copies it from there straight to where
+// it ends up. One copy instead of two; the price is that the sender's memory must hold the
+// payload until the receiver has read it. Each such message has a claim word,
+//   claims[src][depth+1]  uint64, in the receiver's segment:
+//                         POSTED(n) set by the sender before the signal of message n,
+//                         DONE(n) by the receiver after its read (compare-and-swap),
+//                         REVOKED(n) by a sender that gives up (compare-and-swap).
+// A sender's pulled send completes once the word says DONE or the receiver has acked the
+// message; a failing sender revokes what is not done and can return at once: a receiver
+// whose compare-and-swap then fails has read memory that may have changed, and fails its op.
+//   pull_ok[dst]          uint64, in the sender's segment, written by dst when it opens the
+//                         sender's mailbox: 2 when dst can read the sender's memory, 1 when
+//                         not, 0 until dst has said (cleared when a new process takes dst's
+//                         rank). Sender and receiver thus agree on which pairs pull.
 #pragma once
 
 #include <cstdint>
+#include <deque>
+#include <string>
 #include <vector>
 
 #include "moelink/collective/dtype.h"
@@ -20,7 +41,7 @@
 
 namespace moelink::collective {
 
-enum MsgFlags : uint8_t { kFirst = 1, kLast = 2, kAbort = 4 };
+enum MsgFlags : uint8_t { kFirst = 1, kLast = 2, kAbort = 4, kPull = 8 };
 
 // Carried by every message so that a receiver can check it against its own view of the op.
 struct alignas(64) MsgHeader {
@@ -36,6 +57,7 @@ struct alignas(64) MsgHeader {
   int32_t tag = 0;
   int32_t sender = -1;
   uint64_t epoch = 0;  // the sender's membership epoch (membership.h)
+  uint64_t pull_addr = 0;  // kPull: where the payload is in the sender's memory
 };
 static_assert(sizeof(MsgHeader) == 64, "MsgHeader is one cache line");
 
@@ -49,19 +71,45 @@ class Mailbox {
   // A new process has taken `peer`'s rank: forgets the pair's messages and credits in both
   // directions and opens its segment (the engine must have forgotten the old one).
   void resetPeer(int peer);
+  // `peer`'s process is gone or about to be forgotten by the engine: completes the pulled
+  // sends to it and stops using its mapping.
+  void dropPeer(int peer);
 
   uint64_t chunkBytes() const { return chunk_; }
   uint64_t depth() const { return depth_; }
   const std::string& transportTo(int peer) const { return transports_[peer]; }
 
   bool canSend(int peer) const;
+  // Whether a control message (an ABORT) can go: it may use the pair's spare slot, so that a
+  // failing sender can always say so at once, even with every data slot full.
+  bool canSendControl(int peer) const;
   // Sends one message (header.bytes payload bytes from `payload`). canSend must be true.
   transfer::BatchPtr send(int peer, const MsgHeader& header, const void* payload);
+  // Whether `peer` reads this rank's messages from its memory (sendPull) rather than out of
+  // a slot.
+  bool canPull(int peer) const;
+  // Whether `peer` has said that it can read this rank's memory (thread-safe).
+  bool peerReadsDirectly(int peer) const;
+  // Whether `peer` has said either way (see pull_ok above).
+  bool peerHasSaid(int peer) const;
+  // Whether this rank reads `peer`'s pulled messages (what it told `peer`).
+  bool readsFrom(int peer) const { return reads_from_[peer] != 0; }
+  // Sends one message whose payload `peer` reads from `payload` itself (canPull must be
+  // true, and canSend). The batch completes once the peer has read it, or once revoked.
+  transfer::BatchPtr sendPull(int peer, const MsgHeader& header, const void* payload);
+  // Completes the pulled sends that their receivers have read.
+  void pollPulls();
+  // Withdraws the pulled sends not yet read (to `peer`, or to every peer when -1) and
+  // completes them: their memory may change from now on.
+  void revokePulls(int peer = -1);
+  bool pullsPending() const;
 
   // The next message from `peer` if it has arrived, else nullptr.
   const MsgHeader* peek(int peer) const;
-  // Its payload: in the slot, or where release() asked it to land.
-  const char* payload(int peer);
+  // Its payload: in the slot, or where release() asked it to land. A pulled message is read
+  // from the sender's memory into `landing` when given (else into the slot); nullptr when
+  // that fails, with the reason in *error.
+  const char* payload(int peer, char* landing = nullptr, std::string* error = nullptr);
   // Frees the peeked slot and returns its credit to the sender. The credit lets the
   // sender send the message `depth` places after this one, into the same slot; when
   // `next_dest` is given and the transport receives into memory itself (tcp), that
@@ -77,10 +125,15 @@ class Mailbox {
   void clearLandings();
 
  private:
-  uint64_t signalOffset(int src, uint64_t slot) const { return (src * depth_ + slot) * 8; }
+  uint64_t signalOffset(int src, uint64_t slot) const { return (src * ring_ + slot) * 8; }
   uint64_t ackOffset(int dst) const { return acks_off_ + dst * 8ull; }
+  uint64_t claimOffset(int src, uint64_t slot) const { return claims_off_ + (src * ring_ + slot) * 8; }
+  uint64_t pullOkOffset(int dst) const { return pull_ok_off_ + dst * 8ull; }
+  // Resolves the head message's tcp landing (if any) without reading a pulled payload.
+  const char* slotPayload(int peer);
+  void publishPullOk(int peer);
   uint64_t slotOffset(int src, uint64_t slot) const {
-    return slots_off_ + (src * depth_ + slot) * slot_bytes_;
+    return slots_off_ + (src * ring_ + slot) * slot_bytes_;
   }
 
   transfer::TransferEngine& engine_;
@@ -88,8 +141,16 @@ class Mailbox {
   int rank_, world_;
   uint64_t chunk_;
   uint64_t depth_;
-  uint64_t acks_off_, slots_off_, slot_bytes_;
+  uint64_t ring_;  // slots per pair: depth_ for data, one more for a control message
+  uint64_t acks_off_, claims_off_, pull_ok_off_, slots_off_, slot_bytes_, total_;
   char* base_ = nullptr;
+  struct PendingPull {
+    uint64_t seq;
+    transfer::BatchPtr batch;
+  };
+  std::vector<std::deque<PendingPull>> pulls_;  // [peer], in send order
+  std::vector<char*> peer_base_;                 // [peer]: its mapped segment (shm), else nullptr
+  std::vector<char> reads_from_;                 // [peer]: what this rank told it (pull_ok)
   std::vector<uint64_t> sent_;      // messages sent to each peer
   std::vector<uint64_t> consumed_;  // messages consumed from each peer
   std::vector<MsgHeader> out_headers_;  // [peer][slot]: staged until the write completes

@@ -57,6 +57,10 @@ struct OpSpec {
   // Consuming a step overwrites the op's own input (an in-place reduction): once a step has
   // been consumed, the op cannot be run again from its inputs.
   bool inplace = false;
+  // Receivers may read the sends' data straight from this process's memory (a pulled
+  // message, mailbox.h): no send's source is written while the op runs, so it holds the
+  // data until the op ends.
+  bool pullable = false;
   std::vector<Step> steps;
   // Runs after the last step (for example the local copy of this rank's own block).
   std::function<void()> finish;

@@ -54,6 +54,11 @@ struct WorkerOptions {
   uint64_t chunk_bytes = 512 << 10;          // MOELINK_CHUNK_BYTES
   int depth = 4;                             // MOELINK_MAILBOX_DEPTH
   uint64_t allreduce_small_bytes = 64 << 10; // MOELINK_ALLREDUCE_SMALL_BYTES
+  // Pieces of at least this size go to same-host peers that can read this process's memory
+  // as pulled messages (mailbox.h), in ops whose OpSpec allows it. MOELINK_PULL_MIN_BYTES.
+  uint64_t pull_min_bytes = 64 << 10;
+  // all_to_all's piece size for such pairs (AlgoContext::pull_chunk). MOELINK_PULL_CHUNK_BYTES.
+  uint64_t pull_chunk_bytes = 4 << 20;
   // MOELINK_CHAIN_BROADCAST_BYTES; unset: 1 MiB in groups that talk over tcp, else never.
   int64_t chain_broadcast_bytes = -1;
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
@@ -106,6 +111,9 @@ class CollectiveWorker {
   // The participants and tunables that algorithms build ops for, as of now.
   AlgoContext context() const;
   std::string transportTo(int peer) const { return coll_->transportTo(peer); }
+  // Whether `peer` reads this rank's large collective messages straight from its memory
+  // (mailbox.h: pulled messages) instead of out of shared-memory slots.
+  bool peerReadsDirectly(int peer) const { return coll_->peerReadsDirectly(peer); }
 
   void submit(OpBuilder build, OpCallback done, std::chrono::milliseconds timeout);
   // A prebuilt op: it fails, rather than rerun, if the mask changes while it runs.

@@ -78,6 +78,9 @@ struct EngineOptions {
   // The tcp listener's address ("": MOELINK_HOST_IP, else the first interface; see
   // tcp::advertisedIp()).
   std::string listen_ip;
+  // Whether this process reads same-host peers' memory directly where it can (canReadFrom);
+  // MOELINK_SHM_PULL=0 turns it off too.
+  bool cross_memory_reads = true;
 };
 
 class TransferEngine {
@@ -154,6 +157,17 @@ class TransferEngine {
   // rank carry it, so that a replacement never reads its predecessor's addresses.
   int64_t incarnation() const { return incarnation_; }
 
+  // Cross-memory reads (shm/process_read.h), for same-host peers. canReadFrom(): whether
+  // this process can read `peer`'s private memory (probed once per peer process; false
+  // across pid namespaces, under MOELINK_SHM_PULL=0, or where the kernel forbids it).
+  // readFrom(): copies `length` bytes at address `remote_addr` of `peer`'s process to `dst`;
+  // "" on success, else why not.
+  bool canReadFrom(int peer);
+  std::string readFrom(int peer, void* dst, uint64_t remote_addr, uint64_t length);
+  // Where [offset, offset+length) of `peer`'s opened segment `id` is mapped in this process
+  // (shm), for atomics on words both sides share; nullptr when it is not mapped here.
+  void* mappedAt(int peer, SegmentId id, uint64_t offset, uint64_t length);
+
   // The tcp listen address published for this rank ("ip:port").
   std::string tcpAddress() const;
   const std::string& hostId() const { return host_id_; }
@@ -192,6 +206,9 @@ class TransferEngine {
   std::map<int, PeerInfo> peers_;
   std::map<int, int64_t> incarnations_;  // peers' current incarnations, once read
   std::map<std::pair<int, SegmentId>, std::unique_ptr<RemoteSegment>> opened_;
+  std::map<int, bool> readable_;  // canReadFrom's answers, per peer process
+  // Published by address: a reader that reads this value here may read this process.
+  uint64_t read_probe_ = 0;
   DoorbellWord* doorbell_ = nullptr;
   std::vector<RemoteSegment*> peer_doorbells_;  // by rank, once opened
 };

@@ -26,6 +26,7 @@ struct PeerInfo {
   int64_t pid = 0;
   uint64_t start_time = 0;  // /proc/<pid>/stat field 22 (tells a reused pid apart)
   std::string pid_ns;       // /proc/self/ns/pid link text
+  uint64_t read_probe = 0;  // address of the process's cross-memory probe word (0: none)
 };
 
 // A peer's segment as opened by this rank.
