@@ -5,8 +5,8 @@
 
 Spawns `nproc` processes on this machine (with --device cuda: one per GPU); each joins an "ep"
 group and an anchor group over the same store (gloo for CPU tensors, NCCL for CUDA tensors) and
-times every op on both, alternating, after warm-up. Prints a table (median of `iters` runs,
-max over ranks per run) with the ep/anchor ratio, and writes a PNG. A CUDA op is timed from a
+times every op on both after warm-up, the two taking turns run by run. Prints a table (median of
+`iters` runs, `iters`/2 from 8 MiB up; max over ranks per run) with the ep/anchor ratio, and writes a PNG. A CUDA op is timed from a
 synchronized start to torch.cuda.synchronize() after it, as a caller that needs the result sees it.
 Bus bandwidth follows nccl-tests: allreduce 2(n-1)/n, allgather / reduce_scatter /
 alltoall (n-1)/n, broadcast 1, times the message bytes over the time.
@@ -50,25 +50,34 @@ def run_op(op, nbytes, group, world, bufs):
         dist.broadcast(x, src=0, group=group)
 
 
-def time_op(op, nbytes, group, world, iters, warmup, device="cpu", sync_group=None):
+def time_once(op, nbytes, group, world, bufs, cuda, sync_group):
+    """One synchronized run: the slowest rank's time."""
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier(group=sync_group)
+    t0 = time.perf_counter()
+    run_op(op, nbytes, group, world, bufs)
+    if cuda:
+        torch.cuda.synchronize()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync_group)
+    return dt.item()
+
+
+def time_pair(op, nbytes, groups, world, iters, warmup, device, sync_group):
+    """Median time of `op` on each group in `groups`, the groups taking turns run by run (so
+    that a slow spell of the machine falls on both alike)."""
     n = max(world, nbytes // 4 // world * world)
-    bufs = (torch.ones(n, device=device), torch.empty(n, device=device))
     cuda = device != "cpu"
-    for _ in range(warmup):
-        run_op(op, nbytes, group, world, bufs)
-    times = []
+    bufs = [(torch.ones(n, device=device), torch.empty(n, device=device)) for _ in groups]
+    for g, b in zip(groups, bufs):
+        for _ in range(warmup):
+            run_op(op, nbytes, g, world, b)
+    times = [[] for _ in groups]
     for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier(group=sync_group or group)
-        t0 = time.perf_counter()
-        run_op(op, nbytes, group, world, bufs)
-        if cuda:
-            torch.cuda.synchronize()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync_group or group)
-        times.append(dt.item())
-    return statistics.median(times)
+        for k, (g, b) in enumerate(zip(groups, bufs)):
+            times[k].append(time_once(op, nbytes, g, world, b, cuda, sync_group))
+    return [statistics.median(t) for t in times]
 
 
 def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, q):
@@ -85,11 +94,11 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, q
     for op in ops:
         for nbytes in sizes:
             big = nbytes >= (8 << 20)
-            iters_here = iters if not big else max(5, iters // 4)
+            iters_here = iters if not big else max(5, iters // 2)
             warm = 3 if not big else 1
-            t_ep = time_op(op, nbytes, ep, world, iters_here, warm, device, ep)
-            t_anchor = time_op(op, nbytes, anchor, world, iters_here, warm, device, ep) if with_gloo else float("nan")
-            rows.append((op, nbytes, t_ep, t_anchor))
+            groups = [ep, anchor] if with_gloo else [ep]
+            t = time_pair(op, nbytes, groups, world, iters_here, warm, device, ep)
+            rows.append((op, nbytes, t[0], t[1] if with_gloo else float("nan")))
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
