@@ -379,11 +379,14 @@ OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64
     steps = std::max({steps, Pieces{send_bytes[r], piece(c.reads_me, r)}.count(),
                       Pieces{recv_bytes[r], piece(c.i_read, r)}.count()});
   }
+  // Each rank starts with the rank after it, so that the ranks do not all read from (or write
+  // to) the same one first.
+  const size_t n = c.ranks.size(), mine = indexOf(c, c.me);
   for (size_t i = 0; i < steps; ++i) {
     Step st;
     std::vector<std::pair<char*, uint64_t>> dst;
-    for (int r : c.ranks) {
-      if (r == c.me) continue;
+    for (size_t k = 1; k < n; ++k) {
+      const int r = c.ranks[(mine + k) % n];
       Pieces sp{send_bytes[r], piece(c.reads_me, r)}, rp{recv_bytes[r], piece(c.i_read, r)};
       if (i < sp.count()) st.sends.push_back({r, at(in, send_off[r] + sp.off(i)), sp.len(i)});
       if (i < rp.count()) {

@@ -196,12 +196,6 @@ void Mailbox::revokePulls(int peer) {
   }
 }
 
-bool Mailbox::pullsPending() const {
-  for (const auto& q : pulls_)
-    if (!q.empty()) return true;
-  return false;
-}
-
 const MsgHeader* Mailbox::peek(int peer) const {
   uint64_t want = consumed_[peer] + 1;
   uint64_t slot = want % ring_;

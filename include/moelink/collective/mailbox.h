@@ -102,7 +102,6 @@ class Mailbox {
   // Withdraws the pulled sends not yet read (to `peer`, or to every peer when -1) and
   // completes them: their memory may change from now on.
   void revokePulls(int peer = -1);
-  bool pullsPending() const;
 
   // The next message from `peer` if it has arrived, else nullptr.
   const MsgHeader* peek(int peer) const;
