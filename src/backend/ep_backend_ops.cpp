@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include "cuda_collectives.h"
 #include "ep_work.h"
@@ -438,10 +439,13 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
   checkTensor(input, name);
   checkSameDtype(output, input, name);
   PairLayout l = alltoallLayout(input, output, in_splits, out_splits, size_, rank_);
-  if (DevicePlacement("all_to_all_single").add(output).add(input).cuda())
-    return cuda().alltoall(output, input, l, timeoutOf(opts.timeout));
+  // In place (input and output share memory): data received would overwrite data not yet sent,
+  // so the op sends from a copy.
+  at::Tensor src = at::get_overlap_status(output, input) == at::MemOverlapStatus::No ? input : input.clone();
+  if (DevicePlacement("all_to_all_single").add(output).add(src).cuda())
+    return cuda().alltoall(output, src, l, timeoutOf(opts.timeout));
   auto w = makeWork(rank_, OpType::ALLTOALL_BASE, "ep:all_to_all", {output});
-  at::Tensor in = inputBuffer(*w, input);
+  at::Tensor in = inputBuffer(*w, src);
   at::Tensor out = outputBuffer(*w, output);
   return enqueue(w, [=](const algo::AlgoContext& c) {
     auto spec = algo::alltoallOp(c, ptr(in), l.send_off, l.send_bytes, ptr(out), l.recv_off,

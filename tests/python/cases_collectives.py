@@ -222,6 +222,21 @@ def all_to_all_even_and_uneven(rank, world):
         assert torch.equal(outs[s], torch.full((s + rank + 1,), s * 100 + rank, dtype=torch.int16))
 
 
+def all_to_all_in_place(rank, world):
+    """Input and output are one tensor (small and large, even and uneven): exact."""
+    for n in (1000, 1 << 19):
+        x = torch.cat([torch.full((n,), float(rank * 10 + d)) for d in range(world)])
+        dist.all_to_all_single(x, x)
+        assert torch.equal(x, torch.cat([torch.full((n,), float(s * 10 + rank)) for s in range(world)])), n
+    sizes = [(rank + d + 1) * 3000 for d in range(world)]  # rank r sends (r + d + 1) * 3000 to d
+    total = sum(sizes)
+    recv = [(s + rank + 1) * 3000 for s in range(world)]
+    if total == sum(recv):  # one tensor serves both only when the totals agree
+        x = torch.cat([torch.full((sizes[d],), float(rank * 10 + d)) for d in range(world)])
+        dist.all_to_all_single(x, x, recv, sizes)
+        assert torch.equal(x, torch.cat([torch.full((recv[s],), float(s * 10 + rank)) for s in range(world)]))
+
+
 def send_recv_and_any_source(rank, world):
     nxt, prv = (rank + 1) % world, (rank - 1) % world
     x = inp(rank, 5000, torch.float32)
