@@ -53,10 +53,11 @@ def _child(rank, world, port, target_mod, target_name, kwargs, out_dir, env, bac
 
 
 def run_group(world, target, *, kwargs=None, env=None, timeout=300, backend="ep", pg_timeout=60, killed=(),
-              store_host="127.0.0.1"):
+              store_host="127.0.0.1", rank_env=None):
     """Returns the per-rank results; raises AssertionError naming failing ranks. Ranks in
     `killed` are expected to die (their result is None). The group's store listens at
-    `store_host` (rank 0 hosts it)."""
+    `store_host` (rank 0 hosts it). `rank_env` ({rank: {name: value}}) adds to `env` for
+    single ranks."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
@@ -64,7 +65,7 @@ def run_group(world, target, *, kwargs=None, env=None, timeout=300, backend="ep"
             ctx.Process(
                 target=_child,
                 args=(r, world, port, target.__module__, target.__name__, kwargs or {}, out_dir,
-                      dict(env or {}), backend, pg_timeout, store_host),
+                      {**(env or {}), **((rank_env or {}).get(r, {}))}, backend, pg_timeout, store_host),
             )
             for r in range(world)
         ]

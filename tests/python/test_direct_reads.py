@@ -1,5 +1,6 @@
 """Groups on one host whose ranks read each other's memory directly (one copy), against the
-same ops with that turned off (MOELINK_SHM_PULL=0) and over tcp: every result exact."""
+same ops with that turned off (MOELINK_SHM_PULL=0), with one rank that does not read directly, and
+over tcp: every result exact."""
 
 import functools
 
@@ -14,6 +15,8 @@ SETUPS = {
     "direct": {"MOELINK_TRANSPORT": "auto", **SMALL_PIECES},
     "direct-default-pieces": {"MOELINK_TRANSPORT": "auto"},
     "slots": {"MOELINK_TRANSPORT": "auto", "MOELINK_SHM_PULL": "0", **SMALL_PIECES},
+    # Rank 2 never reads directly: the pairs into it use the slots, the others read directly.
+    "mixed": {"MOELINK_TRANSPORT": "auto", **SMALL_PIECES},
     "tcp": {"MOELINK_TRANSPORT": "tcp", **SMALL_PIECES},
 }
 
@@ -21,7 +24,7 @@ SETUPS = {
 @functools.lru_cache(maxsize=None)
 def results(setup):
     return run_group(4, run_cases_with_report, kwargs={"names": cases_direct_reads.CASES}, env=SETUPS[setup],
-                     timeout=600, pg_timeout=60)
+                     rank_env={2: {"MOELINK_SHM_PULL": "0"}} if setup == "mixed" else None, timeout=600, pg_timeout=60)
 
 
 def run_cases_with_report(rank, world, names):
@@ -40,9 +43,14 @@ def test_copy_ops(setup, case):
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_reads_directly_reported(setup):
-    seen = {v for res in results(setup) for v in res["reads"] if v is not None}
+    reads = [res["reads"] for res in results(setup)]
+    seen = {v for r in reads for v in r if v is not None}
     if setup in ("slots", "tcp"):
         assert seen == {False}
+        return
+    if setup == "mixed" and seen != {False}:
+        # Rank p's reads[q] says whether q reads p: true for every q but rank 2.
+        assert reads == [[None if q == p else q != 2 for q in range(4)] for p in range(4)], reads
         return
     assert len(seen) == 1, f"some pairs read directly and some not: {[res['reads'] for res in results(setup)]}"
     if seen == {False}:
