@@ -83,6 +83,10 @@ constexpr size_t kReadBuffer = 256 << 10;
 constexpr size_t kMaxUnauthenticated = 64;
 constexpr std::chrono::seconds kHandshakeDeadline{5};
 constexpr size_t kDirectRecv = 32 << 10;  // payload remainders this large skip the buffer
+// At most this much is read into the buffer at once: small frames still come many to a read,
+// while of a large payload only this much can land in the buffer (to be copied out of it)
+// before the rest is read straight to its destination.
+constexpr size_t kBufferedRead = 64 << 10;
 
 }  // namespace
 
@@ -445,7 +449,7 @@ class TcpTransport::Impl {
         continue;
       }
       if (c.rpos == c.rlen) c.rpos = c.rlen = 0;
-      ssize_t r = ::recv(c.fd, c.rbuf.data() + c.rlen, c.rbuf.size() - c.rlen, 0);
+      ssize_t r = ::recv(c.fd, c.rbuf.data() + c.rlen, std::min(c.rbuf.size() - c.rlen, kBufferedRead), 0);
       if (r <= 0) return handleRecvResult(c, r);
       c.rlen += static_cast<size_t>(r);
       if (!consumeBuffered(c)) return false;
