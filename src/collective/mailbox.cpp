@@ -267,7 +267,7 @@ void Mailbox::release(int peer, void* next_dest, uint64_t next_length) {
   // Over tcp the ack always wakes the sender (its arrival order is not observable here).
   engine_.submit({TransferRequest{Opcode::kWrite, &out_acks_[peer], peer, id_, ackOffset(rank_), 8, tcp_[peer] != 0}});
   if (tcp_[peer]) return;
-  // The sender can only be blocked on this credit if it has filled every slot, i.e. if
+  // The sender can only be blocked on this credit if it has filled every data slot, i.e. if
   // message n - 1 + depth is already here; only then is a wake-up worth its syscall.
   // NOTES: the ack store above (shm: synchronous) is ordered before this load.
   __atomic_thread_fence(__ATOMIC_SEQ_CST);

@@ -110,7 +110,7 @@ class Mailbox {
   // that fails, with the reason in *error.
   const char* payload(int peer, char* landing = nullptr, std::string* error = nullptr);
   // Frees the peeked slot and returns its credit to the sender. The credit lets the
-  // sender send the message `depth` places after this one, into the same slot; when
+  // sender send the message `depth` places after this one; when
   // `next_dest` is given and the transport receives into memory itself (tcp), that
   // message's payload (at most `next_length` bytes) is received straight into
   // `next_dest`, which saves the copy out of the slot. The request is in place before the
