@@ -95,22 +95,19 @@ void Mailbox::resetPeer(int peer) {
   publishPullOk(peer);
 }
 
-bool Mailbox::canSend(int peer) const {
+uint64_t Mailbox::unacked(int peer) const {
   // NOTES: pairs with the fence in release(): our last signal store is ordered before this
   // load, so either we see the receiver's new credit or the receiver sees our message
   // and wakes us.
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   uint64_t acked = __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + ackOffset(peer)),
                                    __ATOMIC_ACQUIRE);
-  return sent_[peer] - acked < depth_;
+  return sent_[peer] - acked;
 }
 
-bool Mailbox::canSendControl(int peer) const {
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
-  uint64_t acked = __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + ackOffset(peer)),
-                                   __ATOMIC_ACQUIRE);
-  return sent_[peer] - acked < ring_;
-}
+bool Mailbox::canSend(int peer) const { return unacked(peer) < depth_; }
+
+bool Mailbox::canSendControl(int peer) const { return unacked(peer) < ring_; }
 
 transfer::BatchPtr Mailbox::send(int peer, const MsgHeader& header, const void* payload) {
   MOELINK_CHECK(header.bytes <= chunk_, "message of ", header.bytes, " bytes exceeds the ",

@@ -434,11 +434,13 @@ bool CollectiveWorker::progressCollective(Collective& op) {
         continue;
       }
       std::string bad = checkHeader(op, r.peer, *h, r.bytes);
-      const char* data = bad.empty() ? coll_->payload(r.peer, r.landing, &bad) : nullptr;
+      if (!bad.empty()) {
+        failCollective(op, bad);
+        return true;
+      }
+      const char* data = coll_->payload(r.peer, r.landing, &bad);
       if (!data) {
-        failCollective(op, bad.rfind(opKindName(op.spec.kind), 0) == 0
-                               ? bad
-                               : str(opKindName(op.spec.kind), " #", op.seq, ": ", bad));
+        failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": ", bad));
         return true;
       }
       got.push_back(data);

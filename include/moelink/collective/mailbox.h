@@ -128,6 +128,8 @@ class Mailbox {
   uint64_t ackOffset(int dst) const { return acks_off_ + dst * 8ull; }
   uint64_t claimOffset(int src, uint64_t slot) const { return claims_off_ + (src * ring_ + slot) * 8; }
   uint64_t pullOkOffset(int dst) const { return pull_ok_off_ + dst * 8ull; }
+  // Messages sent to `peer` that it has not consumed yet.
+  uint64_t unacked(int peer) const;
   // Resolves the head message's tcp landing (if any) without reading a pulled payload.
   const char* slotPayload(int peer);
   void publishPullOk(int peer);
