@@ -143,6 +143,7 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
   MOELINK_CHECK(opts_.world_size >= 1 && opts_.rank >= 0 && opts_.rank < opts_.world_size,
                 "bad rank ", opts_.rank, " for world size ", opts_.world_size);
   mode_ = modeFromEnv(opts_.transport);
+  if (const char* v = std::getenv("MOELINK_SHM_PULL"); v && std::string(v) == "0") opts_.cross_memory_reads = false;
   host_id_ = localHostId();
   incarnation_ = store_->add(str("engine/incarnation/", opts_.rank), 1);
   if (opts_.rank == 0 && !opts_.extension) {
@@ -393,7 +394,6 @@ void TransferEngine::notify(int peer) {
 bool TransferEngine::canReadFrom(int peer) {
   if (peer < 0 || peer >= opts_.world_size || peer == opts_.rank || mode_ == "tcp" || !opts_.cross_memory_reads)
     return false;
-  if (const char* v = std::getenv("MOELINK_SHM_PULL"); v && std::string(v) == "0") return false;
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = readable_.find(peer);
