@@ -2,7 +2,8 @@
 # GPU-machine batch: builds into build-dev, then runs the named stages, writing logs and plots
 # to $OUT (default ./gpu-out). Stages: gtest gtestall test proxy ibgda quick bench4 bench2
 # benchnotma benchp benchi ctest cudatest cudabench cudabenchhost elastic elasticgpu normal benchnormal.
-# MOELINK_TEST_SHARE_GPU=1 runs the 2-GPU tests (elasticgpu, normal) on one GPU. Env: ITERS, TRACE=1 (phase breakdown), BT/TT/PT (timeouts, s).
+# MOELINK_TEST_SHARE_GPU=1 runs the 2-GPU tests (elasticgpu, normal) on one GPU. Env: ITERS, TRACE=1 (phase breakdown), BT/TT/PT (timeouts, s),
+# NK (a pytest -k filter for the normal stage).
 # On the lent GPU machine (no apt), `.devdeps/unpack.sh` (from ../shared/tools/device-deps.sh)
 # provides glog, gflags, GTest and rdma-core headers; elsewhere they come from scripts/install.sh.
 [ -f .devdeps/unpack.sh ] && source .devdeps/unpack.sh
@@ -34,7 +35,7 @@ for s in "$@"; do
     cudabenchhost) st cudabenchhost; MOELINK_RANKS_PER_HOST=1 timeout ${BT:-300} python3 examples/bench/collectives.py --device cuda --gpus 2 --iters ${ITERS:-10} --min-bytes 8192 --max-bytes $((256 << 20)) --ops all_reduce,all_gather --out $OUT/cuda2host.png 2>&1 | tail -30 ;;
     elastic) st elastic; (cd tests/python && timeout ${ET:-400} python3 -m pytest -q -rs -rf test_elastic.py > $OUT/elastic.log 2>&1; grep -E "^FAILED|^SKIPPED|passed|failed|Error:" $OUT/elastic.log | grep -v "^frame" | head -30) ;;
     elasticgpu) st elasticgpu; (cd tests/python && timeout ${ET:-300} python3 -m pytest -q -rs -rf test_elastic.py -k gpu > $OUT/elasticgpu.log 2>&1; grep -E "^FAILED|^SKIPPED|passed|failed|Error" $OUT/elasticgpu.log | grep -v "^frame" | head -30) ;;
-    normal) st normal; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${NT:-400} python3 -m pytest -q -rf test_ep_normal_gpu.py > $OUT/normal.log 2>&1; grep -E "^FAILED|passed|failed|Error" $OUT/normal.log | grep -v "^frame" | head -30) ;;
+    normal) st normal; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${NT:-400} python3 -m pytest -q -rf test_ep_normal_gpu.py ${NK:+-k "$NK"} --durations=5 > $OUT/normal.log 2>&1; grep -E "^FAILED|passed|failed|Error" $OUT/normal.log | grep -v "^frame" | head -30) ;;
     benchnormal) st benchnormal; ([ -f .devdeps/deepep/build.sh ] && bash .devdeps/deepep/build.sh && export PYTHONPATH=$PWD/.devdeps/deepep:$PYTHONPATH
       timeout ${BT:-300} python3 examples/bench/ep_normal.py --gpus ${GPUS:-2} --deepep ${NBARGS:-} --out $OUT/ep_normal.png > $OUT/ep_normal.log 2>&1
       grep -vE "^[WI][0-9]|^\[rank|warn" $OUT/ep_normal.log | tail -40) ;;

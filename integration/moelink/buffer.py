@@ -69,12 +69,13 @@ be captured in a CUDA graph and replayed.
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import _C, host_ep, normal
+from . import _C, host_ep, normal, two_hop
 from .normal import Config
 
 _KEYS = itertools.count()
@@ -128,6 +129,8 @@ class Buffer:
         self._zero_copy = {}  # (device, half) -> persistent combine source for zero_copy
         self._normal = None  # the normal mode's NVLink buffer, created at its first use
         self._normal_serial = itertools.count()
+        self._two_hop = {}  # device type -> the normal mode's route across hosts (two_hop.py), made at first use
+        self._hosts = {}  # (device type, membership epoch) -> agreed ranks per host for the two-hop route
         if getattr(_C, "HAS_CUDA", False) and torch.cuda.is_available():
             self._gpu()  # on the current device; collective, like this constructor
 
@@ -337,8 +340,9 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """``(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
-        is_token_in_rank, event)`` of a routing: int32 [ranks], None (one host), int32
-        [num_experts], bool [tokens, ranks]. Entries of -1 (or out of range) route nowhere."""
+        is_token_in_rank, event)`` of a routing: int32 [ranks], int32 [hosts] when the group
+        takes the two-hop route across hosts (two_hop.py; else None), int32 [num_experts], bool
+        [tokens, ranks]. Entries of -1 (or out of range) route nowhere."""
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int64 or topk_idx.dim() != 2:
             raise ValueError("moelink get_dispatch_layout: topk_idx must be an int64 [tokens, topk] tensor")
         if num_experts <= 0 or num_experts % self.num_ranks:
@@ -350,24 +354,64 @@ class Buffer:
                 per_rank, per_expert, in_rank = _C.NormalBuffer.layout(topk_idx, num_experts, self.num_ranks)
         else:
             per_rank, per_expert, in_rank = normal.layout(topk_idx, num_experts, self.num_ranks)
-        return per_rank, None, per_expert, in_rank, self._event(async_finish and topk_idx.is_cuda)
+        per_rdma = None
+        hosts = self._hosts_seen_here(topk_idx.device)
+        if hosts:  # the two-hop route's host hop: tokens per host
+            per_rdma = in_rank.view(in_rank.shape[0], self.num_ranks // hosts, hosts).any(2).sum(0, dtype=torch.int32)
+        return per_rank, per_rdma, per_expert, in_rank, self._event(async_finish and topk_idx.is_cuda)
 
     def _wait(self, previous_event) -> None:
         if previous_event is not None:
             previous_event.current_stream_wait()
 
+    def _kernels_usable(self, device: torch.device) -> bool:
+        return device.type == "cuda" and self._impl is not None and hasattr(_C, "NormalBuffer")
+
     def _normal_path(self, device: torch.device) -> str:
         """'nvlink' when the kernels can serve the call (CUDA tensors, every rank of the group on
-        NVLink and active), else 'group' (torch ops + all_to_all_single over the group)."""
-        if device.type != "cuda" or self._impl is None or not hasattr(_C, "NormalBuffer"):
+        NVLink and active); 'two_hop' when the group spans hosts of several ranks each
+        (two_hop.py; decided with the other ranks once per membership epoch); else 'group'
+        (torch ops + all_to_all_single over the group). A non-cached dispatch is where every
+        rank asks, so the agreement is a collective there."""
+        if not all(self._backend.active_mask()):
             return "group"
-        if self.num_ranks > 8:
+        kernels = self._kernels_usable(device)
+        if kernels and self._backend.epoch != self._connected_epoch:
             return "group"
-        if any(self._impl.transport_of(r) not in ("local", "nvlink") for r in range(self.num_ranks)):
-            return "group"
-        if not all(self._backend.active_mask()) or self._backend.epoch != self._connected_epoch:
-            return "group"
-        return "nvlink"
+        if kernels and self.num_ranks <= 8 and \
+                all(self._impl.transport_of(r) in ("local", "nvlink") for r in range(self.num_ranks)):
+            return "nvlink"
+        return "two_hop" if self._agreed_hosts(device) else "group"
+
+    def _hosts_seen_here(self, device: torch.device) -> int:
+        """Ranks per host for the two-hop route as this rank sees the group (0: not applicable)."""
+        if not two_hop.enabled():
+            return 0
+        if self._kernels_usable(device):
+            same = [r for r in range(self.num_ranks) if self._impl.transport_of(r) in ("local", "nvlink")]
+        else:
+            env = os.environ.get("MOELINK_EP_RANKS_PER_HOST", "").strip()
+            if env.isdigit() and int(env) > 0:
+                same = [r for r in range(self.num_ranks) if r // int(env) == self.rank // int(env)]
+            else:
+                same = [r for r in range(self.num_ranks) if self._backend.transport_of(r) in ("local", "shm")]
+        return two_hop.hosts_of(self.rank, self.num_ranks, same)
+
+    def _agreed_hosts(self, device: torch.device) -> int:
+        key = (device.type, self._backend.epoch)
+        if key not in self._hosts:
+            mine = self._hosts_seen_here(device)
+            both = torch.tensor([mine, -mine], dtype=torch.int64)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+            self._hosts[key] = mine if both[0].item() == -both[1].item() else 0
+        return self._hosts[key]
+
+    def _route(self, device: torch.device) -> "two_hop.TwoHop":
+        """The two-hop route for tensors on ``device``'s type (after _normal_path chose it)."""
+        route = self._two_hop.get(device.type)
+        if route is None:
+            route = self._two_hop[device.type] = two_hop.TwoHop(self, self._agreed_hosts(device))
+        return route
 
     def update_members(self) -> None:
         """Collective over the group's active ranks: brings the GPU buffer up to the group's
@@ -404,6 +448,7 @@ class Buffer:
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = e
         self._normal = None  # the next normal-mode call creates it anew, over the new mappings
+        self._two_hop = {}  # and the two-hop route's NVLink buffer with it
         self._normal_serial = itertools.count(max(row[2] for row in every) + 1)
         ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)  # nobody sends before all are ready
@@ -415,22 +460,14 @@ class Buffer:
         self._epoch = self._connected_epoch = backend.epoch
 
     def _normal_buffer(self, needed: int, config: Config):
-        """The NVL buffer, created (collectively: every rank makes the same calls) at first use,
-        sized by the default configs' hint or the call's need, whichever is larger; grown when a
-        call needs more."""
-        if self._normal is not None and self._normal.bytes() >= needed:
-            return self._normal
-        hidden_bytes = self.hidden * 2
-        want = max(needed, config.get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks),
-                   self.get_dispatch_config(self.num_ranks).get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks),
-                   self.get_combine_config(self.num_ranks).get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks))
-        if self._normal is not None:  # every rank's kernels on the old one are done before it goes
-            torch.cuda.synchronize()
-            dist.barrier(group=self.group)
-            self._normal = None
-        self._normal = _C.NormalBuffer(self._backend.store, self.rank, self.num_ranks,
-                                       f"{self._key}/normal/{next(self._normal_serial)}", want, self.num_experts)
-        return self._normal
+        """The NVL buffer over the whole group, created at first use and grown when a call needs
+        more (normal.nvl_buffer)."""
+        def make(size):
+            return _C.NormalBuffer(self._backend.store, self.rank, self.num_ranks,
+                                   f"{self._key}/normal/{next(self._normal_serial)}", size, self.num_experts)
+
+        return normal.nvl_buffer(self, "_normal", needed, config, self.hidden, self.num_ranks, self.group, make,
+                                 self.get_dispatch_config, self.get_combine_config)
 
     def _check_handle(self, what: str, handle) -> normal.NormalState:
         if not isinstance(handle, tuple) or len(handle) != 7 or not isinstance(handle[-1], normal.NormalState):
@@ -454,6 +491,7 @@ class Buffer:
             raise ValueError(f"moelink dispatch: num_worst_tokens must be >= 0, got {num_worst_tokens}")
         if config is not None and not isinstance(config, Config):
             raise TypeError("moelink dispatch: config must be a moelink.Config")
+        user_config = config
         config = config or self.get_dispatch_config(self.num_ranks)
         state = None
         if handle is not None:
@@ -471,7 +509,16 @@ class Buffer:
                                 is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights)
             path = self._normal_path(device)
         self._wait(previous_event)
-        if path == "group":
+        if path == "two_hop":
+            route = self._route(device)
+            if handle is not None:
+                recv_x, recv_s = route.cached_dispatch(data, scales, state, user_config)
+                return (recv_x, recv_s) if scales is not None else recv_x, None, None, None, None, \
+                    self._event(async_finish and data.is_cuda)
+            recv_x, recv_s, r_idx, r_w, counts, handle = route.dispatch(
+                data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, user_config,
+                expert_alignment, num_worst_tokens, self._kernels_usable(device))
+        elif path == "group":
             if handle is None:
                 recv_x, recv_s, r_idx, r_w, counts, src_idx, state = normal.group_dispatch(
                     self.group, self.rank, self.num_ranks, self.num_experts, data, scales, topk_idx, topk_weights,
@@ -494,8 +541,8 @@ class Buffer:
                 needed = _C.NormalBuffer.bytes_needed(self.num_ranks, self.num_local_experts, shape,
                                                       self.hidden * data.element_size(), s_cols, 0)
                 recv_x, recv_s = self._normal_buffer(needed, config).cached_dispatch(
-                    data, scales, is_token_in_rank, handle[0], handle[1], handle[2], state.num_recv_tokens,
-                    state.num_out_rows, shape, -1)
+                    data, scales, is_token_in_rank, handle[0], handle[1], handle[2],
+                    -1 if state.counts_on_device else state.num_recv_tokens, state.num_out_rows, shape, -1)
                 return (recv_x, recv_s) if scales is not None else recv_x, None, None, None, None, \
                     self._event(async_finish)
             shape = _C.NormalShape(config.num_channels, config.num_max_nvl_chunked_recv_tokens,
@@ -511,7 +558,7 @@ class Buffer:
                 recv_s = None
             counts = [] if num_worst_tokens else normal.pad_counts(res.num_recv_per_expert, expert_alignment)
             state = normal.NormalState(self._key, t, self.hidden, res.num_recv, [], [], None, "nvlink",
-                                       config.num_channels)
+                                       config.num_channels, counts_on_device=num_worst_tokens > 0)
             state.num_out_rows = recv_x.shape[0]
             handle = (res.rank_prefix, res.channel_prefix, res.recv_channel_prefix, res.recv_src_idx,
                       is_token_in_rank, res.send_head, state)
@@ -548,6 +595,7 @@ class Buffer:
             raise ValueError("moelink combine: at most two bias tensors")
         if config is not None and not isinstance(config, Config):
             raise TypeError("moelink combine: config must be a moelink.Config")
+        user_config = config
         config = config or self.get_combine_config(self.num_ranks)
         self._wait(previous_event)
         x = x.contiguous()
@@ -555,6 +603,9 @@ class Buffer:
             topk_weights = topk_weights.contiguous()
         if state.path == "group":
             combined, combined_w = normal.group_combine(self.group, x, state, topk_weights, biases)
+            return combined, combined_w, self._event(async_finish and x.is_cuda)
+        if state.path == "two_hop":
+            combined, combined_w = self._route(device).combine(x, state, topk_weights, biases, user_config)
             return combined, combined_w, self._event(async_finish and x.is_cuda)
         shape = _C.NormalShape(state.num_channels, config.num_max_nvl_chunked_recv_tokens,
                                config.num_max_nvl_chunked_send_tokens)

@@ -67,7 +67,9 @@ class Config:
         return (self.num_channels * nvl_ranks * per + 127) // 128 * 128
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of the two-hop route's RDMA buffer (0 when every rank is on one host of 8)."""
+        """DeepEP's RDMA buffer size for these sizes (0 when every rank is on one host of 8). The
+        two-hop route (two_hop.py) moves its host hop through the group's transfer engine and
+        allocates no such buffer; the figure is for sizing comparisons."""
         if num_ranks <= 8:
             return 0
         rdma_ranks = num_ranks // 8
@@ -101,6 +103,28 @@ def get_combine_config(num_ranks: int, num_sms: int = 24) -> Config:
     return Config(num_sms, send, recv, 6, 256)
 
 
+def nvl_buffer(owner, attr: str, needed: int, config: Config, hidden: int, num_ranks: int, group, make,
+               dispatch_config, combine_config):
+    """The NVLink kernels' buffer kept in ``owner.<attr>``: the one there when it holds
+    ``needed`` bytes, else a new one from ``make(bytes)`` (collective: every rank makes the same
+    calls), sized by the call's need or the default configs' hint, whichever is larger. The old
+    one goes first, once every rank's kernels on it are done."""
+    current = getattr(owner, attr)
+    if current is not None and current.bytes() >= needed:
+        return current
+    hidden_bytes = hidden * 2
+    want = max(needed, config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+               dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+               combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+    if current is not None:
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        setattr(owner, attr, None)
+        del current
+    setattr(owner, attr, make(want))
+    return getattr(owner, attr)
+
+
 @dataclass
 class NormalState:
     """What a handle carries besides DeepEP's tensors: which buffer and call made it, the
@@ -113,9 +137,11 @@ class NormalState:
     send_counts: List[int]  # tokens to each rank
     recv_counts: List[int]  # tokens from each rank
     send_index: torch.Tensor  # int64 [sum(send_counts)]: the token of each sent row, grouped by rank
-    path: str  # "nvlink" or "group"
+    path: str  # "nvlink", "group" or "two_hop"
     num_channels: int = 0
     num_out_rows: int = 0  # rows of the dispatch's outputs (num_worst_tokens pads them)
+    route: Optional[object] = None  # the two-hop route's own state (two_hop.TwoHopState)
+    counts_on_device: bool = False  # NVLink kernels with num_worst_tokens: the host never waited for the count
 
 
 def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
@@ -225,6 +251,43 @@ def _a2a(group, send: torch.Tensor, send_counts: List[int], recv_counts: List[in
     return out
 
 
+def exchange_layout(group, world: int, num_experts: int, is_token_in_rank: torch.Tensor,
+                    num_tokens_per_expert: torch.Tensor, buffer_key: str, hidden: int, path: str):
+    """One ``all_to_all_single`` of the counts: every rank tells each rank how many rows it
+    will send it and how many (token, expert) pairs of that rank's experts they carry.
+    Returns the call's state (counts both ways, the sent rows' tokens grouped by destination)
+    and the pairs per local expert that arrive here."""
+    nle = num_experts // world
+    t = is_token_in_rank.shape[0]
+    send_tokens = is_token_in_rank.sum(0, dtype=torch.int64)
+    meta = torch.cat([send_tokens.view(world, 1), num_tokens_per_expert.to(torch.int64).view(world, nle)], 1)
+    got = _a2a(group, meta.contiguous(), [1] * world, [1] * world).cpu()
+    send_counts = send_tokens.cpu().tolist()
+    recv_counts = got[:, 0].tolist()
+    _, tok_of = is_token_in_rank.t().nonzero(as_tuple=True)  # grouped by rank, tokens ascending
+    state = NormalState(buffer_key, t, hidden, sum(recv_counts), send_counts, recv_counts, tok_of, path)
+    return state, got[:, 1:].sum(0).tolist()
+
+
+class Rows:
+    """The rows one exchange moved, as a uint8 matrix read field by field, left to right."""
+
+    def __init__(self, got: torch.Tensor):
+        self.got, self.col = got, 0
+
+    def take(self, width: int, dtype, shape_tail) -> torch.Tensor:
+        part = _columns(self.got, self.col, self.col + width).view(dtype).reshape((self.got.shape[0],) + shape_tail)
+        self.col += width
+        return part
+
+
+def move_rows(group, state: NormalState, parts: List[torch.Tensor]) -> Rows:
+    """Sends every token's fields (``parts``: row-wise uint8 matrices over the call's tokens)
+    to the ranks ``state`` says, in one ``all_to_all_single``."""
+    payload = torch.cat(parts, 1)[state.send_index]
+    return Rows(_a2a(group, payload, state.send_counts, state.recv_counts))
+
+
 def group_dispatch(group, rank: int, world: int, num_experts: int, data: torch.Tensor, scales, topk_idx, topk_weights,
                    is_token_in_rank: torch.Tensor, num_tokens_per_expert: Optional[torch.Tensor],
                    state: Optional[NormalState], expert_alignment: int, num_worst_tokens: int, buffer_key: str):
@@ -234,38 +297,22 @@ def group_dispatch(group, rank: int, world: int, num_experts: int, data: torch.T
     t, hidden = data.shape
     nle = num_experts // world
     if state is None:
-        # Per destination rank: its token count and my pairs for each of its experts.
-        send_tokens = is_token_in_rank.sum(0, dtype=torch.int64)
-        meta = torch.cat([send_tokens.view(world, 1), num_tokens_per_expert.to(torch.int64).view(world, nle)], 1)
-        got = _a2a(group, meta.contiguous(), [1] * world, [1] * world).cpu()
-        send_counts = send_tokens.cpu().tolist()
-        recv_counts = got[:, 0].tolist()
-        per_expert = got[:, 1:].sum(0).tolist()
-        _, tok_of = is_token_in_rank.t().nonzero(as_tuple=True)  # grouped by rank, tokens ascending
-        state = NormalState(buffer_key, t, hidden, sum(recv_counts), send_counts, recv_counts, tok_of, "group")
+        state, per_expert = exchange_layout(group, world, num_experts, is_token_in_rank, num_tokens_per_expert,
+                                            buffer_key, hidden, "group")
     else:
         per_expert = None
-    idx = state.send_index
     parts = [_bytes(data)]
     if scales is not None:
         parts.append(_bytes(scales))
     parts.append(_bytes(torch.arange(t, dtype=torch.int32, device=device)))
     if topk_idx is not None:
         parts += [_bytes(topk_idx), _bytes(topk_weights)]
-    payload = torch.cat(parts, 1)[idx]
-    got = _a2a(group, payload, state.send_counts, state.recv_counts)
-    n = got.shape[0]
+    got = move_rows(group, state, parts)
+    n = got.got.shape[0]
     if num_worst_tokens and n > num_worst_tokens:  # every rank has finished the exchange: none is left waiting
         raise ValueError(f"moelink dispatch: {n} tokens arrived, more than num_worst_tokens={num_worst_tokens}")
     rows = max(n, num_worst_tokens)
-    col = 0
-
-    def take(width, dtype, shape_tail):
-        nonlocal col
-        part = _columns(got, col, col + width).view(dtype).reshape((n,) + shape_tail)
-        col += width
-        return part
-
+    take = got.take
     recv_data = take(hidden * data.element_size(), data.dtype, (hidden,))
     recv_scales = take(scales.shape[1] * 4, torch.float32, (scales.shape[1],)) if scales is not None else None
     recv_src_idx = take(4, torch.int32, ()).contiguous()

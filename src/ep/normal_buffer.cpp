@@ -160,10 +160,19 @@ void NormalBuffer::barrier(const normal::RingLayout& L, int64_t timeout_us, cuda
   p.L = L;
   p.peers = peers_;
   p.rank = rank_;
-  p.seq = ++seq_;
   p.report = report_dev_;
   p.timeout_ns = timeoutNs(timeout_us);
   normal::prepare(p, stream);
+}
+
+void NormalBuffer::raiseOverflow() {
+  const int n = report_->overflow;
+  if (n == 0) return;
+  report_->overflow = 0;
+  TORCH_CHECK_VALUE(false, "moelink normal mode: an earlier dispatch received ", n,
+                    " tokens, more than its num_worst_tokens; the rows past num_worst_tokens were dropped, so its "
+                    "outputs (and a combine of them) are incomplete. This call ran on every rank (the group stays in "
+                    "step) and raises here because the GPU reported it since");
 }
 
 int64_t NormalBuffer::timeoutNs(int64_t timeout_us) const {
@@ -223,7 +232,8 @@ NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::opti
   n.L = L;
   n.peers = peers_;
   n.rank = rank_;
-  n.seq = ++seq_;
+  n.ticket = ++ticket_;
+  n.max_rows = static_cast<int>(std::max<int64_t>(num_worst_tokens, 0));
   n.num_tokens = static_cast<int>(T);
   n.num_experts = static_cast<int>(num_experts_);
   n.num_local_experts = nle;
@@ -235,12 +245,15 @@ NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::opti
   n.report = report_dev_;
   n.timeout_ns = timeoutNs(timeout_us);
   normal::notify(n, stream);
-  // The host needs the received count to size the outputs: wait for the notify's report.
-  {
+  // num_worst_tokens: the outputs have that many rows and nothing waits on the host (the
+  // received count stays on the device; a pad kernel fills the rest). Otherwise the host
+  // needs the received count to size the outputs: it waits for the notify's report.
+  const bool bounded = num_worst_tokens > 0;
+  if (!bounded) {
     const int64_t limit_ns = timeoutNs(timeout_us) > 0 ? 2 * timeoutNs(timeout_us) : 0;
     const auto start = std::chrono::steady_clock::now();
     int spins = 0;
-    while (report_->seq != n.seq && report_->error == 0) {
+    while (report_->ticket != n.ticket && report_->error == 0) {
       if (++spins > 1024) std::this_thread::yield();
       if (limit_ns > 0 && std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
                                   .count() > limit_ns) {
@@ -251,14 +264,13 @@ NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::opti
     }
     std::atomic_thread_fence(std::memory_order_acquire);
     checkHealthy();
+    res.num_recv = report_->num_recv;
+    res.num_recv_per_expert.resize(nle);
+    for (int e = 0; e < nle; ++e) res.num_recv_per_expert[e] = report_->per_expert[e];
+  } else {
+    res.num_recv = num_worst_tokens;  // rows of the outputs; the real count is rank_prefix[-1]
   }
-  res.num_recv = report_->num_recv;
-  res.num_recv_per_expert.resize(nle);
-  for (int e = 0; e < nle; ++e) res.num_recv_per_expert[e] = report_->per_expert[e];
-  // More rows than num_worst_tokens: the call still runs (the peers' sends must land), into
-  // outputs of the real size, and then raises.
-  const bool overflow = num_worst_tokens > 0 && res.num_recv > num_worst_tokens;
-  const int64_t rows = std::max<int64_t>(res.num_recv, num_worst_tokens);
+  const int64_t rows = bounded ? num_worst_tokens : res.num_recv;
   res.recv_x = at::empty({rows, x.size(1)}, x.options());
   if (scales) res.recv_scales = at::empty({rows, S}, scales->options());
   if (topk_idx) {
@@ -266,14 +278,20 @@ NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::opti
     res.recv_topk_weights = at::empty({rows, K}, topk_weights->options());
   }
   res.recv_src_idx = at::empty({rows}, iopt);
-  if (rows > res.num_recv) {  // num_worst_tokens: padding rows are zero, their top-k -1
-    res.recv_x.narrow(0, res.num_recv, rows - res.num_recv).zero_();
-    if (scales) res.recv_scales.narrow(0, res.num_recv, rows - res.num_recv).zero_();
-    if (topk_idx) {
-      res.recv_topk_idx.narrow(0, res.num_recv, rows - res.num_recv).fill_(-1);
-      res.recv_topk_weights.narrow(0, res.num_recv, rows - res.num_recv).zero_();
-    }
-    res.recv_src_idx.narrow(0, res.num_recv, rows - res.num_recv).fill_(-1);
+  if (bounded) {
+    normal::PadArgs p;
+    p.num_ranks = static_cast<int>(size_);
+    p.max_rows = static_cast<int>(rows);
+    p.x_bytes = static_cast<int>(x_bytes);
+    p.num_scales = static_cast<int>(S);
+    p.num_topk = static_cast<int>(K);
+    p.rank_prefix = res.rank_prefix.data_ptr<int>();
+    p.recv_x = res.recv_x.data_ptr();
+    p.recv_scales = scales ? res.recv_scales.data_ptr<float>() : nullptr;
+    p.recv_topk_idx = topk_idx ? res.recv_topk_idx.data_ptr<int64_t>() : nullptr;
+    p.recv_topk_weights = topk_idx ? res.recv_topk_weights.data_ptr<float>() : nullptr;
+    p.recv_src_idx = res.recv_src_idx.data_ptr<int>();
+    normal::pad(p, stream);
   }
   normal::DispatchArgs d;
   d.L = L;
@@ -298,9 +316,9 @@ NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::opti
   d.send_head = res.send_head.data_ptr<int>();
   d.report = report_dev_;
   d.timeout_ns = n.timeout_ns;
+  d.max_rows = static_cast<int>(bounded ? rows : 0);
   normal::dispatch(d, stream);
-  TORCH_CHECK_VALUE(!overflow, "moelink normal mode: ", res.num_recv, " tokens arrived, more than num_worst_tokens=",
-                    num_worst_tokens);
+  raiseOverflow();
   return res;
 }
 
@@ -325,12 +343,25 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::cachedDispatch(
   at::Tensor recv_x = at::empty({num_out_rows, x.size(1)}, x.options());
   std::optional<at::Tensor> recv_scales;
   if (scales) recv_scales = at::empty({num_out_rows, S}, scales->options());
-  if (num_out_rows > num_recv) {
+  auto send_head = at::empty({x.size(0), size_}, rank_prefix.options());  // rewritten, the same values
+  auto src_idx = at::empty({num_out_rows}, rank_prefix.options());
+  // num_recv < 0: a bounded (num_worst_tokens) dispatch's handle, whose count is on the device.
+  const bool bounded = num_recv < 0;
+  if (bounded) {
+    normal::PadArgs p;
+    p.num_ranks = static_cast<int>(size_);
+    p.max_rows = static_cast<int>(num_out_rows);
+    p.x_bytes = static_cast<int>(x.size(1) * x.element_size());
+    p.num_scales = static_cast<int>(S);
+    p.rank_prefix = rank_prefix.data_ptr<int>();
+    p.recv_x = recv_x.data_ptr();
+    p.recv_scales = scales ? recv_scales->data_ptr<float>() : nullptr;
+    p.recv_src_idx = src_idx.data_ptr<int>();
+    normal::pad(p, stream);
+  } else if (num_out_rows > num_recv) {
     recv_x.narrow(0, num_recv, num_out_rows - num_recv).zero_();
     if (scales) recv_scales->narrow(0, num_recv, num_out_rows - num_recv).zero_();
   }
-  auto send_head = at::empty({x.size(0), size_}, rank_prefix.options());  // rewritten, the same values
-  auto src_idx = at::empty({num_out_rows}, rank_prefix.options());
   normal::DispatchArgs d;
   d.L = L;
   d.peers = peers_;
@@ -350,7 +381,9 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::cachedDispatch(
   d.send_head = send_head.data_ptr<int>();
   d.report = report_dev_;
   d.timeout_ns = timeoutNs(timeout_us);
+  d.max_rows = static_cast<int>(num_out_rows);
   normal::dispatch(d, stream);
+  raiseOverflow();
   return {recv_x, recv_scales};
 }
 
@@ -398,7 +431,9 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::combine(
   c.out_weights = out_w ? out_w->data_ptr<float>() : nullptr;
   c.report = report_dev_;
   c.timeout_ns = timeoutNs(timeout_us);
+  c.max_rows = static_cast<int>(x.size(0));
   normal::combine(c, stream);
+  raiseOverflow();
   return {out, out_w};
 }
 

@@ -50,6 +50,16 @@ def reference(rank, world, tokens, hidden, topk, num_experts, seed):
             torch.empty(0, topk), torch.empty(0, dtype=torch.int64), per_expert)
 
 
+def reference_sources(rank, world, tokens, hidden, topk, num_experts, seed):
+    """The source rank of each row `rank` receives, in the order it receives them."""
+    nle = num_experts // world
+    out = []
+    for s in range(world):
+        _, idx, _ = make_inputs(s, tokens, hidden, topk, num_experts, "cpu", seed)
+        out += [s] * int(((idx >= rank * nle) & (idx < (rank + 1) * nle)).any(1).sum())
+    return torch.tensor(out, dtype=torch.int64)
+
+
 def expert(y, rank):
     """The stand-in for the experts: a per-rank scaling, in bf16."""
     return (y.float() * (rank + 1)).to(torch.bfloat16)
@@ -59,13 +69,17 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, alignment, devi
     ne = buf.num_experts
     x, idx, w = make_inputs(rank, tokens, hidden, topk, ne, device, seed)
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, ne)
-    assert per_rdma is None
     # The layout against a direct count.
     valid = idx >= 0
     ref_in_rank = torch.zeros(tokens, world, dtype=torch.bool)
     for t in range(tokens):
         for e in idx[t][valid[t]].tolist():
             ref_in_rank[t, e // (ne // world)] = True
+    hosts = buf._hosts_seen_here(torch.device(device))  # ranks per host on the two-hop route, else 0
+    if hosts:  # tokens per host
+        assert torch.equal(per_rdma.cpu(), ref_in_rank.view(tokens, world // hosts, hosts).any(2).sum(0).int())
+    else:
+        assert per_rdma is None
     assert torch.equal(in_rank.cpu(), ref_in_rank)
     assert torch.equal(per_rank.cpu(), ref_in_rank.sum(0).to(torch.int32))
     assert torch.equal(per_expert.cpu(), torch.bincount(idx[valid].cpu(), minlength=ne).to(torch.int32))
@@ -86,6 +100,12 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, alignment, devi
     assert torch.equal(r_idx[:n].cpu(), ref_idx)
     assert torch.equal(r_w[:n].cpu(), ref_w)
     assert torch.equal(handle[3][:n].cpu().long(), ref_src)
+    if handle[-1].path == "two_hop":
+        # recv_src_meta (source rank, token) and the per-source-rank prefix sums
+        src_rank = reference_sources(rank, world, tokens, hidden, topk, ne, seed)
+        assert torch.equal(handle[2][:n, 0].cpu().long(), src_rank)
+        assert torch.equal(handle[2][:n, 1].cpu().long(), ref_src)
+        assert torch.equal(handle[0].cpu().long(), torch.bincount(src_rank, minlength=world).cumsum(0))
     if worst:
         assert counts == []
         assert torch.all(r_idx[n:] == -1)
@@ -173,7 +193,17 @@ def bad_input(rank, world, device="cpu"):
         buf.dispatch(x[:8], handle=handle)
     # More rows arrive than num_worst_tokens allows: raises on the ranks where that happens.
     n = reference(rank, world, 16, 256, 4, ne, 7)[0].shape[0]
-    if n > 1:
+    if handle[-1].path == "nvlink":
+        # The kernels do not wait on the host there: rows past num_worst_tokens are dropped and
+        # the ranks where that happened raise at their next call, which still runs everywhere.
+        buf.dispatch(x, num_worst_tokens=1, **kw)
+        torch.cuda.synchronize()
+        if n > 1:
+            with pytest.raises(ValueError, match="num_worst_tokens"):
+                buf.dispatch(x, **kw)
+        else:
+            buf.dispatch(x, **kw)
+    elif n > 1:
         with pytest.raises(ValueError, match="num_worst_tokens"):
             buf.dispatch(x, num_worst_tokens=1, **kw)
     else:
@@ -235,6 +265,14 @@ def all_cpu(rank, world, big_tokens=4096, hiddens=(2048,)):
     return losses
 
 
+def two_hop_cpu(rank, world, expect="two_hop", big_tokens=1024):
+    """The normal mode's cases on a group split into (virtual) hosts: the route the group
+    agrees on is `expect` ("two_hop", or "group" with MOELINK_EP_TWO_HOP=0)."""
+    path = moelink.Buffer(None, 128, 256, 4 * world)._normal_path(torch.device("cpu"))
+    assert path == expect, path
+    return all_cpu(rank, world, big_tokens=big_tokens)
+
+
 def async_events(rank, world, device="cuda"):
     """previous_event orders a dispatch after work on another stream; async_finish hands back
     an event the caller waits on."""
@@ -258,6 +296,58 @@ def async_events(rank, world, device="cuda"):
     combined, _, event = buf.combine(expert(recv_x, rank), handle, async_finish=True)
     event.current_stream_wait()
     assert combined.shape == (64, 256)
+
+
+def graph_capture(rank, world, device="cuda"):
+    """The NVLink kernels with num_worst_tokens need no host wait: a layer (layout, dispatch,
+    experts, combine) captured once in a CUDA graph and replayed with new tokens and routing
+    gives, every replay, the references' rows, padding and combined sums."""
+    ne, hidden, tokens, topk = 4 * world, 256, 64, 4
+    worst = tokens * world
+    buf = moelink.Buffer(None, 128, hidden, ne)
+    sx, sidx, sw = (t.clone() for t in make_inputs(rank, tokens, hidden, topk, ne, device, 30))
+
+    def layer():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(sidx, ne)
+        recv_x, r_idx, r_w, counts, handle, _ = buf.dispatch(
+            sx, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=sidx, topk_weights=sw, num_worst_tokens=worst)
+        assert counts == []
+        combined, combined_w, _ = buf.combine(expert(recv_x, rank), handle, topk_weights=r_w)
+        return recv_x, r_idx, handle[3], combined, combined_w
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer()  # warm-up: creates the NVL buffer
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = layer()
+    for step in range(3):
+        x, idx, w = make_inputs(rank, tokens, hidden, topk, ne, device, 31 + step)
+        sx.copy_(x)
+        sidx.copy_(idx)
+        sw.copy_(w)
+        graph.replay()
+        recv_x, r_idx, src, combined, combined_w = (t.cpu() for t in outs)
+        ref_x, ref_idx, _, ref_src, _ = reference(rank, world, tokens, hidden, topk, ne, 31 + step)
+        n = ref_x.shape[0]
+        assert recv_x.shape[0] == worst
+        assert torch.equal(recv_x[:n], ref_x) and not recv_x[n:].any()
+        assert torch.equal(r_idx[:n], ref_idx) and torch.all(r_idx[n:] == -1)
+        assert torch.equal(src[:n].long(), ref_src) and torch.all(src[n:] == -1)
+        in_rank = torch.zeros(tokens, world, dtype=torch.bool)
+        for t in range(tokens):
+            for e in idx[t][idx[t] >= 0].tolist():
+                in_rank[t, e // (ne // world)] = True
+        acc = torch.zeros(tokens, hidden)
+        for r in range(world):
+            acc[in_rank[:, r]] += expert(x.cpu()[in_rank[:, r]], r).float()
+        torch.testing.assert_close(combined.float(), acc.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(combined_w, torch.where(idx.cpu() >= 0, w.cpu(), torch.zeros_like(w.cpu())))
+    dist.barrier()
 
 
 def _mlp(x, w1, w2):
@@ -338,13 +428,15 @@ def training_loop(rank, world, device="cuda", steps=3):
     return losses
 
 
-def all_gpu(rank, world, big_tokens=4096):
+def all_gpu(rank, world, big_tokens=4096, hiddens=(2048, 7168)):
     torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU: MOELINK_TEST_SHARE_GPU
     path = moelink.Buffer(None, 128, 256, 4 * world)._normal_path(torch.device("cuda", rank))
-    routing(rank, world, "cuda", (2048, 7168), big_tokens)
+    routing(rank, world, "cuda", hiddens, big_tokens)
     bad_input(rank, world, "cuda")
     autograd(rank, world, "cuda")
     async_events(rank, world, "cuda")
+    if path == "nvlink":
+        graph_capture(rank, world, "cuda")
     losses = training_loop(rank, world, "cuda")
     torch.cuda.synchronize()
     dist.barrier()

@@ -1,7 +1,8 @@
-"""The EP buffer's normal mode on 2 GPUs: the NVLink kernels, and the group route that a
-group split across (virtual) hosts takes; every output against pure-torch references, async
-events, and a short MoE training loop against a single-process reference (cases_normal.py).
-Skipped without 2 GPUs."""
+"""The EP buffer's normal mode on GPUs: the NVLink kernels (2 GPUs), the group route that a
+group split into hosts of one GPU takes (2 GPUs), and the two-hop route on 2 virtual hosts of
+2 GPUs (4 GPUs: host hop over the group, NVLink hop between each host's two); every output
+against pure-torch references, async events, and a short MoE training loop against a
+single-process reference (cases_normal.py). Skipped without the GPUs."""
 
 import os
 
@@ -14,14 +15,17 @@ from harness import run_group
 
 def _gpus():
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    # MOELINK_TEST_SHARE_GPU=1: both ranks on one GPU (time-sliced; correctness only)
-    return 2 if n and os.environ.get("MOELINK_TEST_SHARE_GPU") == "1" else n
+    # MOELINK_TEST_SHARE_GPU=1: the ranks share the GPUs there are (time-sliced; correctness only)
+    return 4 if n and os.environ.get("MOELINK_TEST_SHARE_GPU") == "1" else n
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs (or one and MOELINK_TEST_SHARE_GPU=1)")
-@pytest.mark.parametrize("route", ["nvlink", "group"])
+@pytest.mark.parametrize("route", ["nvlink", "group", "two_hop"])
 def test_normal_mode_gpu(route):
-    env = {"MOELINK_EP_RANKS_PER_HOST": "1"} if route == "group" else {}
-    res = run_group(2, cases_normal.all_gpu, env=env, timeout=600)
-    assert [r["path"] for r in res] == [route, route]
-    assert res[0]["losses"] == res[1]["losses"]
+    world = 4 if route == "two_hop" else 2
+    if _gpus() < world:
+        pytest.skip(f"needs {world} GPUs (or one and MOELINK_TEST_SHARE_GPU=1)")
+    env = {"MOELINK_EP_RANKS_PER_HOST": {"nvlink": "", "group": "1", "two_hop": "2"}[route]}
+    kwargs = dict(big_tokens=1024, hiddens=(7168,)) if route == "two_hop" else {}
+    res = run_group(world, cases_normal.all_gpu, env=env, kwargs=kwargs, timeout=900)
+    assert [r["path"] for r in res] == [route] * world
+    assert all(r["losses"] == res[0]["losses"] for r in res)

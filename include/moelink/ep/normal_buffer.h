@@ -49,12 +49,15 @@ class NormalBuffer {
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> layout(const at::Tensor& topk_idx, int64_t num_experts,
                                                                int64_t num_ranks);
 
-  // A dispatch that computes the layout (notify, then the host waits for the counts).
+  // A dispatch that computes the layout (notify, then the host waits for the counts; with
+  // num_worst_tokens > 0 nothing waits on the host: outputs of that many rows, num_recv set to
+  // it, num_recv_per_expert empty, capturable in a CUDA graph).
   NormalDispatchResult dispatch(const at::Tensor& x, const std::optional<at::Tensor>& scales,
                                 const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
                                 const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_expert,
                                 const NormalShape& shape, int64_t num_worst_tokens, int64_t timeout_us);
   // A dispatch that repeats a cached layout (no host wait). Returns (recv_x, recv_scales).
+  // num_recv < 0: the handle of a num_worst_tokens dispatch (the count is on the device).
   std::tuple<at::Tensor, std::optional<at::Tensor>> cachedDispatch(
       const at::Tensor& x, const std::optional<at::Tensor>& scales, const at::Tensor& is_token_in_rank,
       const at::Tensor& rank_prefix, const at::Tensor& channel_prefix, const at::Tensor& recv_channel_prefix,
@@ -70,6 +73,9 @@ class NormalBuffer {
  private:
   normal::RingLayout layoutFor(const NormalShape& shape, int64_t x_bytes, int64_t num_scales, int64_t num_topk) const;
   void checkHealthy();  // raises (once) what a kernel reported, and refuses a broken buffer
+  // Raises (once) a bounded dispatch's overflow the notify kernel reported; called after a
+  // call's launches, so that every rank takes part in the call either way.
+  void raiseOverflow();
   int64_t timeoutNs(int64_t timeout_us) const;
   void release() noexcept;  // unmaps the peers, frees the buffer and the report
   // Starts a cached dispatch or a combine: the barrier kernel (the notify kernel is a
@@ -83,7 +89,7 @@ class NormalBuffer {
   normal::Peers peers_;
   normal::HostReport* report_ = nullptr;  // host-mapped
   normal::HostReport* report_dev_ = nullptr;
-  int seq_ = 0;
+  int ticket_ = 0;  // notify launches, so the host waits for its own report
   bool broken_ = false;
   int64_t default_timeout_us_ = 30000000;
 };

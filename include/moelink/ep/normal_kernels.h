@@ -16,7 +16,13 @@
 //
 // Every call starts with a barrier across the ranks (in notify or prepare), so no rank writes
 // into a ring that a peer is still reading from an earlier call; each rank clears its own
-// rings before it enters the barrier.
+// rings before it enters the barrier. The barrier's sequence number lives in the rank's own
+// buffer and the kernels advance it, so calls captured in a CUDA graph count on every replay.
+//
+// A dispatch with `max_rows` (DeepEP's num_worst_tokens) needs no host wait: its outputs have
+// max_rows rows, a pad kernel fills the rows past the received count (known on the device
+// only), receivers drop rows past max_rows and the notify kernel reports how many arrived then
+// (HostReport::overflow), for the host to raise at its next call.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -32,10 +38,11 @@ constexpr int kWarps = kThreads / 32;
 
 // Host-mapped words the notify kernel fills for the host, and the kernels' error report.
 struct HostReport {
-  volatile int seq;           // the call sequence number of the notify that wrote the counts
+  volatile int ticket;        // the host's ticket of the notify launch that wrote the counts
   volatile int num_recv;      // rows this rank receives
   volatile int error;         // nonzero: a kernel gave up waiting on a peer (first one wins)
   volatile int error_rank;    // which peer
+  volatile int overflow;      // nonzero: rows that arrived in a dispatch bounded by fewer max_rows
   volatile int per_expert[1];  // [num_local_experts]: received (token, local expert) pairs
 };
 
@@ -47,6 +54,7 @@ struct RingLayout {
   int num_topk = 0;     // top-k entries per token (dispatch with top-k), else 0
   // Offsets from the buffer base.
   uint64_t off_barrier = 0;  // int [num_ranks]: sequence number each source reached
+  uint64_t off_seq = 0;      // int: this rank's own barrier count (advanced by the kernels)
   uint64_t off_notify = 0;   // int [2][num_ranks][notify_ints]: counts each source left here, by call parity
   int notify_ints = 0;
   uint64_t off_counters = 0;  // int [num_ranks][num_channels][2]: tail, head (each on its own 16 B)
@@ -84,7 +92,9 @@ void layout(const LayoutArgs& a, cudaStream_t stream);
 struct NotifyArgs {
   RingLayout L;
   Peers peers;
-  int rank = 0, seq = 0;
+  int rank = 0;
+  int ticket = 0;    // written to the report with the counts (the host waits for its own)
+  int max_rows = 0;  // > 0: more received rows than this is reported as an overflow
   int num_tokens = 0, num_experts = 0, num_local_experts = 0;
   const bool* is_token_in_rank = nullptr;      // [num_tokens, num_ranks]
   const int* num_tokens_per_expert = nullptr;  // [num_experts]
@@ -103,7 +113,7 @@ void notify(const NotifyArgs& a, cudaStream_t stream);
 struct PrepareArgs {
   RingLayout L;
   Peers peers;
-  int rank = 0, seq = 0;
+  int rank = 0;
   HostReport* report = nullptr;
   int64_t timeout_ns = 0;
 };
@@ -131,11 +141,26 @@ struct DispatchArgs {
   float* recv_topk_weights = nullptr;
   int* recv_src_idx = nullptr;
   int* send_head = nullptr;  // [num_tokens, num_ranks]: the token's place in its (rank, channel) stream, -1
+  int max_rows = 0;          // > 0: the outputs' rows; received rows past them are dropped
   HostReport* report = nullptr;
   int64_t timeout_ns = 0;
 };
 
 void dispatch(const DispatchArgs& a, cudaStream_t stream);
+
+// Fills the output rows from the received count (rank_prefix[num_ranks - 1], on the device)
+// up to max_rows: zero rows and scales, top-k -1 with weight 0, source index -1.
+struct PadArgs {
+  int num_ranks = 0, max_rows = 0, x_bytes = 0, num_scales = 0, num_topk = 0;
+  const int* rank_prefix = nullptr;
+  void* recv_x = nullptr;
+  float* recv_scales = nullptr;
+  int64_t* recv_topk_idx = nullptr;
+  float* recv_topk_weights = nullptr;
+  int* recv_src_idx = nullptr;
+};
+
+void pad(const PadArgs& a, cudaStream_t stream);
 
 struct CombineArgs {
   RingLayout L;
@@ -152,6 +177,7 @@ struct CombineArgs {
   // outputs
   void* out = nullptr;          // bf16 [num_tokens, hidden]
   float* out_weights = nullptr;  // [num_tokens, num_topk] or null
+  int max_rows = 0;  // > 0: rows of x (a bounded dispatch's); rows past them go back as zeros
   HostReport* report = nullptr;
   int64_t timeout_ns = 0;
 };

@@ -60,6 +60,19 @@ __device__ bool waitAtLeast(const int* p, int want, int64_t timeout_ns) {
   return true;
 }
 
+// This call's barrier sequence number: one more than the last one this rank used (kept in its
+// own buffer, so replays of a captured graph advance it too). Every thread gets it.
+__device__ int nextSeq(const RingLayout& L, char* me) {
+  __shared__ int s_seq;
+  if (threadIdx.x == 0) {
+    int* word = reinterpret_cast<int*>(me + L.off_seq);
+    s_seq = *reinterpret_cast<volatile int*>(word) + 1;
+    *reinterpret_cast<volatile int*>(word) = s_seq;
+  }
+  __syncthreads();
+  return s_seq;
+}
+
 // Clears this rank's ring counters, then tells every peer it reached `seq` and waits for all
 // of them: after it, every rank has finished its previous call's kernels and cleared its rings.
 __device__ void barrier(const RingLayout& L, const Peers& peers, int rank, int seq, HostReport* report,
@@ -84,6 +97,7 @@ __global__ void __launch_bounds__(kThreads, 1) notifyKernel(NotifyArgs a) {
   const RingLayout& L = a.L;
   const int R = L.num_ranks, C = L.num_channels, nle = a.num_local_experts;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int seq = nextSeq(L, a.peers.base[a.rank]);
   __shared__ int s_count[kMaxRanks * kMaxChannels];
   // This rank's tokens per (destination, channel).
   for (int p = warp; p < R * C; p += kWarps) {
@@ -103,13 +117,13 @@ __global__ void __launch_bounds__(kThreads, 1) notifyKernel(NotifyArgs a) {
   // Leave them, and this rank's pairs per expert of each peer, in the peer's notify area: the
   // half of this call's parity, so that a peer still reading the previous call's counts (it
   // may, once it has passed that call's barrier) never sees these.
-  const uint64_t half = static_cast<uint64_t>(a.seq & 1) * R * L.notify_ints * sizeof(int);
+  const uint64_t half = static_cast<uint64_t>(seq & 1) * R * L.notify_ints * sizeof(int);
   for (int i = threadIdx.x; i < R * L.notify_ints; i += blockDim.x) {
     const int r = i / L.notify_ints, j = i % L.notify_ints;
     int v = j < C ? s_count[r * C + j] : a.num_tokens_per_expert[r * nle + (j - C)];
     reinterpret_cast<int*>(a.peers.base[r] + L.off_notify + half)[a.rank * L.notify_ints + j] = v;
   }
-  barrier(L, a.peers, a.rank, a.seq, a.report, a.timeout_ns);
+  barrier(L, a.peers, a.rank, seq, a.report, a.timeout_ns);
   const int* area = reinterpret_cast<const int*>(a.peers.base[a.rank] + L.off_notify + half);
   if (threadIdx.x == 0) {
     int rows = 0;
@@ -123,6 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1) notifyKernel(NotifyArgs a) {
       a.rank_prefix[s] = rows += acc;
     }
     a.report->num_recv = rows;
+    if (a.max_rows > 0 && rows > a.max_rows) a.report->overflow = rows;
   }
   for (int e = threadIdx.x; e < nle; e += blockDim.x) {
     int n = 0;
@@ -132,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1) notifyKernel(NotifyArgs a) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    a.report->seq = a.seq;
+    a.report->ticket = a.ticket;
   }
 }
 
@@ -165,7 +180,28 @@ __global__ void __launch_bounds__(256) layoutKernel(LayoutArgs a) {
     if (s_rank[i]) atomicAdd(&a.num_tokens_per_rank[i], s_rank[i]);
 }
 
-__global__ void prepareKernel(PrepareArgs a) { barrier(a.L, a.peers, a.rank, a.seq, a.report, a.timeout_ns); }
+__global__ void prepareKernel(PrepareArgs a) {
+  barrier(a.L, a.peers, a.rank, nextSeq(a.L, a.peers.base[a.rank]), a.report, a.timeout_ns);
+}
+
+__global__ void padKernel(PadArgs a) {
+  const int first = a.rank_prefix[a.num_ranks - 1];
+  const int64_t x16 = a.x_bytes / 16;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t begin = first < a.max_rows ? first : a.max_rows;
+  const int64_t rows = a.max_rows - begin;
+  int4* x = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + begin * a.x_bytes);
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < rows * x16; i += stride) x[i] = make_int4(0, 0, 0, 0);
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += stride) {
+    const int64_t row = begin + i;
+    a.recv_src_idx[row] = -1;
+    for (int s = 0; s < a.num_scales; ++s) a.recv_scales[row * a.num_scales + s] = 0.f;
+    for (int k = 0; k < a.num_topk; ++k) {
+      a.recv_topk_idx[row * a.num_topk + k] = -1;
+      a.recv_topk_weights[row * a.num_topk + k] = 0.f;
+    }
+  }
+}
 
 // A ring slot a peer filled (read after acquiring its tail): coherent, no L1 fill, and no
 // compiler barrier, so that a batch of them is in flight at once (volatile asm keeps them
@@ -300,6 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
     for (int k = consumed + wg; k < avail; k += W) {
       const int slot = k % L.ring_tokens;
       const int64_t row = row0 + k;
+      if (a.max_rows > 0 && row >= a.max_rows) continue;  // past the outputs: dropped (reported by notify)
       warpCopy<false>(static_cast<char*>(a.recv_x) + row * L.x_bytes, src + static_cast<uint64_t>(slot) * L.x_bytes,
                       L.x_bytes);
       for (int i = lane; i < S; i += 32)
@@ -346,8 +383,13 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
       if (s_abort[g]) return;
       for (int k = chunk_begin + wg; k < chunk_end; k += W) {
         const int slot = k % L.ring_tokens;
-        warpCopy<true>(dst + static_cast<uint64_t>(slot) * L.x_bytes,
-                       static_cast<const char*>(a.x) + (row0 + k) * L.x_bytes, L.x_bytes);
+        char* to = dst + static_cast<uint64_t>(slot) * L.x_bytes;
+        if (a.max_rows > 0 && row0 + k >= a.max_rows) {  // a row the bounded dispatch dropped
+          for (int i = lane; i < L.x_bytes / 16; i += 32) reinterpret_cast<int4*>(to)[i] = make_int4(0, 0, 0, 0);
+          for (int k2 = lane; k2 < K; k2 += 32) reinterpret_cast<float*>(dst + L.r_w)[slot * K + k2] = 0.f;
+          continue;
+        }
+        warpCopy<true>(to, static_cast<const char*>(a.x) + (row0 + k) * L.x_bytes, L.x_bytes);
         if (a.topk_weights != nullptr)
           for (int k2 = lane; k2 < K; k2 += 32)
             reinterpret_cast<float*>(dst + L.r_w)[slot * K + k2] = a.topk_weights[(row0 + k) * K + k2];
@@ -467,7 +509,8 @@ RingLayout RingLayout::make(int num_ranks, int num_channels, int ring_tokens, in
   L.num_scales = num_scales;
   L.num_topk = num_topk;
   L.off_barrier = 0;
-  L.off_notify = align(num_ranks * sizeof(int), 128);
+  L.off_seq = align(num_ranks * sizeof(int), 16);
+  L.off_notify = align(L.off_seq + sizeof(int), 128);
   L.notify_ints = num_channels + num_local_experts;
   L.off_counters = align(L.off_notify + 2ull * num_ranks * L.notify_ints * sizeof(int), 128);  // two halves
   L.off_rings = align(L.off_counters + static_cast<uint64_t>(num_ranks) * num_channels * 2 * kCounterStride, 128);
@@ -495,6 +538,12 @@ void layout(const LayoutArgs& a, cudaStream_t stream) {
 void prepare(const PrepareArgs& a, cudaStream_t stream) {
   prepareKernel<<<1, 128, 0, stream>>>(a);
   kernels::check(cudaGetLastError(), "normal-mode prepare launch");
+}
+
+void pad(const PadArgs& a, cudaStream_t stream) {
+  if (a.max_rows <= 0) return;
+  padKernel<<<32, 256, 0, stream>>>(a);
+  kernels::check(cudaGetLastError(), "normal-mode pad launch");
 }
 
 void dispatch(const DispatchArgs& a, cudaStream_t stream) {
