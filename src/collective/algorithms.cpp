@@ -120,6 +120,70 @@ OpSpec base(OpKind k, DType t, ReduceOp op, int root, uint64_t op_bytes) {
   return s;
 }
 
+// Allreduce as a pipelined ring over the participants in order. Block b (of n) travels the
+// ring once accumulating (reduce-scatter: in round k participant i sends block i-k to i+1 and
+// adds block i-k-1 from i-1 into its own), ending reduced at participant b-1, and once more as
+// the result (allgather). Each piece is forwarded as soon as it is reduced or received (steps
+// that send what they consumed), so the rounds overlap piece by piece. Every rank ends with the
+// same bytes: each block is reduced once, by one chain of ranks, and then copied.
+OpSpec ringAllreduce(const AlgoContext& c, OpSpec s, void* buf, uint64_t count, DType t, ReduceOp op) {
+  const size_t es = elementSize(t), n = c.ranks.size(), me = indexOf(c, c.me);
+  const int next = c.ranks[(me + 1) % n], prev = c.ranks[(me + n - 1) % n];
+  const uint64_t per = perChunk(c, es);
+  auto block_start = [&](size_t b) { return count * b / n; };
+  auto piece = [&](size_t b, size_t i, uint64_t* len) {
+    Pieces pc{block_start(b + 1) - block_start(b), per};
+    *len = pc.len(i);
+    return at(buf, (block_start(b) + pc.off(i)) * es);
+  };
+  auto pieces = [&](size_t b) { return Pieces{block_start(b + 1) - block_start(b), per}.count(); };
+  auto mod = [n](int64_t v) { return static_cast<size_t>(((v % static_cast<int64_t>(n)) + n) % n); };
+  // Round 0 of the reduce-scatter: this participant's own block, at once.
+  for (size_t i = 0; i < pieces(me); ++i) {
+    Step st;
+    uint64_t len;
+    char* p = piece(me, i, &len);
+    st.sends = {{next, p, len * es}};
+    s.steps.push_back(std::move(st));
+  }
+  // Reduce-scatter rounds: add block me-k-1 from prev, then pass it on (to start the
+  // allgather when this rank's reduction of it is the last).
+  for (size_t k = 0; k + 1 < n; ++k) {
+    const size_t b = mod(static_cast<int64_t>(me) - static_cast<int64_t>(k) - 1);
+    const bool last = k + 2 == n;
+    for (size_t i = 0; i < pieces(b); ++i) {
+      Step st;
+      uint64_t len;
+      char* p = piece(b, i, &len);
+      st.recvs = {{prev, len * es}};
+      st.consume = [p, len, t, op, last, n](const std::vector<const char*>& got) {
+        reduceInto(p, got[0], len, t, op);
+        if (last && op == ReduceOp::kAvg) divideInPlace(p, len, t, static_cast<double>(n));
+      };
+      st.sends = {{next, p, len * es}};
+      st.send_after = Step::SendAfter::kThisStep;
+      s.steps.push_back(std::move(st));
+    }
+  }
+  // Allgather rounds: block me-k arrives reduced from prev; pass it on unless next made it.
+  for (size_t k = 0; k + 1 < n; ++k) {
+    const size_t b = mod(static_cast<int64_t>(me) - static_cast<int64_t>(k));
+    for (size_t i = 0; i < pieces(b); ++i) {
+      Step st;
+      uint64_t len;
+      char* p = piece(b, i, &len);
+      st.recvs = {{prev, len * es, p}};
+      st.consume = [p, len, es](const std::vector<const char*>& got) { copyIfElsewhere(p, got[0], len * es); };
+      if (k + 2 < n) {
+        st.sends = {{next, p, len * es}};
+        st.send_after = Step::SendAfter::kThisStep;
+      }
+      s.steps.push_back(std::move(st));
+    }
+  }
+  return s;
+}
+
 }  // namespace
 
 OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root) {
@@ -193,6 +257,7 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
     }
     return s;
   }
+  if (c.ring_allreduce_bytes && count * es >= c.ring_allreduce_bytes && n > 2) return ringAllreduce(c, s, buf, count, t, op);
   // Bandwidth path: reduce-scatter (participant j reduces block j), then allgather.
   std::vector<uint64_t> start(n + 1);
   for (size_t j = 0; j <= n; ++j) start[j] = count * j / n;

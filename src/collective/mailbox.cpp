@@ -262,7 +262,9 @@ void Mailbox::release(int peer, void* next_dest, uint64_t next_length) {
   // the count only grows, so the sender reads the same or a newer count.
   __atomic_store_n(&out_acks_[peer], n, __ATOMIC_RELAXED);
   // Over tcp the ack always wakes the sender (its arrival order is not observable here).
-  engine_.submit({TransferRequest{Opcode::kWrite, &out_acks_[peer], peer, id_, ackOffset(rank_), 8, tcp_[peer] != 0}});
+  // Nobody waits for the credit's completion: no acknowledgement of its own (no_ack).
+  engine_.submit({TransferRequest{Opcode::kWrite, &out_acks_[peer], peer, id_, ackOffset(rank_), 8, tcp_[peer] != 0,
+                                  true}});
   if (tcp_[peer]) return;
   // The sender can only be blocked on this credit if it has filled every data slot, i.e. if
   // message n - 1 + depth is already here; only then is a wake-up worth its syscall.

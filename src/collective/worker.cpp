@@ -40,6 +40,8 @@ WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
   MOELINK_CHECK(o.pull_chunk_bytes >= 64, "MOELINK_PULL_CHUNK_BYTES must be at least 64");
   if (const char* v = std::getenv("MOELINK_CHAIN_BROADCAST_BYTES"); v && *v)
     o.chain_broadcast_bytes = static_cast<int64_t>(envNumber("MOELINK_CHAIN_BROADCAST_BYTES", 0));
+  if (const char* v = std::getenv("MOELINK_RING_ALLREDUCE_BYTES"); v && *v)
+    o.ring_allreduce_bytes = static_cast<int64_t>(envNumber("MOELINK_RING_ALLREDUCE_BYTES", 0));
   MOELINK_CHECK(o.chunk_bytes >= 64, "MOELINK_CHUNK_BYTES must be at least 64");
   MOELINK_CHECK(o.depth >= 1 && o.depth <= 64, "MOELINK_MAILBOX_DEPTH must be 1..64");
   o.timeout = timeout;
@@ -79,6 +81,8 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   chain_broadcast_bytes_ = opts_.chain_broadcast_bytes >= 0
                                ? static_cast<uint64_t>(opts_.chain_broadcast_bytes)
                                : (tcp_group ? (1u << 20) : 0);
+  ring_allreduce_bytes_ = opts_.ring_allreduce_bytes >= 0 ? static_cast<uint64_t>(opts_.ring_allreduce_bytes)
+                                                          : (tcp_group ? (4u << 20) : 0);
   live_ = active_;
   probed_loss_.assign(world_, 0);
   sends_.resize(world_);
@@ -146,6 +150,7 @@ AlgoContext CollectiveWorker::context() const {
   c.chunk = coll_->chunkBytes();
   c.allreduce_small_bytes = opts_.allreduce_small_bytes;
   c.chain_broadcast_bytes = chain_broadcast_bytes_;
+  c.ring_allreduce_bytes = ring_allreduce_bytes_;
   c.world = world_;
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -313,6 +318,14 @@ MsgHeader headerFor(const CollectiveWorker::Collective& op, int sender, uint64_t
 
 std::string CollectiveWorker::checkHeader(const Collective& op, int p, const MsgHeader& h,
                                           uint64_t expect) const {
+  // Called for every message, and again while a step waits for its other messages: the
+  // agreeing case compares and allocates nothing.
+  const bool agrees = h.op_seq <= op.seq && !(h.flags & kAbort) && h.kind == static_cast<uint8_t>(op.spec.kind) &&
+                      h.root == op.spec.root && h.dtype == static_cast<uint8_t>(op.spec.dtype) &&
+                      h.redop == static_cast<uint8_t>(op.spec.redop) &&
+                      !(h.op_bytes && op.spec.op_bytes && h.op_bytes != op.spec.op_bytes) &&
+                      h.pair_bytes == op.pair_recv[p] && h.bytes == expect;
+  if (agrees) return {};
   const char* kind = opKindName(op.spec.kind);
   std::string who = str(kind, " #", op.seq, ": rank ", p);
   if (h.op_seq > op.seq)
@@ -335,9 +348,7 @@ std::string CollectiveWorker::checkHeader(const Collective& op, int p, const Msg
   if (h.pair_bytes != op.pair_recv[p])
     return str(who, " sent ", h.pair_bytes, " bytes to this rank, this rank expects ",
                op.pair_recv[p]);
-  if (h.bytes != expect)
-    return str(who, " sent a ", h.bytes, "-byte piece, this rank expects ", expect);
-  return "";
+  return str(who, " sent a ", h.bytes, "-byte piece, this rank expects ", expect);
 }
 
 bool CollectiveWorker::anyPeerLost() {

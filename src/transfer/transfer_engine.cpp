@@ -457,6 +457,21 @@ BatchPtr TransferEngine::submit(const std::vector<TransferRequest>& requests) {
       if (r.notify) ringDoorbell(doorbell_);
       continue;
     }
+    if (r.op == Opcode::kWrite && !r.no_ack) {
+      bool later = false;
+      for (size_t j = i + 1; j < requests.size() && !later; ++j) {
+        const TransferRequest& q = requests[j];
+        if (q.op != Opcode::kWrite || q.peer != r.peer) continue;
+        RemoteSegment* qs = findOpened(q.peer, q.segment);  // a later write that will be posted
+        later = qs && qs->via == seg->via && q.offset <= qs->desc.length && q.length <= qs->desc.length - q.offset;
+      }
+      if (later) {
+        TransferRequest covered = r;
+        covered.no_ack = true;
+        seg->via->post(covered, *seg, batch, i);
+        continue;
+      }
+    }
     seg->via->post(r, *seg, batch, i);
     // tcp carries the flag to the peer, whose progress thread rings there; shm rings here.
     if (r.notify && seg->via == shm_.get()) {

@@ -69,6 +69,30 @@ TEST_P(CollectiveTest, AllreduceMatchesLocalSum) {
       float ranksum = static_cast<float>(world * (world + 1) / 2);
       for (uint64_t i = 0; i < count; ++i) ASSERT_EQ(x[i], ranksum * (i % 7)) << "count " << count << " i " << i;
     }
+    // The pipelined ring (forced here; chosen by default for large tcp allreduces): blocks of
+    // uneven sizes crossing many chunks, SUM, AVG and MAX.
+    AlgoContext ring = r.worker->context();
+    ring.ring_allreduce_bytes = 1;
+    for (uint64_t count : {5ull, 1001ull, 5000ull, 100003ull}) {
+      std::vector<float> x(count), a(count);
+      std::vector<int32_t> m(count);
+      for (uint64_t i = 0; i < count; ++i) {
+        x[i] = a[i] = static_cast<float>((rank + 1) * (i % 7));
+        m[i] = static_cast<int32_t>((i * 7 + static_cast<uint64_t>(rank) * 13) % 101) - 50;
+      }
+      ASSERT_EQ("", run(*r.worker, allreduceOp(ring, x.data(), count, DType::kFloat32, ReduceOp::kSum)));
+      ASSERT_EQ("", run(*r.worker, allreduceOp(ring, a.data(), count, DType::kFloat32, ReduceOp::kAvg)));
+      ASSERT_EQ("", run(*r.worker, allreduceOp(ring, m.data(), count, DType::kInt32, ReduceOp::kMax)));
+      float ranksum = static_cast<float>(world * (world + 1) / 2);
+      for (uint64_t i = 0; i < count; ++i) {
+        ASSERT_EQ(x[i], ranksum * (i % 7)) << "ring count " << count << " i " << i;
+        ASSERT_FLOAT_EQ(a[i], ranksum * (i % 7) / world) << "ring avg count " << count << " i " << i;
+        int32_t want = INT32_MIN;
+        for (int q = 0; q < world; ++q)
+          want = std::max(want, static_cast<int32_t>((i * 7 + static_cast<uint64_t>(q) * 13) % 101) - 50);
+        ASSERT_EQ(m[i], want) << "ring max count " << count << " i " << i;
+      }
+    }
   });
 }
 

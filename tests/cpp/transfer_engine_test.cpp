@@ -159,6 +159,48 @@ TEST(TcpTransport, ReceiverRejectsOutOfBoundsWrite) {
   close(fd);
 }
 
+// Writes sent with kNoAck get no acknowledgement of their own: the next acknowledged write's
+// acknowledgement reports the first of them that was rejected (its offset and length), and the
+// one after that is clean again.
+TEST(TcpTransport, UnacknowledgedWritesReportThroughTheNextAck) {
+  auto store = std::make_shared<InProcessStore>();
+  TransferEngine engine(store, opts(0, 1, "tcp"));
+  char* seg = static_cast<char*>(engine.allocateSegment(3, 64));
+  int fd = rawConnect(engine.tcpAddress());
+  namespace w = moelink::transfer::tcp::wire;
+  w::Hello hello{w::kHelloMagic, engine.secret(), 5, 0};
+  ASSERT_EQ(static_cast<ssize_t>(sizeof hello), send(fd, &hello, sizeof hello, 0));
+  uint64_t reply = 0;
+  ASSERT_TRUE(readWithTimeout(fd, &reply, 8, 5000));
+  char payload[16];
+  std::memset(payload, 0x5A, sizeof payload);
+  auto write = [&](uint64_t id, uint64_t offset, uint32_t flags) {
+    w::FrameHeader h{w::kWrite, 0, id, 3, flags, offset, sizeof payload};
+    send(fd, &h, sizeof h, 0);
+    send(fd, payload, sizeof payload, 0);
+  };
+  write(1, 0, w::kNoAck);    // fine, no ack
+  write(2, 56, w::kNoAck);   // 56 + 16 > 64: rejected, no ack
+  write(3, 60, w::kNoAck);   // rejected too: the first rejection is the one reported
+  write(4, 16, 0);           // acknowledged, carrying the rejection of write 2
+  w::FrameHeader ack{};
+  ASSERT_TRUE(readWithTimeout(fd, &ack, sizeof ack, 5000));
+  EXPECT_EQ(ack.type, w::kWriteAck);
+  EXPECT_EQ(ack.request_id, 4u);
+  EXPECT_EQ(ack.status, w::kOutOfBounds);
+  EXPECT_EQ(ack.offset, 56u);
+  EXPECT_EQ(ack.length, sizeof payload);
+  write(5, 32, 0);
+  ASSERT_TRUE(readWithTimeout(fd, &ack, sizeof ack, 5000));
+  EXPECT_EQ(ack.request_id, 5u);
+  EXPECT_EQ(ack.status, w::kOk);
+  for (int i = 0; i < 48; ++i) ASSERT_EQ(static_cast<uint8_t>(seg[i]), 0x5A) << "byte " << i;
+  for (int i = 48; i < 64; ++i) ASSERT_EQ(seg[i], 0) << "rejected write landed at " << i;
+  pollfd pf{fd, POLLIN, 0};
+  EXPECT_EQ(0, poll(&pf, 1, 200)) << "an acknowledgement came for a kNoAck write";
+  close(fd);
+}
+
 TEST(TcpTransport, UnauthenticatedConnectionIsClosed) {
   auto store = std::make_shared<InProcessStore>();
   TransferEngine engine(store, opts(0, 1, "tcp"));

@@ -27,6 +27,11 @@ struct AlgoContext {
   // Above this (0: never), broadcast is a pipelined chain from the root instead of direct
   // writes, so that the root sends the data once (chosen for groups that talk over tcp).
   uint64_t chain_broadcast_bytes = 0;
+  // From this size (0: never), allreduce is a pipelined ring (reduce-scatter then allgather,
+  // each rank talking to its two neighbours only) instead of direct exchanges with every
+  // participant: over tcp a rank then keeps one stream in and one out, which costs less CPU
+  // per byte than one per peer (chosen for groups that talk over tcp).
+  uint64_t ring_allreduce_bytes = 0;
   // Pairs whose receiver reads the sender's memory itself (pulled messages, mailbox.h), per
   // rank: `reads_me[r]`, rank r reads this rank's; `i_read[r]`, this rank reads rank r's.
   // Both ends of a pair see the same answer. all_to_all cuts such a pair's data into pieces

@@ -61,6 +61,8 @@ struct WorkerOptions {
   uint64_t pull_chunk_bytes = 4 << 20;
   // MOELINK_CHAIN_BROADCAST_BYTES; unset: 1 MiB in groups that talk over tcp, else never.
   int64_t chain_broadcast_bytes = -1;
+  // MOELINK_RING_ALLREDUCE_BYTES; unset: 4 MiB in groups that talk over tcp, else never.
+  int64_t ring_allreduce_bytes = -1;
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   bool raise_on_peer_failure = false;  // EpOptions(on_peer_failure="raise")
   // This process replaces a failed rank (or takes a reserved one): construction waits until
@@ -172,6 +174,7 @@ class CollectiveWorker {
   std::vector<char> probed_loss_;          // per rank: its broken connection was probed
   void failPeerP2P(int peer, const std::string& why);
   uint64_t chain_broadcast_bytes_ = 0;
+  uint64_t ring_allreduce_bytes_ = 0;
   bool had_failure_ = false;  // worker thread: an op of this group has failed
 
   mutable std::mutex mu_;

@@ -37,6 +37,12 @@ struct TransferRequest {
   uint64_t length = 0;
   // After applying, ring the peer engine's doorbell (wakes a thread sleeping on it).
   bool notify = false;
+  // A write that needs no acknowledgement of its own: transports with acknowledgements (tcp)
+  // complete it once it is handed to the network, and report a rejection of it with the next
+  // acknowledged write to that peer. For a caller that never waits on this write (a credit
+  // word); the engine also sets it on a write followed in the same batch by an acknowledged
+  // write to the same peer over the same transport (the batch completes with that one).
+  bool no_ack = false;
 };
 
 enum class RequestState : int { kPending = 0, kCompleted = 1, kFailed = 2 };

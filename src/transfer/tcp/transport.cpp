@@ -112,7 +112,11 @@ class TcpTransport::Impl {
     // send side
     std::deque<OutFrame> out;
     bool want_out = false;
-    std::unordered_map<uint64_t, Pending> pending;  // outbound: by request id
+    std::map<uint64_t, Pending> pending;  // outbound: by request id (ascending: the order sent)
+    // inbound: the first write rejected since the last acknowledgement (kNoAck writes wait
+    // for the next acknowledged one to report it)
+    wire::FrameHeader rejected{};
+    bool any_rejected = false;
   };
 
   Impl(int rank, uint64_t secret, LocalSegments& segs, milliseconds timeout,
@@ -241,7 +245,8 @@ class TcpTransport::Impl {
     wire::FrameHeader h{};
     h.type = req.op == Opcode::kWrite ? wire::kWrite : wire::kRead;
     h.segment = req.segment;
-    h.flags = req.notify ? static_cast<uint32_t>(wire::kNotify) : 0u;
+    h.flags = (req.notify ? static_cast<uint32_t>(wire::kNotify) : 0u) |
+              (req.no_ack && req.op == Opcode::kWrite ? static_cast<uint32_t>(wire::kNoAck) : 0u);
     h.offset = req.offset;
     h.length = req.length;
     s.frame = makeFrame(h, req.op == Opcode::kWrite ? req.local : nullptr,
@@ -560,19 +565,28 @@ class TcpTransport::Impl {
         return true;
       }
       case wire::kWriteAck: {
+        // Acknowledges this write; a failure it reports may be of an earlier kNoAck write
+        // (the first rejected since the last acknowledgement), and fails every write it covers.
         if (!c.outbound) return protocolError(c, "ack frame on an inbound connection");
         auto it = c.pending.find(h.request_id);
-        if (it == c.pending.end()) return protocolError(c, "ack for an unknown request");
+        if (it == c.pending.end() || it->second.op != Opcode::kWrite)
+          return protocolError(c, "ack for an unknown request");
         ring_ = true;
-        if (h.status == wire::kOk) {
-          it->second.batch->complete(it->second.index);
-        } else {
-          it->second.batch->fail(it->second.index,
-                                 str("rank ", c.peer, " rejected a write of ", h.length,
-                                     " bytes at offset ", h.offset, " of segment ", h.segment,
-                                     ": out of bounds"));
+        const std::string why = h.status == wire::kOk
+                                    ? std::string()
+                                    : str("rank ", c.peer, " rejected a write of ", h.length, " bytes at offset ",
+                                          h.offset, " of segment ", h.segment, ": out of bounds");
+        for (auto p = c.pending.begin(); p != c.pending.end() && p->first <= h.request_id;) {
+          if (p->second.op != Opcode::kWrite) {
+            ++p;
+            continue;
+          }
+          if (why.empty())
+            p->second.batch->complete(p->second.index);
+          else
+            p->second.batch->fail(p->second.index, why);
+          p = c.pending.erase(p);
         }
-        c.pending.erase(it);
         return true;
       }
       case wire::kReadData: {
@@ -611,14 +625,20 @@ class TcpTransport::Impl {
       if (c.signal) shm::orderedCopy(c.dst, c.sigbuf, 8);
       c.signal = false;
       if ((h.flags & wire::kNotify) && c.reply_status == wire::kOk) ring_ = true;
-      wire::FrameHeader a{};
-      a.type = wire::kWriteAck;
-      a.status = c.reply_status;
-      a.request_id = h.request_id;
-      a.segment = h.segment;
-      a.offset = h.offset;
-      a.length = h.length;
-      c.out.push_back(makeFrame(a, nullptr, 0));
+      if (c.reply_status != wire::kOk && !c.any_rejected) {
+        c.rejected = h;
+        c.rejected.status = c.reply_status;
+        c.any_rejected = true;
+      }
+      if (!(h.flags & wire::kNoAck)) {
+        wire::FrameHeader a = c.any_rejected ? c.rejected : h;  // the first rejected write it covers
+        a.type = wire::kWriteAck;
+        a.status = c.any_rejected ? c.rejected.status : wire::kOk;
+        a.request_id = h.request_id;
+        a.flags = 0;
+        c.any_rejected = false;
+        c.out.push_back(makeFrame(a, nullptr, 0));
+      }
     } else if (h.type == wire::kReadData) {
       auto it = c.pending.find(h.request_id);
       if (it != c.pending.end() && c.reply_status == wire::kOk) {
@@ -667,7 +687,20 @@ class TcpTransport::Impl {
         uint64_t take = std::min(left, total - f.sent);
         f.sent += take;
         left -= take;
-        if (f.sent == total) c.out.pop_front();
+        if (f.sent == total) {
+          // A write that gets no acknowledgement of its own is complete once it is on the
+          // wire (the one that carries a later write's acknowledgement reports its rejection).
+          const auto* h = reinterpret_cast<const wire::FrameHeader*>(f.head);
+          if (c.outbound && f.head_len == sizeof(wire::FrameHeader) && h->type == wire::kWrite &&
+              (h->flags & wire::kNoAck)) {
+            if (auto it = c.pending.find(h->request_id); it != c.pending.end()) {
+              it->second.batch->complete(it->second.index);
+              c.pending.erase(it);
+              ring_ = true;
+            }
+          }
+          c.out.pop_front();
+        }
       }
     }
     bool want = !c.out.empty();

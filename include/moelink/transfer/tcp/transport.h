@@ -68,13 +68,15 @@ struct Hello {
 };
 enum FrameType : uint32_t { kWrite = 1, kRead = 2, kWriteAck = 3, kReadData = 4 };
 enum FrameStatus : uint32_t { kOk = 0, kOutOfBounds = 1 };
-enum FrameFlags : uint32_t { kNotify = 1 };
+// kNoAck (writes): not acknowledged; the sender counts it complete once sent, and the next
+// acknowledgement on the connection carries the first rejection among such writes.
+enum FrameFlags : uint32_t { kNotify = 1, kNoAck = 2 };
 struct FrameHeader {
   uint32_t type;
   uint32_t status;
   uint64_t request_id;
   uint32_t segment;
-  uint32_t flags;  // kNotify on writes
+  uint32_t flags;  // kNotify, kNoAck on writes
   uint64_t offset;
   uint64_t length;  // payload bytes that follow (write, read data) or asked for (read)
 };
