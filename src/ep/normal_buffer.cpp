@@ -165,10 +165,14 @@ void NormalBuffer::barrier(const normal::RingLayout& L, int64_t timeout_us, cuda
   normal::prepare(p, stream);
 }
 
-void NormalBuffer::raiseOverflow() {
+int NormalBuffer::takeOverflow() {
   const int n = report_->overflow;
+  if (n != 0) report_->overflow = 0;
+  return n;
+}
+
+void NormalBuffer::raiseOverflow(int n) {
   if (n == 0) return;
-  report_->overflow = 0;
   TORCH_CHECK_VALUE(false, "moelink normal mode: an earlier dispatch received ", n,
                     " tokens, more than its num_worst_tokens; the rows past num_worst_tokens were dropped, so its "
                     "outputs (and a combine of them) are incomplete. This call ran on every rank (the group stays in "
@@ -244,6 +248,7 @@ NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::opti
   n.recv_channel_prefix = res.recv_channel_prefix.data_ptr<int>();
   n.report = report_dev_;
   n.timeout_ns = timeoutNs(timeout_us);
+  const int overflow = takeOverflow();  // reported before this call: raised after its launches
   normal::notify(n, stream);
   // num_worst_tokens: the outputs have that many rows and nothing waits on the host (the
   // received count stays on the device; a pad kernel fills the rest). Otherwise the host
@@ -318,7 +323,7 @@ NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::opti
   d.timeout_ns = n.timeout_ns;
   d.max_rows = static_cast<int>(bounded ? rows : 0);
   normal::dispatch(d, stream);
-  raiseOverflow();
+  raiseOverflow(overflow);
   return res;
 }
 
@@ -339,6 +344,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::cachedDispatch(
   if (scales) checkCuda(*scales, "scales", device_);
   auto L = layoutFor(shape, x.size(1) * x.element_size(), S, 0);
   auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+  const int overflow = takeOverflow();  // reported before this call: raised after its launches
   barrier(L, timeout_us, stream);
   at::Tensor recv_x = at::empty({num_out_rows, x.size(1)}, x.options());
   std::optional<at::Tensor> recv_scales;
@@ -383,7 +389,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::cachedDispatch(
   d.timeout_ns = timeoutNs(timeout_us);
   d.max_rows = static_cast<int>(num_out_rows);
   normal::dispatch(d, stream);
-  raiseOverflow();
+  raiseOverflow(overflow);
   return {recv_x, recv_scales};
 }
 
@@ -410,6 +416,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::combine(
     }
   auto L = layoutFor(shape, x.size(1) * 2, 0, K);
   auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+  const int overflow = takeOverflow();  // reported before this call: raised after its launches
   barrier(L, timeout_us, stream);
   at::Tensor out = at::empty({T, x.size(1)}, x.options());
   std::optional<at::Tensor> out_w;
@@ -433,7 +440,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::combine(
   c.timeout_ns = timeoutNs(timeout_us);
   c.max_rows = static_cast<int>(x.size(0));
   normal::combine(c, stream);
-  raiseOverflow();
+  raiseOverflow(overflow);
   return {out, out_w};
 }
 

@@ -73,9 +73,11 @@ class NormalBuffer {
  private:
   normal::RingLayout layoutFor(const NormalShape& shape, int64_t x_bytes, int64_t num_scales, int64_t num_topk) const;
   void checkHealthy();  // raises (once) what a kernel reported, and refuses a broken buffer
-  // Raises (once) a bounded dispatch's overflow the notify kernel reported; called after a
-  // call's launches, so that every rank takes part in the call either way.
-  void raiseOverflow();
+  // A bounded dispatch's overflow the notify kernel reported (rows that arrived), read and
+  // cleared at the start of a call; raiseOverflow raises it after the call's launches, so that
+  // every rank takes part in the call either way and a call never raises its own overflow.
+  int takeOverflow();
+  void raiseOverflow(int rows);
   int64_t timeoutNs(int64_t timeout_us) const;
   void release() noexcept;  // unmaps the peers, frees the buffer and the report
   // Starts a cached dispatch or a combine: the barrier kernel (the notify kernel is a
