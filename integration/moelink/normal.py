@@ -3,14 +3,17 @@ training and prefill. ``moelink.Buffer`` calls into this module; users call the 
 ``get_dispatch_layout``, ``dispatch`` and ``combine`` (see buffer.py) and, for training, the
 autograd pair ``dispatch_with_grad`` / ``combine_with_grad`` here.
 
-Two implementations with the same results and layout:
+Three routes with the same results and layout:
 
-- the NVLink kernels (``_C.EpNormal``, src/ep/normal/): every rank of the group on one host,
-  CUDA tensors: channelled kernels, sender and receiver blocks on separate SMs, ring buffers
-  in the peers' memory;
+- the NVLink kernels (``_C.NormalBuffer``, src/ep/kernels/normal.cu): every rank of the group
+  on one host, CUDA tensors: channelled kernels, sender and receiver blocks on separate SMs,
+  ring buffers in the peers' memory;
+- the two-hop route (two_hop.py): groups of several hosts with 2 to 8 ranks each; a host hop
+  over the group, then the NVLink kernels (or, for CPU tensors, this file's group path)
+  between the ranks of each host;
 - the group path (this file): torch ops and one ``all_to_all_single`` over the "ep" group
-  per call, for CPU tensors (any machine) and for CUDA groups whose peers are not all on
-  NVLink (another host, virtual hosts).
+  per call, for everything else (CPU tensors on one host, one GPU per host, a group with a
+  masked-out rank).
 
 Results (as DeepEP's intranode mode): received rows ordered by source rank, then source token
 index; ``recv_topk_idx`` holds local expert ids or -1 (weight 0 there);
