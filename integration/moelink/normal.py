@@ -89,10 +89,10 @@ def _slot_bytes(hidden_bytes: int) -> int:
     return hidden_bytes + 4 + NUM_MAX_TOPK * (8 + 4) + NUM_MAX_SCALES * 4
 
 
-# Default (tokens per send chunk, ring slots) per group size. 2 ranks: the best of the sweep
-# in docs/PERF.md on 2 x H200; larger groups: not measured yet, smaller chunks so that every
-# destination's stream moves.
-_DISPATCH = {2: (64, 256), 4: (24, 256), 8: (12, 256)}
+# Default (tokens per send chunk, ring slots) per group size. 2 ranks: from the sweeps in
+# docs/PERF.md on 2 x H200 (dispatch: FP8's best, BF16 within 3 % of its best); larger groups:
+# not measured yet, smaller chunks so that every destination's stream moves.
+_DISPATCH = {2: (96, 256), 4: (24, 256), 8: (12, 256)}
 _COMBINE = {2: (24, 256), 4: (12, 256), 8: (6, 256)}
 
 
