@@ -89,6 +89,18 @@ def allreduce_every_dtype_and_op(rank, world):
                 assert_close(x, want, dtype, f"all_reduce {dtype} {op} n={n}")
 
 
+def allreduce_large_dtypes_and_ops(rank, world):
+    """Sizes that take the bandwidth routes (over tcp: the pipelined ring from 4 MiB), uneven
+    against the group and the chunk size, several dtypes and ops."""
+    for dtype, op in ((torch.float32, R.SUM), (torch.float32, R.AVG), (torch.float64, R.MAX), (torch.int64, R.SUM),
+                      (torch.int32, R.BXOR), (torch.bfloat16, R.SUM), (torch.bool, R.BOR), (torch.uint8, R.MIN)):
+        n = (5 << 20) // max(1, torch.empty(0, dtype=dtype).element_size()) + 13
+        x = inp(rank, n, dtype)
+        dist.all_reduce(x, op=op)
+        want = reference(op, [inp(r, n, dtype) for r in range(world)], dtype)
+        assert_close(x, want, dtype, f"all_reduce {dtype} {op} n={n}")
+
+
 def allreduce_results_identical_across_ranks(rank, world):
     x = torch.randn(100000, generator=torch.Generator().manual_seed(rank))
     dist.all_reduce(x)
