@@ -219,10 +219,11 @@ class TwoHop:
         else:
             recv, recv_s, *_ = normal.group_dispatch(self.group, self.rank, self.world, self.num_experts, data1, scales1,
                                                      None, None, None, None, r.hop2_state, 1, 0, self.buf._key)
-        recv = normal._pad(recv[r.perm], state.num_out_rows) if state.num_out_rows > n else recv[r.perm]
-        if recv_s is not None:
-            recv_s = normal._pad(recv_s[r.perm], state.num_out_rows) if state.num_out_rows > n else recv_s[r.perm]
-        return recv, recv_s
+
+        def ordered(t):  # DeepEP's row order, padded to the dispatch's output rows
+            return normal._pad(t[r.perm], state.num_out_rows) if state.num_out_rows > n else t[r.perm]
+
+        return ordered(recv), ordered(recv_s) if recv_s is not None else None
 
     def combine(self, x: torch.Tensor, state: NormalState, topk_weights, biases: List[torch.Tensor],
                 config: Optional[Config]):

@@ -318,37 +318,33 @@ MsgHeader headerFor(const CollectiveWorker::Collective& op, int sender, uint64_t
 
 std::string CollectiveWorker::checkHeader(const Collective& op, int p, const MsgHeader& h,
                                           uint64_t expect) const {
-  // Called for every message, and again while a step waits for its other messages: the
-  // agreeing case compares and allocates nothing.
-  const bool agrees = h.op_seq <= op.seq && !(h.flags & kAbort) && h.kind == static_cast<uint8_t>(op.spec.kind) &&
-                      h.root == op.spec.root && h.dtype == static_cast<uint8_t>(op.spec.dtype) &&
-                      h.redop == static_cast<uint8_t>(op.spec.redop) &&
-                      !(h.op_bytes && op.spec.op_bytes && h.op_bytes != op.spec.op_bytes) &&
-                      h.pair_bytes == op.pair_recv[p] && h.bytes == expect;
-  if (agrees) return {};
+  // Called for every message, and again while a step waits for its other messages: an
+  // agreeing header only compares (the message is built on a disagreement).
   const char* kind = opKindName(op.spec.kind);
-  std::string who = str(kind, " #", op.seq, ": rank ", p);
+  auto who = [&] { return str(kind, " #", op.seq, ": rank ", p); };
   if (h.op_seq > op.seq)
-    return str(who, " is already at op #", h.op_seq, " (",
+    return str(who(), " is already at op #", h.op_seq, " (",
                opKindName(static_cast<OpKind>(h.kind)),
                "); the ranks called different sequences of collectives");
-  if (h.flags & kAbort) return str(who, " aborted this op (it failed there)");
+  if (h.flags & kAbort) return str(who(), " aborted this op (it failed there)");
   if (h.kind != static_cast<uint8_t>(op.spec.kind))
-    return str(who, " called ", opKindName(static_cast<OpKind>(h.kind)), ", this rank called ", kind);
+    return str(who(), " called ", opKindName(static_cast<OpKind>(h.kind)), ", this rank called ", kind);
   if (h.root != op.spec.root)
-    return str(who, " used root ", h.root, ", this rank root ", op.spec.root);
+    return str(who(), " used root ", h.root, ", this rank root ", op.spec.root);
   if (h.dtype != static_cast<uint8_t>(op.spec.dtype))
-    return str(who, " sent dtype ", dtypeName(static_cast<DType>(h.dtype)), ", this rank expects ",
+    return str(who(), " sent dtype ", dtypeName(static_cast<DType>(h.dtype)), ", this rank expects ",
                dtypeName(op.spec.dtype));
   if (h.redop != static_cast<uint8_t>(op.spec.redop))
-    return str(who, " reduces with ", reduceOpName(static_cast<ReduceOp>(h.redop)),
+    return str(who(), " reduces with ", reduceOpName(static_cast<ReduceOp>(h.redop)),
                ", this rank with ", reduceOpName(op.spec.redop));
   if (h.op_bytes && op.spec.op_bytes && h.op_bytes != op.spec.op_bytes)
-    return str(who, " sent ", h.op_bytes, " bytes, this rank expects ", op.spec.op_bytes);
+    return str(who(), " sent ", h.op_bytes, " bytes, this rank expects ", op.spec.op_bytes);
   if (h.pair_bytes != op.pair_recv[p])
-    return str(who, " sent ", h.pair_bytes, " bytes to this rank, this rank expects ",
+    return str(who(), " sent ", h.pair_bytes, " bytes to this rank, this rank expects ",
                op.pair_recv[p]);
-  return str(who, " sent a ", h.bytes, "-byte piece, this rank expects ", expect);
+  if (h.bytes != expect)
+    return str(who(), " sent a ", h.bytes, "-byte piece, this rank expects ", expect);
+  return {};
 }
 
 bool CollectiveWorker::anyPeerLost() {

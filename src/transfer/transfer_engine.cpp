@@ -432,8 +432,10 @@ std::string TransferEngine::lostReason(int peer) const { return tcp_ ? tcp_->los
 uint64_t TransferEngine::losses() const { return tcp_ ? tcp_->losses() : 0; }
 
 BatchPtr TransferEngine::submit(const std::vector<TransferRequest>& requests) {
-  auto batch = std::make_shared<TransferBatch>(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i) {
+  const size_t n = requests.size();
+  auto batch = std::make_shared<TransferBatch>(n);
+  std::vector<RemoteSegment*> remote(n, nullptr);  // requests to post to a transport
+  for (size_t i = 0; i < n; ++i) {
     const TransferRequest& r = requests[i];
     RemoteSegment* seg = (r.peer >= 0 && r.peer < opts_.world_size) ? findOpened(r.peer, r.segment)
                                                                       : nullptr;
@@ -457,22 +459,30 @@ BatchPtr TransferEngine::submit(const std::vector<TransferRequest>& requests) {
       if (r.notify) ringDoorbell(doorbell_);
       continue;
     }
-    if (r.op == Opcode::kWrite && !r.no_ack) {
-      bool later = false;
-      for (size_t j = i + 1; j < requests.size() && !later; ++j) {
-        const TransferRequest& q = requests[j];
-        if (q.op != Opcode::kWrite || q.peer != r.peer) continue;
-        RemoteSegment* qs = findOpened(q.peer, q.segment);  // a later write that will be posted
-        later = qs && qs->via == seg->via && q.offset <= qs->desc.length && q.length <= qs->desc.length - q.offset;
-      }
-      if (later) {
-        TransferRequest covered = r;
-        covered.no_ack = true;
-        seg->via->post(covered, *seg, batch, i);
-        continue;
-      }
+    remote[i] = seg;
+  }
+  // A write followed in the batch by a write to the same peer over the same transport needs no
+  // acknowledgement of its own (TransferRequest::no_ack): the batch completes with that one.
+  std::vector<char> covered(n, 0);
+  if (n > 1) {
+    std::vector<Transport*> next_write(opts_.world_size, nullptr);
+    for (size_t i = n; i-- > 0;) {
+      if (!remote[i] || requests[i].op != Opcode::kWrite) continue;
+      covered[i] = next_write[requests[i].peer] == remote[i]->via;
+      next_write[requests[i].peer] = remote[i]->via;
     }
-    seg->via->post(r, *seg, batch, i);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    RemoteSegment* seg = remote[i];
+    if (!seg) continue;
+    const TransferRequest& r = requests[i];
+    if (covered[i] && !r.no_ack) {
+      TransferRequest unacknowledged = r;
+      unacknowledged.no_ack = true;
+      seg->via->post(unacknowledged, *seg, batch, i);
+    } else {
+      seg->via->post(r, *seg, batch, i);
+    }
     // tcp carries the flag to the peer, whose progress thread rings there; shm rings here.
     if (r.notify && seg->via == shm_.get()) {
       if (RemoteSegment* bell = peer_doorbells_[r.peer]; bell && bell->mapped)

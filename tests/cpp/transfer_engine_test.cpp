@@ -127,17 +127,27 @@ bool readWithTimeout(int fd, void* p, size_t n, int ms) {
   return true;
 }
 
+// A raw connection that has presented the engine's secret (-1 if the handshake failed).
+int rawAuthenticated(TransferEngine& engine) {
+  namespace w = moelink::transfer::tcp::wire;
+  int fd = rawConnect(engine.tcpAddress());
+  w::Hello hello{w::kHelloMagic, engine.secret(), 5, 0};
+  uint64_t reply = 0;
+  if (send(fd, &hello, sizeof hello, 0) != static_cast<ssize_t>(sizeof hello) || !readWithTimeout(fd, &reply, 8, 5000) ||
+      reply != w::kHelloMagic) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
 TEST(TcpTransport, ReceiverRejectsOutOfBoundsWrite) {
   auto store = std::make_shared<InProcessStore>();
   TransferEngine engine(store, opts(0, 1, "tcp"));
   char* seg = static_cast<char*>(engine.allocateSegment(3, 64));
-  int fd = rawConnect(engine.tcpAddress());
+  int fd = rawAuthenticated(engine);
+  ASSERT_GE(fd, 0) << "handshake refused";
   namespace w = moelink::transfer::tcp::wire;
-  w::Hello hello{w::kHelloMagic, engine.secret(), 5, 0};
-  ASSERT_EQ(static_cast<ssize_t>(sizeof hello), send(fd, &hello, sizeof hello, 0));
-  uint64_t reply = 0;
-  ASSERT_TRUE(readWithTimeout(fd, &reply, 8, 5000));
-  ASSERT_EQ(reply, w::kHelloMagic);
   char payload[32];
   std::memset(payload, 0xAB, sizeof payload);
   w::FrameHeader h{w::kWrite, 0, 42, 3, 0, 48, sizeof payload};  // 48 + 32 > 64
@@ -166,12 +176,9 @@ TEST(TcpTransport, UnacknowledgedWritesReportThroughTheNextAck) {
   auto store = std::make_shared<InProcessStore>();
   TransferEngine engine(store, opts(0, 1, "tcp"));
   char* seg = static_cast<char*>(engine.allocateSegment(3, 64));
-  int fd = rawConnect(engine.tcpAddress());
+  int fd = rawAuthenticated(engine);
+  ASSERT_GE(fd, 0) << "handshake refused";
   namespace w = moelink::transfer::tcp::wire;
-  w::Hello hello{w::kHelloMagic, engine.secret(), 5, 0};
-  ASSERT_EQ(static_cast<ssize_t>(sizeof hello), send(fd, &hello, sizeof hello, 0));
-  uint64_t reply = 0;
-  ASSERT_TRUE(readWithTimeout(fd, &reply, 8, 5000));
   char payload[16];
   std::memset(payload, 0x5A, sizeof payload);
   auto write = [&](uint64_t id, uint64_t offset, uint32_t flags) {

@@ -18,7 +18,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -112,7 +111,7 @@ class TcpTransport::Impl {
     // send side
     std::deque<OutFrame> out;
     bool want_out = false;
-    std::map<uint64_t, Pending> pending;  // outbound: by request id (ascending: the order sent)
+    std::unordered_map<uint64_t, Pending> pending;  // outbound: by request id
     // inbound: the first write rejected since the last acknowledgement (kNoAck writes wait
     // for the next acknowledged one to report it)
     wire::FrameHeader rejected{};
@@ -565,28 +564,21 @@ class TcpTransport::Impl {
         return true;
       }
       case wire::kWriteAck: {
-        // Acknowledges this write; a failure it reports may be of an earlier kNoAck write
-        // (the first rejected since the last acknowledgement), and fails every write it covers.
+        // A failure it reports may be of an earlier kNoAck write on the connection (the first
+        // rejected since the last acknowledgement; those completed when sent).
         if (!c.outbound) return protocolError(c, "ack frame on an inbound connection");
         auto it = c.pending.find(h.request_id);
-        if (it == c.pending.end() || it->second.op != Opcode::kWrite)
-          return protocolError(c, "ack for an unknown request");
+        if (it == c.pending.end()) return protocolError(c, "ack for an unknown request");
         ring_ = true;
-        const std::string why = h.status == wire::kOk
-                                    ? std::string()
-                                    : str("rank ", c.peer, " rejected a write of ", h.length, " bytes at offset ",
-                                          h.offset, " of segment ", h.segment, ": out of bounds");
-        for (auto p = c.pending.begin(); p != c.pending.end() && p->first <= h.request_id;) {
-          if (p->second.op != Opcode::kWrite) {
-            ++p;
-            continue;
-          }
-          if (why.empty())
-            p->second.batch->complete(p->second.index);
-          else
-            p->second.batch->fail(p->second.index, why);
-          p = c.pending.erase(p);
+        if (h.status == wire::kOk) {
+          it->second.batch->complete(it->second.index);
+        } else {
+          it->second.batch->fail(it->second.index,
+                                 str("rank ", c.peer, " rejected a write of ", h.length,
+                                     " bytes at offset ", h.offset, " of segment ", h.segment,
+                                     ": out of bounds"));
         }
+        c.pending.erase(it);
         return true;
       }
       case wire::kReadData: {
