@@ -135,7 +135,9 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
            py::arg("hidden"), py::arg("num_experts"), py::arg("active") = std::vector<int64_t>{},
            py::call_guard<py::gil_scoped_release>())
       .def("nonce", &EpBuffer::nonce)
-      .def("update_members", &EpBuffer::updateMembers, py::arg("mask"), py::arg("nonces"),
+      .def("pairs_hash", &EpBuffer::pairsHash)
+      .def("settle", &EpBuffer::settle, py::call_guard<py::gil_scoped_release>())
+      .def("update_members", &EpBuffer::updateMembers, py::arg("mask"), py::arg("nonces"), py::arg("generation"),
            py::call_guard<py::gil_scoped_release>())
       .def_static("size_hint", &EpBuffer::sizeHint)
       .def("dispatch", &EpBuffer::dispatch)

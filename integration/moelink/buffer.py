@@ -56,9 +56,10 @@ next dispatch or combine. A rank readmitted by ``recover_ranks`` stays masked ou
 active rank calls ``update_members()``: the survivors after ``recover_ranks``, the replacement
 process after creating its Buffer (the same arguments, the group's same Buffer); it maps the
 new process's buffer, clears the signals and unmasks every rank the group has active. While a
-membership change waits for it, normal-mode calls take the group route. Ranks readmitted on
-another (virtual) host than the others need a new Buffer on every rank instead (the call
-raises on every rank).
+membership change waits for it, normal-mode calls take the group route. It reconnects a
+readmitted rank on every path (NVLink, CPU proxy, IBGDA); a replacement that reaches the others
+differently than its predecessor did (another host) needs a new Buffer on every rank instead
+(the call raises on every rank).
 
 Rounds: dispatch/combine pairs alternate between two halves of the buffer, so a round's
 dispatch may be issued while the previous round's combine is still running. Nothing here
@@ -129,6 +130,7 @@ class Buffer:
         self._zero_copy = {}  # (device, half) -> persistent combine source for zero_copy
         self._normal = None  # the normal mode's NVLink buffer, created at its first use
         self._normal_serial = itertools.count()
+        self._updates = 0  # update_members calls (the ranks agree on the count: IBGDA records carry it)
         self._two_hop = {}  # device type -> the normal mode's route across hosts (two_hop.py), made at first use
         self._hosts = {}  # (device type, membership epoch) -> agreed ranks per host for the two-hop route
         if getattr(_C, "HAS_CUDA", False) and torch.cuda.is_available():
@@ -418,45 +420,62 @@ class Buffer:
         membership after ``moelink.recover_ranks`` (or ``extend_group_size_to``) without
         rebuilding it. Survivors call it after readmitting; the readmitted rank's new process
         calls it after creating its Buffer (with the same arguments, as the group's same
-        Buffer). It waits for this rank's kernels, maps the buffers of readmitted ranks (CUDA
-        IPC), clears every signal, and unmasks every rank the group has active, also one this
-        buffer masked out after a ``timeout_us`` expired; the normal mode's buffer is rebuilt at
-        its next use. No dispatch or combine may be in flight on any rank (their handles from
-        before the call are void). Readmitted ranks must share a (virtual) host with every
-        active rank: ranks on other hosts connect through the CPU proxy or IBGDA, which only a
-        new Buffer on every rank sets up; that case raises ValueError on every rank, changing
-        nothing."""
+        Buffer). It waits for this rank's kernels and for what its CPU proxy and NIC still
+        carry, connects the readmitted ranks' new processes whatever the path (maps their
+        buffers over CUDA IPC, opens their CPU-proxy inboxes, connects new IBGDA queue pairs),
+        clears every signal, and unmasks every rank the group has active, also one this buffer
+        masked out after a ``timeout_us`` expired; the normal mode's buffer is rebuilt at its
+        next use. No dispatch or combine may be in flight on any rank (their handles from
+        before the call are void). A replacement must reach the others the way its predecessor
+        did (the same host, or one with the same paths: NVLink, proxy, IBGDA); otherwise the
+        call raises ValueError on every rank, changing nothing, and a new Buffer on every rank
+        is the way on."""
         backend = self._backend
         if self._impl is None:  # no GPU buffer: the host path follows the group's mask by itself
             self._epoch = self._connected_epoch = backend.epoch
             return
         torch.cuda.synchronize(self._impl.active_ranks().device)  # this rank's rounds are over
         serial = next(self._normal_serial)
-        mine = torch.tensor([self._impl.nonce(), self._key_index + 1, serial], dtype=torch.int64)
-        every = torch.zeros(self.num_ranks * 3, dtype=torch.int64)
+        self._updates += 1
+        mine = torch.tensor([self._impl.nonce(), self._key_index + 1, serial, self._impl.pairs_hash(), self._updates],
+                            dtype=torch.int64)
+        cols = mine.numel()
+        every = torch.zeros(self.num_ranks * cols, dtype=torch.int64)
         dist.all_gather_into_tensor(every, mine, group=self.group)  # inactive ranks' slots: zeros
         mask = list(backend.active_mask())
-        every = every.view(self.num_ranks, 3).tolist()
-        keys = {every[r][1] - 1 for r in range(self.num_ranks) if mask[r]}
+        every = every.view(self.num_ranks, cols).tolist()
+        active = [r for r in range(self.num_ranks) if mask[r]]
+        keys = {every[r][1] - 1 for r in active}
         if len(keys) != 1:
             raise ValueError(f"moelink Buffer.update_members: the active ranks call it on different Buffers "
                              f"(creation indices {sorted(keys)}); a replacement process must create the same "
                              "Buffers in the same order as the others")
-        error = None
-        try:
-            self._impl.update_members(mask, [every[r][0] if mask[r] else 0 for r in range(self.num_ranks)])
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            error = e
+        paths = {every[r][3] for r in active}
+        if len(paths) != 1:
+            raise ValueError("moelink Buffer.update_members: the ranks reach each other differently in their "
+                             "Buffers (a replacement process on another host than its predecessor, or with "
+                             "another NIC, or a rank that was inactive when the others created it): create a new "
+                             "Buffer on every rank instead")
+        self._updates = generation = max(every[r][4] for r in active)
         self._normal = None  # the next normal-mode call creates it anew, over the new mappings
         self._two_hop = {}  # and the two-hop route's NVLink buffer with it
         self._normal_serial = itertools.count(max(row[2] for row in every) + 1)
-        ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)  # nobody sends before all are ready
-        if error is not None:
-            raise error
-        if not ok.item():
-            raise RuntimeError("moelink Buffer.update_members failed on another rank (see its error); this "
-                               "rank's buffer is up to date but the group's is not")
+        error = None
+        for step in (self._impl.settle,  # then no rank's traffic is on its way anywhere
+                     lambda: self._impl.update_members(mask, [every[r][0] if mask[r] else 0
+                                                              for r in range(self.num_ranks)], generation)):
+            try:
+                if error is None:
+                    step()
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                error = e
+            ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)  # nobody goes on before all are ready
+            if error is not None:
+                raise error
+            if not ok.item():
+                raise RuntimeError("moelink Buffer.update_members failed on another rank (see its error); this "
+                                   "rank's buffer may be left with that rank masked out")
         self._epoch = self._connected_epoch = backend.epoch
 
     def _normal_buffer(self, needed: int, config: Config):

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdlib>
@@ -186,7 +187,8 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
 
   // A buffer that the active ranks created before this rank's process existed (this process
   // replaces a failed rank): no rank can count itself mapped before every rank has published,
-  // so a count already there means this rank joins. It maps their buffers and waits for nobody.
+  // so a count already there means this rank joins. It connects to nobody here and waits for
+  // nobody: its update_members() (with the others') connects every pair.
   const bool joining = store->check({key + "/mapped"}) && store->add(key + "/mapped", 0) > 0;
   // Exchange host ids and CUDA IPC handles (with the buffer's identity) through the group's
   // store; inactive ranks are skipped (they may never publish).
@@ -213,13 +215,6 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   for (int a = 0; a < size; ++a)
     for (int b = 0; b < size; ++b)
       proxy[a][b] = a != b && on[a] && on[b] && (hosts[a] != hosts[b] || (rph > 0 && a / rph != b / rph));
-  if (joining) {
-    for (int r = 0; r < size; ++r)
-      TORCH_CHECK_VALUE(!proxy[rank][r], "moelink Buffer: this process joins a buffer the other ranks created "
-                        "before it (it replaces a failed rank), but rank ", r, " is on another (virtual) host: the "
-                        "CPU proxy and IBGDA connect only when every rank creates the buffer together, so "
-                        "create a new Buffer on every rank instead");
-  }
   // MOELINK_EP_IBGDA: auto (default: the mlx5 NIC when there is one), off, or emulate (the
   // emulated NIC, for testing the GPU side of IBGDA on one host).
   const char* ib_env = std::getenv("MOELINK_EP_IBGDA");
@@ -280,26 +275,36 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
     nic_.reset();
     emulated_.reset();
   }
+  proxy_pairs_ = proxy;
+  ibgda_pairs_ = ibgda;
+  pairs_hash_ = 1469598103934665603ull;  // FNV-1a over the pairs' paths
+  for (int a = 0; a < size; ++a)
+    for (int b = 0; b < size; ++b) pairs_hash_ = (pairs_hash_ ^ (proxy[a][b] + 2u * ibgda[a][b])) * 1099511628211ull;
+  pairs_hash_ &= (1ull << 62) - 1;
   peers_.assign(size, nullptr);
   peer_nonce_.assign(size, 0);
+  connected_.assign(size, false);
   transports_.assign(size, "");
   for (int r = 0; r < size; ++r) {
     if (r == rank) {
       peers_[r] = buffer_;
       peer_nonce_[r] = nonce_;
+      connected_[r] = true;
       transports_[r] = "local";
-    } else if (!on[r]) {
-      transports_[r] = "inactive";  // unmapped until updateMembers() finds it active
-    } else if (proxy[rank][r]) {
-      transports_[r] = "proxy";
+    } else if (!on[r] || joining) {
+      transports_[r] = "inactive";  // unconnected until updateMembers() finds it active
     } else {
-      transports_[r] = ibgda[rank][r] ? "ibgda" : "nvlink";
-      if (ibgda[rank][r] && !emulated_) continue;  // only the emulated NIC writes through CUDA IPC
-      mapPeer(r, 0);
+      transports_[r] = pathTo(r);
+      if (proxy[rank][r] || (ibgda[rank][r] && !emulated_)) {
+        // Connected below (only the emulated NIC writes through CUDA IPC).
+        peer_nonce_[r] = publishedNonce(r);
+        connected_[r] = proxy[rank][r];
+      } else {
+        mapPeer(r, 0);
+        connected_[r] = !ibgda[rank][r];
+      }
     }
   }
-  proxy_pairs_ = proxy;
-  ibgda_pairs_ = ibgda;
   bool other_host_proxy = false;
   for (int r = 0; r < size; ++r) other_host_proxy = other_host_proxy || (hosts[r] != hosts[rank] && proxy[rank][r]);
   if (other_host_proxy) {
@@ -308,7 +313,8 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   }
   if (any_ibgda) {
     try {
-      setupIbgda(store, key, ibgda);
+      prepareIbgda(ibgda);
+      if (!joining) connectIbgda(ibgda_peers_, 0);
     } catch (const c10::Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -326,14 +332,16 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
     auto ms = std::make_shared<transfer::PrefixStore>(key + "/proxy/", std::make_shared<backend::C10dStore>(store));
     try {
       proxy_ = std::make_unique<EpProxy>(ms, rank, size, mine_peers, inbox, outbox,
-                                         std::chrono::duration_cast<std::chrono::milliseconds>(store->getTimeout()));
+                                         std::chrono::duration_cast<std::chrono::milliseconds>(store->getTimeout()),
+                                         joining);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "moelink Buffer: could not set up the CPU proxy path: ", e.what());
     }
   }
   buildRoutes(proxy, ibgda);
   {
-    std::vector<int> mask(on.begin(), on.end());
+    std::vector<int> mask(size);
+    for (int r = 0; r < size; ++r) mask[r] = on[r] && connected_[r];
     active_ = at::tensor(mask, at::kInt).to(at::Device(at::kCUDA, device_));
   }
   cudaCheck(cudaDeviceSynchronize(), "buffer setup");
@@ -346,11 +354,9 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
                 "moelink Buffer: timed out waiting for every rank to create its buffer (a collective call)");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (proxy_) proxy_->unlinkNames();  // every peer has opened its segments by now
 }
 
-void EpBuffer::setupIbgda(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
-                          const std::vector<std::vector<bool>>& ibgda) {
+void EpBuffer::prepareIbgda(const std::vector<std::vector<bool>>& ibgda) {
   for (int r = 0; r < size_; ++r)
     if (ibgda[rank_][r]) ibgda_peers_.push_back(r);
   const int n = static_cast<int>(ibgda_peers_.size());
@@ -358,37 +364,44 @@ void EpBuffer::setupIbgda(const c10::intrusive_ptr<c10d::Store>& store, const st
   cudaCheck(cudaMalloc(&staging_, staging_bytes_), "cudaMalloc(IBGDA staging)");
   cudaCheck(cudaMemset(staging_, 0, staging_bytes_), "cudaMemset(IBGDA staging)");
   staging_lkey_ = nic_->registerMemory(staging_, staging_bytes_).lkey;
-  const std::string me = std::to_string(rank_);
-  {
-    const uint64_t rec[3] = {reinterpret_cast<uint64_t>(buffer_), buffer_bytes_, buffer_rkey_};
-    store->set(key + "/ibgda/mr/" + me, std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(rec),
-                                                             reinterpret_cast<const uint8_t*>(rec) + sizeof rec));
-  }
-  for (int r : ibgda_peers_) store->set(key + "/ibgda/qp/" + me + "/" + std::to_string(r), nic_->createQueuePair(r));
+  // The posting threads' counters, each on its own line, and the queue pairs (zero until
+  // connected: no kernel posts to an unconnected peer, which is masked out).
+  cudaCheck(cudaMalloc(&qp_counters_, 3ull * n * ibgda::kCounterStride), "cudaMalloc(IBGDA counters)");
+  cudaCheck(cudaMemset(qp_counters_, 0, 3ull * n * ibgda::kCounterStride), "cudaMemset(IBGDA counters)");
+  cudaCheck(cudaMalloc(&qps_dev_, n * sizeof(ibgda::QueuePair)), "cudaMalloc(IBGDA queue pairs)");
+  cudaCheck(cudaMemset(qps_dev_, 0, n * sizeof(ibgda::QueuePair)), "cudaMemset(IBGDA queue pairs)");
   remote_.assign(size_, RemoteBuffer{});
-  for (int r : ibgda_peers_) {
-    auto v = store->get(key + "/ibgda/mr/" + std::to_string(r));
+  const uint64_t rec[3] = {reinterpret_cast<uint64_t>(buffer_), buffer_bytes_, buffer_rkey_};
+  store_->set(key_ + "/ibgda/mr/" + std::to_string(rank_) + "." + std::to_string(nonce_),
+              std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(rec), reinterpret_cast<const uint8_t*>(rec) + sizeof rec));
+}
+
+void EpBuffer::connectIbgda(const std::vector<int>& peers, int64_t generation) {
+  // One record per ordered pair of processes and call: a new process never reads the address
+  // its predecessor was given, and a later call never reads an earlier one's.
+  const auto qpKey = [&](int from, int to) {
+    return key_ + "/ibgda/qp/" + std::to_string(from) + "/" + std::to_string(to) + "/" + std::to_string(generation) +
+           "/" + std::to_string(peer_nonce_[from]) + "." + std::to_string(peer_nonce_[to]);
+  };
+  for (int r : peers) store_->set(qpKey(rank_, r), nic_->createQueuePair(r));
+  for (int r : peers) {
+    auto v = store_->get(key_ + "/ibgda/mr/" + std::to_string(r) + "." + std::to_string(peer_nonce_[r]));
     TORCH_CHECK(v.size() == 3 * sizeof(uint64_t), "moelink Buffer: bad IBGDA buffer record from rank ", r);
     uint64_t rec[3];
     std::memcpy(rec, v.data(), sizeof rec);
     remote_[r] = {rec[0], rec[1], static_cast<uint32_t>(rec[2])};
     if (emulated_) emulated_->peers[r] = {peers_[r], rec[0], rec[1]};
-  }
-  std::vector<ibgda::QueuePair> qps;
-  for (int r : ibgda_peers_)
-    qps.push_back(nic_->connect(r, store->get(key + "/ibgda/qp/" + std::to_string(r) + "/" + me)));
-  // The posting threads' counters, zeroed, each on its own line.
-  cudaCheck(cudaMalloc(&qp_counters_, 3ull * n * ibgda::kCounterStride), "cudaMalloc(IBGDA counters)");
-  cudaCheck(cudaMemset(qp_counters_, 0, 3ull * n * ibgda::kCounterStride), "cudaMemset(IBGDA counters)");
-  for (int j = 0; j < n; ++j) {
+    ibgda::QueuePair qp = nic_->connect(r, store_->get(qpKey(r, rank_)));
+    const int j = static_cast<int>(std::find(ibgda_peers_.begin(), ibgda_peers_.end(), r) - ibgda_peers_.begin());
+    TORCH_CHECK(j < static_cast<int>(ibgda_peers_.size()), "moelink Buffer: rank ", r, " is not an IBGDA peer");
     char* c = qp_counters_ + 3ull * j * ibgda::kCounterStride;
-    qps[j].sq.tickets = reinterpret_cast<uint64_t*>(c);
-    qps[j].sq.ready = reinterpret_cast<uint64_t*>(c + ibgda::kCounterStride);
-    qps[j].sq.completed = reinterpret_cast<uint64_t*>(c + 2 * ibgda::kCounterStride);
+    qp.sq.tickets = reinterpret_cast<uint64_t*>(c);
+    qp.sq.ready = reinterpret_cast<uint64_t*>(c + ibgda::kCounterStride);
+    qp.sq.completed = reinterpret_cast<uint64_t*>(c + 2 * ibgda::kCounterStride);
+    cudaCheck(cudaMemset(c, 0, 3ull * ibgda::kCounterStride), "cudaMemset(IBGDA counters)");
+    cudaCheck(cudaMemcpy(qps_dev_ + j, &qp, sizeof qp, cudaMemcpyHostToDevice), "IBGDA queue pair copy");
+    connected_[r] = true;
   }
-  cudaCheck(cudaMalloc(&qps_dev_, n * sizeof(ibgda::QueuePair)), "cudaMalloc(IBGDA queue pairs)");
-  cudaCheck(cudaMemcpy(qps_dev_, qps.data(), n * sizeof(ibgda::QueuePair), cudaMemcpyHostToDevice),
-            "IBGDA queue pairs copy");
 }
 
 void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const std::vector<std::vector<bool>>& ibgda) {
@@ -441,6 +454,18 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
             "routes copy");
 }
 
+uint64_t EpBuffer::publishedNonce(int r) const {
+  auto b = store_->get(key_ + "/ipc/" + std::to_string(r));
+  TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t) + sizeof(uint64_t), "moelink Buffer: bad IPC record from rank ", r);
+  uint64_t nonce = 0;
+  std::memcpy(&nonce, b.data() + sizeof(cudaIpcMemHandle_t), sizeof nonce);
+  return nonce;
+}
+
+std::string EpBuffer::pathTo(int r) const {
+  return proxy_pairs_[rank_][r] ? "proxy" : ibgda_pairs_[rank_][r] ? "ibgda" : "nvlink";
+}
+
 void EpBuffer::mapPeer(int r, uint64_t expect) {
   auto b = store_->get(key_ + "/ipc/" + std::to_string(r));
   TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t) + sizeof(uint64_t), "moelink Buffer: bad IPC record from rank ", r);
@@ -457,58 +482,77 @@ void EpBuffer::mapPeer(int r, uint64_t expect) {
   peer_nonce_[r] = nonce;
 }
 
-void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces) {
+void EpBuffer::settle() {
+  c10::cuda::CUDAGuard guard(device_);
+  cudaCheck(cudaDeviceSynchronize(), "update_members: the rounds in flight");
+  TORCH_CHECK(!proxy_ || proxy_->settle(), "moelink Buffer.update_members: the CPU proxy did not deliver what the "
+              "GPU posted within the group's timeout");
+  if (nic_) {
+    for (int r : ibgda_peers_) {
+      if (!connected_[r]) continue;
+      nic_->destroyQueuePair(r);
+      connected_[r] = false;
+    }
+  }
+}
+
+void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces,
+                             int64_t generation) {
   TORCH_CHECK_VALUE(static_cast<int>(mask.size()) == size_ && static_cast<int>(nonces.size()) == size_,
                     "moelink Buffer.update_members: the mask and the identities need ", size_, " entries each");
   TORCH_CHECK_VALUE(mask[rank_] != 0, "moelink Buffer.update_members: rank ", rank_, " is not active in the group");
   c10::cuda::CUDAGuard guard(device_);
   cudaCheck(cudaDeviceSynchronize(), "update_members: the rounds in flight");
-  // The active ranks whose buffer this rank has not mapped: checked first, so that a refusal
-  // changes nothing (and every rank refuses alike: the test depends on the store's records
-  // and the mask only).
+  // The active ranks this buffer has not connected: new processes (another identity), peers a
+  // joining process has not connected yet, and IBGDA peers (settle() closed their queue pairs).
   std::vector<int> changed;
   for (int r = 0; r < size_; ++r) {
     if (r == rank_ || mask[r] == 0) continue;
     TORCH_CHECK_VALUE(nonces[r] != 0, "moelink Buffer.update_members: active rank ", r, " reports no GPU buffer");
-    if (static_cast<uint64_t>(nonces[r]) != peer_nonce_[r]) changed.push_back(r);
-  }
-  for (int r : changed) {
-    auto h = store_->get(key_ + "/host/" + std::to_string(r));
-    const std::string host(h.begin(), h.end());
-    for (int a = 0; a < size_; ++a) {
-      if (mask[a] == 0 || a == r) continue;
-      auto ha = store_->get(key_ + "/host/" + std::to_string(a));
-      const int rph = ranks_per_host_;
-      TORCH_CHECK_VALUE(std::string(ha.begin(), ha.end()) == host && (rph == 0 || a / rph == r / rph),
-                        "moelink Buffer.update_members: rank ", r, " has a new process, and it is on another "
-                        "(virtual) host than rank ", a, ": the CPU proxy and IBGDA connect only when every rank "
-                        "creates the buffer together, so create a new Buffer on every rank instead");
-    }
+    if (!connected_[r] || static_cast<uint64_t>(nonces[r]) != peer_nonce_[r]) changed.push_back(r);
   }
   try {
+    std::vector<int> ib;
     for (int r : changed) {
-      if (peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);  // the failed process's buffer
-      peers_[r] = nullptr;
-      peer_nonce_[r] = 0;
+      const uint64_t nonce = static_cast<uint64_t>(nonces[r]);
+      const std::string path = pathTo(r);
+      const bool renewed = nonce != peer_nonce_[r];
+      connected_[r] = false;
       transports_[r] = "inactive";
-      mapPeer(r, static_cast<uint64_t>(nonces[r]));
-      transports_[r] = "nvlink";
+      if ((path == "nvlink" || (path == "ibgda" && emulated_)) && (renewed || peers_[r] == nullptr)) {
+        if (peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);  // the failed process's buffer
+        peers_[r] = nullptr;
+        mapPeer(r, nonce);
+      }
+      if (path == "proxy") proxy_->reopen(r);  // forgets the old process, opens the new one's inbox
+      peer_nonce_[r] = nonce;
+      if (path == "ibgda") {
+        ib.push_back(r);
+      } else {
+        connected_[r] = true;
+        transports_[r] = path;
+      }
+    }
+    if (!ib.empty()) {
+      connectIbgda(ib, generation);
+      for (int r : ib) transports_[r] = "ibgda";
     }
   } catch (...) {
-    // A rank left unmapped is masked out and routed nowhere, never through a closed mapping.
+    // A rank left unconnected is masked out and routed nowhere, never through a closed mapping.
     at::Tensor keep = active_.cpu();
     for (int r : changed)
-      if (peers_[r] == nullptr) keep[r].fill_(0);
+      if (!connected_[r]) keep[r].fill_(0);
     active_.copy_(keep);
     buildRoutes(proxy_pairs_, ibgda_pairs_);
     cudaDeviceSynchronize();
     throw;
   }
   if (!changed.empty()) buildRoutes(proxy_pairs_, ibgda_pairs_);
-  // Every rank has finished its rounds (the caller's collective follows the synchronization
-  // above), so no signal is on its way: start the next round from clean signals, half 0.
+  // Every rank has settled (the caller's barrier follows settle()), so nothing is on its way:
+  // start the next round from clean signals, half 0.
   cudaCheck(cudaMemset(buffer_, 0, buffer_bytes_), "update_members: clearing the buffer");
   cudaCheck(cudaMemset(scratch_, 0, kernels::scratchInts(layout_) * sizeof(int)), "update_members: clearing scratch");
+  if (proxy_) proxy_->clearInbox();
   round_ = 0;
   std::vector<int> m(mask.begin(), mask.end());
   for (int& v : m) v = v != 0;
@@ -529,6 +573,7 @@ void EpBuffer::drainIbgda() noexcept {
       cudaMemcpy(counters.data(), qp_counters_, counters.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
     return;
   for (int j = 0; j < n; ++j) {
+    if (!connected_[ibgda_peers_[j]]) continue;  // no queue pair (settle() closed it)
     const char* c = counters.data() + 3ull * j * ibgda::kCounterStride;
     ibgda::QueueProgress p;
     std::memcpy(&p.posted, c + ibgda::kCounterStride, sizeof p.posted);         // ready

@@ -31,12 +31,13 @@ inline void cpuRelax() {
 }  // namespace
 
 EpProxy::EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int size, std::vector<int> peers,
-                 uint64_t inbox_bytes, uint64_t outbox_bytes, std::chrono::milliseconds timeout)
+                 uint64_t inbox_bytes, uint64_t outbox_bytes, std::chrono::milliseconds timeout, bool joining)
     : rank_(rank), peers_(std::move(peers)), capacity_(kRingCapacity), timeout_(timeout) {
   transfer::EngineOptions eo;
   eo.rank = rank;
   eo.world_size = size;
   eo.timeout = timeout;
+  eo.extension = joining;  // the group's secret exists: a joining rank 0 must not make another
   engine_ = std::make_unique<transfer::TransferEngine>(std::move(store), eo);
   if (peers_.empty()) return;
   inbox_bytes_ = inbox_bytes;
@@ -65,22 +66,40 @@ EpProxy::EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int s
   ring_.tail = tail_dev_;
   ring_.capacity = capacity_;
   ring_.outbox = outbox_dev_;
-  for (int peer : peers_) engine_->openSegment(peer, kInboxSegment);  // waits for the peer's inbox
+  if (!joining)
+    for (int peer : peers_) engine_->openSegment(peer, kInboxSegment);  // waits for the peer's inbox
   thread_ = std::thread([this] { run(); });
+}
+
+bool EpProxy::settle() {
+  if (!thread_.joinable() || !tail_dev_) return true;
+  unsigned long long tail = 0;
+  if (cudaMemcpy(&tail, tail_dev_, sizeof tail, cudaMemcpyDeviceToHost) != cudaSuccess) return false;
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  while (__atomic_load_n(head_host_, __ATOMIC_ACQUIRE) < tail) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
+}
+
+void EpProxy::reopen(int peer) {
+  MOELINK_CHECK(std::find(peers_.begin(), peers_.end(), peer) != peers_.end(), "moelink EP proxy: rank ", peer,
+                " is not a proxy peer of rank ", rank_);
+  std::lock_guard<std::mutex> g(io_mu_);
+  engine_->forgetPeer(peer);
+  engine_->openSegment(peer, kInboxSegment);  // the new process's (its incarnation's) inbox
+}
+
+void EpProxy::clearInbox() {
+  if (inbox_host_) std::memset(inbox_host_, 0, inbox_bytes_);
 }
 
 EpProxy::~EpProxy() {
   // Deliver what the GPU has posted before stopping: a peer may still wait for it (this
   // rank can finish a round before its last rows reach the others). The buffer has
   // synchronized the device, so the GPU's tail is final.
-  if (thread_.joinable() && tail_dev_) {
-    unsigned long long tail = 0;
-    if (cudaMemcpy(&tail, tail_dev_, sizeof tail, cudaMemcpyDeviceToHost) == cudaSuccess) {
-      const auto deadline = std::chrono::steady_clock::now() + timeout_;
-      while (__atomic_load_n(head_host_, __ATOMIC_ACQUIRE) < tail && std::chrono::steady_clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-  }
+  settle();
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
   if (tail_dev_) cudaFree(tail_dev_);
@@ -89,8 +108,6 @@ EpProxy::~EpProxy() {
   if (inbox_host_) cudaHostUnregister(inbox_host_);
   engine_.reset();  // frees the inbox segment
 }
-
-void EpProxy::unlinkNames() { engine_->unlinkSharedNames(); }
 
 std::string EpProxy::transportTo(int peer) const { return engine_->transportOf(peer, kInboxSegment); }
 
@@ -137,6 +154,7 @@ void EpProxy::run() {
       continue;
     }
     if (!reqs.empty()) {
+      std::lock_guard<std::mutex> g(io_mu_);
       auto batch = engine_->submit(reqs);
       // The signal values live in `signals` until the engine has applied them.
       if (!batch->wait(timeout_) || batch->failed()) {

@@ -380,3 +380,70 @@ def grower(rank, world, port, out_dir, initial, replacement=False):
     except BaseException:  # noqa: BLE001
         res["error"] = traceback.format_exc()
     _save(out_dir, rank, res)
+
+
+def gpu_cross_host_member(rank, world, port, out_dir, victim, replacement=False):
+    """GPU ranks on 2 virtual hosts (MOELINK_EP_RANKS_PER_HOST=world/2): the other host over
+    the CPU proxy, or over IBGDA through the emulated NIC (MOELINK_EP_IBGDA=emulate). `victim`
+    dies after a few EP round trips; the survivors' round trips go on without it; a replacement
+    is readmitted and every rank's Buffer reconnects it in place (``update_members``): exact
+    round trips over all ranks again, the normal mode too."""
+    import torch
+    import torch.distributed as dist
+
+    import cases_normal
+    import moelink
+
+    res = {"rank": rank, "replacement": replacement}
+    hidden, experts, tokens, topk = 1024, 16, 64, 4
+    try:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        _init(rank, world, port, extension=replacement, timeout=120)
+
+        def ep_round(buf, seed):
+            """A round trip with identity experts: each token comes back as x times the
+            weights of its top-k entries on active ranks."""
+            g = torch.Generator().manual_seed(rank * 1000 + seed)
+            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+            idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices.cuda()
+            w = torch.rand(tokens, topk, generator=g).cuda()
+            mask = moelink.get_active_ranks()
+            recv, _, handle, _, _ = buf.dispatch(x, idx, 128, experts, use_fp8=False, timeout_us=20_000_000)
+            out, _, _ = buf.combine(recv, idx, w, handle, timeout_us=20_000_000)
+            torch.cuda.synchronize()
+            live = mask.cuda()[idx // (experts // world)].float()
+            want = x.float() * (w * live).sum(1, keepdim=True)
+            err = (out.float() - want).abs().max().item()
+            assert err <= 0.02 * want.abs().max().item() + 1e-2, f"round {seed} over {mask.tolist()}: off by {err}"
+            return mask.tolist()
+
+        def rejoined(buf):
+            buf.update_members()
+            res["ep_active"] = buf.active_ranks().tolist()
+            res["transports"] = [buf.transport_of(r) for r in range(world)]
+            res["masks"] = [ep_round(buf, 100 + i) for i in range(4)]
+            cases_normal.check_round(buf, rank, world, 256, hidden, topk, False, 1, "cuda", seed=5)
+            res["masks"].append(ep_round(buf, 200))  # the low-latency halves after the normal mode
+            dist.barrier()
+            res["rejoined"] = "ok"
+
+        if replacement:
+            rejoined(moelink.Buffer(None, 128, hidden, experts))
+        else:
+            buf = moelink.Buffer(None, 128, hidden, experts)
+            res["transports_before"] = [buf.transport_of(r) for r in range(world)]
+            res["masks_before"] = [ep_round(buf, i) for i in range(3)]
+            dist.barrier()
+            if rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while moelink.get_active_ranks()[victim]:  # the group agrees on the loss
+                assert time.monotonic() < deadline, "the victim was never masked out"
+                dist.all_reduce(torch.ones(4))
+            res["masks_after"] = [ep_round(buf, 10 + i) for i in range(3)]
+            _readmit(victim, 120)
+            rejoined(buf)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        res["error"] = traceback.format_exc()
+    _save(out_dir, rank, res, replacement)

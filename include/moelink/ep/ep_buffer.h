@@ -66,8 +66,23 @@ class EpBuffer {
 
   // This buffer's identity (random, non-zero), published with its IPC handle.
   int64_t nonce() const { return static_cast<int64_t>(nonce_); }
-  // See the file comment. `nonces[r]`: the identity of rank r's buffer (0 for inactive ranks).
-  void updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces);
+  // How the ranks reach each other (per pair: NVLink, proxy or IBGDA) as a number; the ranks
+  // of one buffer agree on it unless a replacement process found another arrangement.
+  int64_t pairsHash() const { return static_cast<int64_t>(pairs_hash_); }
+  // Membership change, in two steps that every active rank takes, with a barrier between
+  // them (buffer.py's update_members):
+  // settle(): waits for this rank's kernels and for what its CPU proxy still carries, and
+  //   destroys its IBGDA queue pairs (a NIC may hold WRITEs no kernel waited for); once every
+  //   rank has settled, nothing more lands in any rank's buffer or inbox.
+  // updateMembers(): connects every active rank whose process this buffer has not connected
+  //   (`nonces[r]`: the identity of rank r's buffer, 0 for inactive ranks): maps its buffer
+  //   (NVLink, emulated NIC), opens its proxy inbox, and connects new IBGDA queue pairs to
+  //   every IBGDA peer (`generation`: a number the ranks agree on, new at each call); then
+  //   clears the buffer and inbox, restarts at half 0 and takes `mask` as the active ranks.
+  // A process that joins a running buffer (it replaces a failed rank) connects nobody in its
+  // constructor; its updateMembers() connects every peer.
+  void settle();
+  void updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces, int64_t generation);
 
   std::string transportOf(int rank) const;
   // The transfer-engine transport under a proxy peer ("shm" or "tcp"); "" for others.
@@ -85,11 +100,19 @@ class EpBuffer {
   // proxy[a][b] / ibgda[a][b]: how rank a reaches rank b (neither: CUDA IPC).
   void drainIbgda() noexcept;
   void buildRoutes(const std::vector<std::vector<bool>>& proxy, const std::vector<std::vector<bool>>& ibgda);
-  void setupIbgda(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
-                  const std::vector<std::vector<bool>>& ibgda);
+  // IBGDA: the staging area, its registration, the queue-pair memory for the GPU, this
+  // buffer's published registration (no queue pair yet).
+  void prepareIbgda(const std::vector<std::vector<bool>>& ibgda);
+  // Creates and connects queue pairs to `peers` (their identities in peer_nonce_): publishes
+  // this end of each first, then reads the other ends (the peers do the same).
+  void connectIbgda(const std::vector<int>& peers, int64_t generation);
   // Opens rank r's published buffer (its IPC handle) and records its identity; `expect` (if
   // non-zero) is the identity it must carry.
   void mapPeer(int r, uint64_t expect);
+  // The identity rank r published with its IPC handle.
+  uint64_t publishedNonce(int r) const;
+  // "nvlink", "proxy" or "ibgda": how this rank reaches active rank r.
+  std::string pathTo(int r) const;
 
   int rank_, size_, device_;
   EpLayout layout_;
@@ -100,7 +123,9 @@ class EpBuffer {
   std::string key_;
   int ranks_per_host_ = 0;            // MOELINK_EP_RANKS_PER_HOST (0: real hosts only)
   uint64_t nonce_ = 0;
-  std::vector<uint64_t> peer_nonce_;  // the identity of the buffer mapped per peer
+  std::vector<uint64_t> peer_nonce_;  // the identity of the buffer connected per peer
+  std::vector<bool> connected_;       // per peer: its route is set up (for peer_nonce_'s process)
+  uint64_t pairs_hash_ = 0;
   std::vector<std::vector<bool>> proxy_pairs_, ibgda_pairs_;
   std::vector<char*> peers_;           // NVLink peers' buffers (IPC mappings), own buffer
   kernels::PeerRoute* routes_dev_ = nullptr;  // [2][size]

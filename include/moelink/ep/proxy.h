@@ -12,13 +12,16 @@
 //
 // The inbox is a transfer-engine segment (POSIX shm when the peers share a host, so that
 // their proxies write it with a memcpy; reachable over tcp otherwise), registered with
-// CUDA as mapped memory. Layouts (per buffer half) are in ep_buffer.cpp. No torch here.
+// CUDA as mapped memory. Its shared-memory name stays while the process lives (a readmitted
+// rank's new process opens it by name; the names of a process that died are reclaimed by the
+// next one to create a region). Layouts (per buffer half) are in ep_buffer.cpp. No torch here.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -36,8 +39,10 @@ class EpProxy {
  public:
   // Collective over the group (every rank constructs one, also ranks without proxy
   // peers, so that the engines' rendezvous completes). `peers`: this rank's proxy peers.
+  // `joining`: this process takes the place of a failed rank in a running group; it opens
+  // no peer's inbox here (reopen() does, once the others have readmitted it).
   EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int size, std::vector<int> peers,
-          uint64_t inbox_bytes, uint64_t outbox_bytes, std::chrono::milliseconds timeout);
+          uint64_t inbox_bytes, uint64_t outbox_bytes, std::chrono::milliseconds timeout, bool joining = false);
   ~EpProxy();
   EpProxy(const EpProxy&) = delete;
   EpProxy& operator=(const EpProxy&) = delete;
@@ -45,8 +50,14 @@ class EpProxy {
   char* inbox() const { return inbox_dev_; }    // device address of this rank's inbox
   char* outbox() const { return outbox_dev_; }  // device address of this rank's outbox
   kernels::ProxyRing ring() const { return ring_; }
-  // Removes the inbox's shared-memory name once every peer has opened it.
-  void unlinkNames();
+  // Waits (up to the timeout) until every request the GPU has posted is carried out; the
+  // caller has synchronized the device. False if the time ran out.
+  bool settle();
+  // Connects to the process that now has `peer`'s rank (a readmitted rank): forgets the old
+  // one and opens the new one's inbox. No request may be in the ring (settle() first).
+  void reopen(int peer);
+  // Zeroes this rank's inbox (no peer writes into it meanwhile).
+  void clearInbox();
   // The engine transport that carries this rank's requests to `peer` ("shm" or "tcp").
   std::string transportTo(int peer) const;
 
@@ -68,6 +79,7 @@ class EpProxy {
   kernels::ProxyRing ring_;
   std::chrono::milliseconds timeout_;
   std::atomic<bool> stop_{false};
+  std::mutex io_mu_;  // held by the proxy thread while it carries a batch, and by reopen()
   std::thread thread_;
 };
 

@@ -110,13 +110,19 @@ class EmulatedNic final : public Nic {
 
   std::vector<uint8_t> createQueuePair(int peer) override {
     std::lock_guard<std::mutex> g(mu_);
+    eraseQp(peer);
     auto q = std::make_unique<EmuQp>();
     q->peer = peer;
-    q->qpn = 0x100 + static_cast<uint32_t>(qps_.size());
+    q->qpn = next_qpn_++;
     std::vector<uint8_t> addr(4);
     std::memcpy(addr.data(), &q->qpn, 4);
     qps_.push_back(std::move(q));
     return addr;
+  }
+
+  void destroyQueuePair(int peer) override {
+    std::lock_guard<std::mutex> g(mu_);  // not inside step(): a WRITE under way has landed
+    eraseQp(peer);
   }
 
   QueuePair connect(int peer, const std::vector<uint8_t>& remote) override {
@@ -140,6 +146,10 @@ class EmulatedNic final : public Nic {
   }
 
  private:
+  void eraseQp(int peer) {
+    for (auto it = qps_.begin(); it != qps_.end();) it = (*it)->peer == peer ? qps_.erase(it) : std::next(it);
+  }
+
   // Waits (up to 10 s) until every WQE posted so far is executed.
   void finishAll() {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -280,6 +290,7 @@ class EmulatedNic final : public Nic {
   std::mutex mu_;
   std::vector<Region> regions_;
   std::vector<std::unique_ptr<EmuQp>> qps_;
+  uint32_t next_qpn_ = 0x100;
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

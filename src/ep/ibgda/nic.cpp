@@ -20,6 +20,7 @@ struct Plugin {
   moelink_ibgda_connect_fn connect = nullptr;
   moelink_ibgda_close_fn close = nullptr;
   moelink_ibgda_drain_fn drain = nullptr;
+  moelink_ibgda_destroy_qp_fn destroy_qp = nullptr;
 };
 
 class PluginNic final : public Nic {
@@ -48,6 +49,8 @@ class PluginNic final : public Nic {
     addr.resize(len);
     return addr;
   }
+
+  void destroyQueuePair(int peer) override { p_.destroy_qp(ctx_, peer); }
 
   QueuePair connect(int peer, const std::vector<uint8_t>& remote) override {
     char err[512] = {0};
@@ -100,7 +103,8 @@ std::unique_ptr<Nic> openVerbsNic(int cuda_device, std::string* why_not) {
   p.connect = reinterpret_cast<moelink_ibgda_connect_fn>(dlsym(p.handle, "moelink_ibgda_connect"));
   p.close = reinterpret_cast<moelink_ibgda_close_fn>(dlsym(p.handle, "moelink_ibgda_close"));
   p.drain = reinterpret_cast<moelink_ibgda_drain_fn>(dlsym(p.handle, "moelink_ibgda_drain"));
-  if (!p.open || !p.reg || !p.create_qp || !p.connect || !p.close || !p.drain) {
+  p.destroy_qp = reinterpret_cast<moelink_ibgda_destroy_qp_fn>(dlsym(p.handle, "moelink_ibgda_destroy_qp"));
+  if (!p.open || !p.reg || !p.create_qp || !p.connect || !p.close || !p.drain || !p.destroy_qp) {
     dlclose(p.handle);
     *why_not = path + " lacks the moelink_ibgda_* entry points";
     return nullptr;

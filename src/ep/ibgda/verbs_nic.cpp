@@ -375,6 +375,20 @@ __attribute__((visibility("default"))) int moelink_ibgda_reg(void* ctx, void* pt
   return 0;
 }
 
+// The queue pair to `peer` (and its CQ) goes; the GPU posts on it no more.
+__attribute__((visibility("default"))) void moelink_ibgda_destroy_qp(void* ctx, int peer) {
+  auto* c = static_cast<Ctx*>(ctx);
+  for (auto it = c->qps.begin(); it != c->qps.end();) {
+    if (it->peer != peer) {
+      ++it;
+      continue;
+    }
+    if (it->qp) ibv_destroy_qp(it->qp);
+    if (it->cq) ibv_destroy_cq(it->cq);
+    it = c->qps.erase(it);
+  }
+}
+
 __attribute__((visibility("default"))) int moelink_ibgda_create_qp(void* ctx, int peer, unsigned char* addr,
                                                                    size_t* addrlen, char* err, size_t errlen) {
   auto* c = static_cast<Ctx*>(ctx);
@@ -382,6 +396,7 @@ __attribute__((visibility("default"))) int moelink_ibgda_create_qp(void* ctx, in
     fail(err, errlen, "address buffer too small");
     return -1;
   }
+  moelink_ibgda_destroy_qp(ctx, peer);  // a readmitted peer's new process gets a new queue pair
   Qp q;
   q.peer = peer;
   if (!makeQp(c, &q, err, errlen)) return -1;

@@ -49,7 +49,11 @@ class Nic {
   // Registers [ptr, ptr + bytes) of GPU memory for local reads and remote writes.
   virtual MemoryKeys registerMemory(void* ptr, size_t bytes) = 0;
   // Creates the queue pair to `peer`; returns this end's address for the peer (opaque bytes).
+  // One the peer already has is destroyed first (a readmitted peer gets a new queue pair).
   virtual std::vector<uint8_t> createQueuePair(int peer) = 0;
+  // Destroys the queue pair to `peer`, if any, once no kernel posts on it: what was posted and
+  // not yet carried out is dropped, and nothing more arrives through it at the peer.
+  virtual void destroyQueuePair(int peer) = 0;
   // Connects the queue pair to the peer's end (its createQueuePair() bytes) and returns the
   // queues for the GPU: device addresses, `tickets`, `ready` and `completed` left unset.
   virtual QueuePair connect(int peer, const std::vector<uint8_t>& remote) = 0;
@@ -106,6 +110,7 @@ typedef int (*moelink_ibgda_create_qp_fn)(void* ctx, int peer, unsigned char* ad
 typedef int (*moelink_ibgda_connect_fn)(void* ctx, int peer, const unsigned char* addr, size_t addrlen,
                                         struct moelink_ibgda_queues* out, char* err, size_t errlen);
 typedef void (*moelink_ibgda_close_fn)(void* ctx);
+typedef void (*moelink_ibgda_destroy_qp_fn)(void* ctx, int peer);
 struct moelink_ibgda_progress {  // moelink::ep::ibgda::QueueProgress
   uint64_t posted;
   uint64_t completed;
