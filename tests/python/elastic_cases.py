@@ -421,6 +421,7 @@ def gpu_cross_host_member(rank, world, port, out_dir, victim, replacement=False)
             buf.update_members()
             res["ep_active"] = buf.active_ranks().tolist()
             res["transports"] = [buf.transport_of(r) for r in range(world)]
+            res["engine"] = [buf._impl.proxy_transport_of(r) for r in range(world)]  # "" unless a proxy peer
             res["masks"] = [ep_round(buf, 100 + i) for i in range(4)]
             cases_normal.check_round(buf, rank, world, 256, hidden, topk, False, 1, "cuda", seed=5)
             res["masks"].append(ep_round(buf, 200))  # the low-latency halves after the normal mode

@@ -315,11 +315,13 @@ def test_group_grows_with_extension_ranks():
         assert res[f"old{r}"]["sum_after"] == 10.0 and res[f"old{r}"]["mask_after"] == [1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("path,world,victim", [("proxy", 4, 3), ("ibgda", 2, 0), ("ibgda", 4, 0)])
-def test_gpu_cross_host_rejoin(path, world, victim):
+@pytest.mark.parametrize("path,world,victim,transport",
+                         [("proxy", 4, 3, "shm"), ("proxy", 4, 0, "tcp"), ("ibgda", 2, 0, "shm"), ("ibgda", 4, 0, "shm")])
+def test_gpu_cross_host_rejoin(path, world, victim, transport):
     """GPU ranks on 2 virtual hosts: a rank dies, the survivors' EP round trips go on without
-    it, and its replacement is reconnected in place over the CPU proxy / IBGDA (the emulated NIC)
-    by update_members on every rank: exact round trips over all ranks again."""
+    it, and its replacement is reconnected in place over the CPU proxy (its engine over shared
+    memory or tcp) / IBGDA (the emulated NIC) by update_members on every rank: exact round trips
+    over all ranks again."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -329,7 +331,8 @@ def test_gpu_cross_host_rejoin(path, world, victim):
     if gpus < world and not (shared and path == "proxy"):
         pytest.skip(f"needs {world} GPUs (or MOELINK_TEST_SHARE_GPU=1 and one)")
     rph = world // 2
-    env = {"MOELINK_EP_RANKS_PER_HOST": str(rph), "MOELINK_EP_IBGDA": "emulate" if path == "ibgda" else "off"}
+    env = {"MOELINK_EP_RANKS_PER_HOST": str(rph), "MOELINK_EP_IBGDA": "emulate" if path == "ibgda" else "off",
+           "MOELINK_TRANSPORT": transport}
     res = _run(elastic_cases.gpu_cross_host_member, world, dict(victim=victim), env, spawn_replacement=victim,
                timeout=400)
     paths = lambda q: ["local" if p == q else ("nvlink" if p // rph == q // rph else path)  # noqa: E731
@@ -346,4 +349,5 @@ def test_gpu_cross_host_rejoin(path, world, victim):
         q = r["rank"]
         assert r["rejoined"] == "ok" and r["ep_active"] == [1] * world, (name, r)
         assert r["transports"] == paths(q), (name, r["transports"])
+        assert r["engine"] == [transport if t == "proxy" else "" for t in paths(q)], (name, r["engine"])
         assert all(m == [1] * world for m in r["masks"]), (name, r["masks"])
