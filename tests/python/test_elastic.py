@@ -326,9 +326,7 @@ def test_gpu_cross_host_rejoin(path, world, victim, transport):
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     shared = gpus >= 1 and os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"
-    # The emulated NIC with ranks sharing one GPU gives wrong combines, before any failure too
-    # (docs/EP.md): its cases need a GPU per rank.
-    if gpus < world and not (shared and path == "proxy"):
+    if gpus < world and not shared:
         pytest.skip(f"needs {world} GPUs (or MOELINK_TEST_SHARE_GPU=1 and one)")
     rph = world // 2
     env = {"MOELINK_EP_RANKS_PER_HOST": str(rph), "MOELINK_EP_IBGDA": "emulate" if path == "ibgda" else "off",

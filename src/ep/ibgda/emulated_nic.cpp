@@ -10,10 +10,16 @@
 // It stands in for the hardware so that the GPU side of IBGDA (the kernels' posts, the
 // doorbells, the completion polling, the ordering of data before counts and flags) runs on a
 // machine without an RDMA NIC. Its speed means nothing.
+//
+// A WRITE from GPU memory into a buffer on the same GPU (ranks sharing one GPU in tests) goes
+// through pinned host memory: a device-to-device copy within one GPU may run as a kernel, which
+// waits for SMs that the ranks' kernels hold while they poll for this very data; copies to and
+// from host memory stay on the copy engines, as a NIC stays off the SMs.
 #include <endian.h>
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -79,6 +85,9 @@ class EmulatedNic final : public Nic {
       : device_(device), key_(kEmulatedKeyBase + static_cast<uint32_t>(rank)), resolve_(std::move(resolve)) {
     check(cudaSetDevice(device_), "cudaSetDevice");
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    // Here, not at the first WRITE: allocating pinned memory may wait for the device, whose
+    // kernels wait for that WRITE.
+    check(cudaHostAlloc(&bounce_, kBounceBytes, cudaHostAllocPortable), "cudaHostAlloc(bounce)");
     thread_ = std::thread([this] { run(); });
   }
 
@@ -87,6 +96,7 @@ class EmulatedNic final : public Nic {
     stop_ = true;
     thread_.join();
     cudaStreamDestroy(stream_);
+    if (bounce_) cudaFreeHost(bounce_);
     // Failures are what a NIC would report in its CQEs; say them on stderr too (and everything
     // with MOELINK_EP_IBGDA_TRACE set), since the kernels only drop posts and time out.
     const char* trace = std::getenv("MOELINK_EP_IBGDA_TRACE");
@@ -245,7 +255,7 @@ class EmulatedNic final : public Nic {
       if (ok) {
         // A call CUDA refuses now (e.g. while another thread captures a graph in global mode)
         // is tried again on the next sweep, from this WQE on.
-        const cudaError_t e = cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, stream_);
+        const cudaError_t e = copy(dst, src, len);
         if (e != cudaSuccess) {
           if (q.why.empty()) q.why = std::string("cudaMemcpyAsync: ") + cudaGetErrorString(e) + " (retried)";
           cudaGetLastError();
@@ -262,10 +272,13 @@ class EmulatedNic final : public Nic {
       if (!ok || (fm_ce_se & kCqUpdate)) done.push_back({static_cast<uint16_t>(q.sq_ci), !ok});
       ++q.sq_ci;
     }
-    while (copies && cudaStreamSynchronize(stream_) != cudaSuccess && !stop_.load(std::memory_order_relaxed)) {
+    // (A bounce leaves copies queued also when a later call of its WRITE failed.)
+    while ((copies || bounce_used_ > 0) && cudaStreamSynchronize(stream_) != cudaSuccess &&
+           !stop_.load(std::memory_order_relaxed)) {
       cudaGetLastError();
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
+    bounce_used_ = 0;
     for (const Completion& c : done) {
       // Room in the CQ: the consumer index the GPU published in its doorbell record.
       const uint32_t* cq_dbr = static_cast<const uint32_t*>(q.cq_dbr.host);
@@ -283,8 +296,40 @@ class EmulatedNic final : public Nic {
     return q.sq_ci != start;
   }
 
+  // Queues the copy of one WRITE on stream_ (see the file comment for the bounce).
+  cudaError_t copy(void* dst, const void* src, size_t len) {
+    cudaPointerAttributes from{}, to{};
+    const bool bounce = cudaPointerGetAttributes(&from, src) == cudaSuccess && from.type == cudaMemoryTypeDevice &&
+                        cudaPointerGetAttributes(&to, dst) == cudaSuccess && to.type == cudaMemoryTypeDevice &&
+                        to.device == from.device;
+    cudaGetLastError();
+    if (!bounce) return cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, stream_);
+    for (size_t done = 0; done < len;) {
+      const size_t n = std::min(len - done, kBounceBytes);
+      if (bounce_used_ + n > kBounceBytes) {  // the copies queued so far hold the rest
+        if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) return e;
+        bounce_used_ = 0;
+      }
+      char* b = static_cast<char*>(bounce_) + bounce_used_;
+      if (const cudaError_t e = cudaMemcpyAsync(b, static_cast<const char*>(src) + done, n, cudaMemcpyDeviceToHost,
+                                                stream_);
+          e != cudaSuccess)
+        return e;
+      if (const cudaError_t e = cudaMemcpyAsync(static_cast<char*>(dst) + done, b, n, cudaMemcpyHostToDevice, stream_);
+          e != cudaSuccess)
+        return e;
+      bounce_used_ += n;
+      done += n;
+    }
+    return cudaSuccess;
+  }
+
+  static constexpr size_t kBounceBytes = 16u << 20;
+
   int device_;
   uint32_t key_;
+  void* bounce_ = nullptr;  // pinned; the same-GPU WRITEs' copies pass through it
+  size_t bounce_used_ = 0;  // bytes of it that queued copies use (reset once stream_ is idle)
   RemoteResolver resolve_;
   cudaStream_t stream_ = nullptr;
   std::mutex mu_;
