@@ -177,6 +177,12 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   TORCH_CHECK_VALUE(rph >= 0, "moelink Buffer: MOELINK_EP_RANKS_PER_HOST must be a positive integer, got ", rph_env);
   ranks_per_host_ = rph;
   cudaCheck(cudaGetDevice(&device_), "cudaGetDevice");
+  try {
+    kernels::preloadDispatch();  // not at a first launch that could wait for running kernels
+    kernels::preloadCombine();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "moelink Buffer: ", e.what());
+  }
   cudaCheck(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_), "SM count");
   buffer_bytes_ = align(layout_.totalBytes(), 2u << 20);
   cudaCheck(cudaMalloc(&buffer_, buffer_bytes_), "cudaMalloc(buffer)");

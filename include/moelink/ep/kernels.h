@@ -153,4 +153,11 @@ struct CombineArgs {
 // rank its dispatch reached) and writes their sum.
 void combine(const CombineArgs& a, cudaStream_t stream);
 
+// Load the dispatch and combine kernels' code now. Under lazy module loading (CUDA's
+// default) a kernel's first launch loads it, which can wait for the device; a combine
+// launched right behind the first dispatch would then wait for a kernel that itself waits
+// for another host thread's CUDA calls (the emulated NIC's copies), until it times out.
+void preloadDispatch();
+void preloadCombine();
+
 }  // namespace moelink::ep::kernels

@@ -307,6 +307,12 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
 
 }  // namespace
 
+void preloadCombine() {
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, combineKernel<true>), "loading the combine kernel");
+  check(cudaFuncGetAttributes(&attr, combineKernel<false>), "loading the combine kernel");
+}
+
 void combine(const CombineArgs& a, cudaStream_t stream) {
   const EpLayout& L = a.c.layout;
   const size_t smem = static_cast<size_t>(L.num_experts) * sizeof(int64_t) + 2ull * L.num_ranks * sizeof(int);

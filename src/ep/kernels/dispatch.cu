@@ -406,6 +406,14 @@ void launch(const DispatchArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
+void preloadDispatch() {
+  cudaFuncAttributes attr;
+  check(cudaFuncGetAttributes(&attr, dispatchKernel<true, true>), "loading the dispatch kernel");
+  check(cudaFuncGetAttributes(&attr, dispatchKernel<true, false>), "loading the dispatch kernel");
+  check(cudaFuncGetAttributes(&attr, dispatchKernel<false, true>), "loading the dispatch kernel");
+  check(cudaFuncGetAttributes(&attr, dispatchKernel<false, false>), "loading the dispatch kernel");
+}
+
 void dispatch(const DispatchArgs& a, cudaStream_t stream) {
   if (a.use_fp8)
     a.c.ibgda ? launch<true, true>(a, stream) : launch<true, false>(a, stream);
