@@ -493,13 +493,19 @@ void EpBuffer::settle() {
   cudaCheck(cudaDeviceSynchronize(), "update_members: the rounds in flight");
   TORCH_CHECK(!proxy_ || proxy_->settle(), "moelink Buffer.update_members: the CPU proxy did not deliver what the "
               "GPU posted within the group's timeout");
-  if (nic_) {
-    for (int r : ibgda_peers_) {
-      if (!connected_[r]) continue;
-      nic_->destroyQueuePair(r);
-      connected_[r] = false;
-    }
+  if (!nic_) return;
+  // Masked out until updateMembers() connects them again (also if it never comes: a failure
+  // on another rank), so that no kernel posts on a queue pair that is gone.
+  at::Tensor keep = active_.cpu();
+  for (int r : ibgda_peers_) {
+    if (!connected_[r]) continue;
+    keep[r].fill_(0);
+    nic_->destroyQueuePair(r);
+    connected_[r] = false;
+    transports_[r] = "inactive";
   }
+  active_.copy_(keep);
+  cudaCheck(cudaDeviceSynchronize(), "update_members: masking the IBGDA peers");
 }
 
 void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces,
