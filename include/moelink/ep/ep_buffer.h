@@ -72,8 +72,9 @@ class EpBuffer {
   // Membership change, in two steps that every active rank takes, with a barrier between
   // them (buffer.py's update_members):
   // settle(): waits for this rank's kernels and for what its CPU proxy still carries, and
-  //   destroys its IBGDA queue pairs (a NIC may hold WRITEs no kernel waited for); once every
-  //   rank has settled, nothing more lands in any rank's buffer or inbox.
+  //   destroys its IBGDA queue pairs (a NIC may hold WRITEs no kernel waited for), masking
+  //   those peers out until they are connected again; once every rank has settled, nothing
+  //   more lands in any rank's buffer or inbox.
   // updateMembers(): connects every active rank whose process this buffer has not connected
   //   (`nonces[r]`: the identity of rank r's buffer, 0 for inactive ranks): maps its buffer
   //   (NVLink, emulated NIC), opens its proxy inbox, and connects new IBGDA queue pairs to
