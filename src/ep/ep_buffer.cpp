@@ -303,7 +303,7 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
       transports_[r] = pathTo(r);
       if (proxy[rank][r] || (ibgda[rank][r] && !emulated_)) {
         // Connected below (only the emulated NIC writes through CUDA IPC).
-        peer_nonce_[r] = publishedNonce(r);
+        peer_nonce_[r] = ipcRecord(r).nonce;
         connected_[r] = proxy[rank][r];
       } else {
         mapPeer(r, 0);
@@ -460,12 +460,20 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
             "routes copy");
 }
 
-uint64_t EpBuffer::publishedNonce(int r) const {
+EpBuffer::IpcRecord EpBuffer::ipcRecord(int r) const {
   auto b = store_->get(key_ + "/ipc/" + std::to_string(r));
   TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t) + sizeof(uint64_t), "moelink Buffer: bad IPC record from rank ", r);
-  uint64_t nonce = 0;
-  std::memcpy(&nonce, b.data() + sizeof(cudaIpcMemHandle_t), sizeof nonce);
-  return nonce;
+  IpcRecord rec;
+  std::memcpy(&rec.handle, b.data(), sizeof rec.handle);
+  std::memcpy(&rec.nonce, b.data() + sizeof rec.handle, sizeof rec.nonce);
+  return rec;
+}
+
+void EpBuffer::maskUnconnected(const std::vector<int>& ranks) {
+  at::Tensor keep = active_.cpu();
+  for (int r : ranks)
+    if (!connected_[r]) keep[r].fill_(0);
+  active_.copy_(keep);
 }
 
 std::string EpBuffer::pathTo(int r) const {
@@ -473,19 +481,14 @@ std::string EpBuffer::pathTo(int r) const {
 }
 
 void EpBuffer::mapPeer(int r, uint64_t expect) {
-  auto b = store_->get(key_ + "/ipc/" + std::to_string(r));
-  TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t) + sizeof(uint64_t), "moelink Buffer: bad IPC record from rank ", r);
-  cudaIpcMemHandle_t ph;
-  uint64_t nonce = 0;
-  std::memcpy(&ph, b.data(), sizeof ph);
-  std::memcpy(&nonce, b.data() + sizeof ph, sizeof nonce);
-  TORCH_CHECK(expect == 0 || nonce == expect, "moelink Buffer.update_members: rank ", r,
+  const IpcRecord rec = ipcRecord(r);
+  TORCH_CHECK(expect == 0 || rec.nonce == expect, "moelink Buffer.update_members: rank ", r,
               " published another buffer than the one it reports (did every rank create its Buffers in the same "
               "order?)");
   void* p = nullptr;
-  cudaCheck(cudaIpcOpenMemHandle(&p, ph, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
+  cudaCheck(cudaIpcOpenMemHandle(&p, rec.handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle");
   peers_[r] = static_cast<char*>(p);
-  peer_nonce_[r] = nonce;
+  peer_nonce_[r] = rec.nonce;
 }
 
 void EpBuffer::settle() {
@@ -496,15 +499,13 @@ void EpBuffer::settle() {
   if (!nic_) return;
   // Masked out until updateMembers() connects them again (also if it never comes: a failure
   // on another rank), so that no kernel posts on a queue pair that is gone.
-  at::Tensor keep = active_.cpu();
   for (int r : ibgda_peers_) {
     if (!connected_[r]) continue;
-    keep[r].fill_(0);
     nic_->destroyQueuePair(r);
     connected_[r] = false;
     transports_[r] = "inactive";
   }
-  active_.copy_(keep);
+  maskUnconnected(ibgda_peers_);
   cudaCheck(cudaDeviceSynchronize(), "update_members: masking the IBGDA peers");
 }
 
@@ -551,10 +552,7 @@ void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector
     }
   } catch (...) {
     // A rank left unconnected is masked out and routed nowhere, never through a closed mapping.
-    at::Tensor keep = active_.cpu();
-    for (int r : changed)
-      if (!connected_[r]) keep[r].fill_(0);
-    active_.copy_(keep);
+    maskUnconnected(changed);
     buildRoutes(proxy_pairs_, ibgda_pairs_);
     cudaDeviceSynchronize();
     throw;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "moelink/ep/kernels.h"
@@ -110,8 +111,14 @@ class EpBuffer {
   // Opens rank r's published buffer (its IPC handle) and records its identity; `expect` (if
   // non-zero) is the identity it must carry.
   void mapPeer(int r, uint64_t expect);
-  // The identity rank r published with its IPC handle.
-  uint64_t publishedNonce(int r) const;
+  // What rank r published of its buffer: its IPC handle and identity.
+  struct IpcRecord {
+    cudaIpcMemHandle_t handle;
+    uint64_t nonce = 0;
+  };
+  IpcRecord ipcRecord(int r) const;
+  // Clears, in the active mask, the entries of those of `ranks` that are not connected.
+  void maskUnconnected(const std::vector<int>& ranks);
   // "nvlink", "proxy" or "ibgda": how this rank reaches active rank r.
   std::string pathTo(int r) const;
 

@@ -96,7 +96,7 @@ class EmulatedNic final : public Nic {
     stop_ = true;
     thread_.join();
     cudaStreamDestroy(stream_);
-    if (bounce_) cudaFreeHost(bounce_);
+    cudaFreeHost(bounce_);
     // Failures are what a NIC would report in its CQEs; say them on stderr too (and everything
     // with MOELINK_EP_IBGDA_TRACE set), since the kernels only drop posts and time out.
     const char* trace = std::getenv("MOELINK_EP_IBGDA_TRACE");
