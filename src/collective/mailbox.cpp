@@ -124,8 +124,11 @@ transfer::BatchPtr Mailbox::send(int peer, const MsgHeader& header, const void* 
     reqs.push_back({Opcode::kWrite, const_cast<void*>(payload), peer, id_, at + sizeof(MsgHeader),
                     header.bytes});
   reqs.push_back({Opcode::kWrite, &out_headers_[idx], peer, id_, at, sizeof(MsgHeader)});
-  // NOTES: the signal goes last; the engine orders it after the two writes above.
-  reqs.push_back({Opcode::kWrite, &out_signals_[idx], peer, id_, signalOffset(rank_, slot), 8, true});
+  // NOTES: the signal goes last; the engine orders it after the two writes above. Over tcp it
+  // is not acknowledged either: waiting for the receiver's reply would hold the op (a broadcast
+  // root) for a round trip through both progress threads after its data has left.
+  reqs.push_back({Opcode::kWrite, &out_signals_[idx], peer, id_, signalOffset(rank_, slot), 8, true,
+                  tcp_[peer] != 0});
   return engine_.submit(reqs);
 }
 

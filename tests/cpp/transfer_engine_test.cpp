@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include <gtest/gtest.h>
@@ -169,10 +170,9 @@ TEST(TcpTransport, ReceiverRejectsOutOfBoundsWrite) {
   close(fd);
 }
 
-// Writes sent with kNoAck get no acknowledgement of their own: the next acknowledged write's
-// acknowledgement reports the first of them that was rejected (its offset and length), and the
-// one after that is clean again.
-TEST(TcpTransport, UnacknowledgedWritesReportThroughTheNextAck) {
+// Writes sent with kNoAck are acknowledged only when rejected: each rejected one at once, with
+// its own request id, offset and length; accepted ones never.
+TEST(TcpTransport, UnacknowledgedWritesAreAcknowledgedOnlyWhenRejected) {
   auto store = std::make_shared<InProcessStore>();
   TransferEngine engine(store, opts(0, 1, "tcp"));
   char* seg = static_cast<char*>(engine.allocateSegment(3, 64));
@@ -186,26 +186,63 @@ TEST(TcpTransport, UnacknowledgedWritesReportThroughTheNextAck) {
     send(fd, &h, sizeof h, 0);
     send(fd, payload, sizeof payload, 0);
   };
-  write(1, 0, w::kNoAck);    // fine, no ack
-  write(2, 56, w::kNoAck);   // 56 + 16 > 64: rejected, no ack
-  write(3, 60, w::kNoAck);   // rejected too: the first rejection is the one reported
-  write(4, 16, 0);           // acknowledged, carrying the rejection of write 2
   w::FrameHeader ack{};
+  write(1, 0, w::kNoAck);    // fine, no ack
+  write(2, 56, w::kNoAck);   // 56 + 16 > 64: rejected, reported now
   ASSERT_TRUE(readWithTimeout(fd, &ack, sizeof ack, 5000));
   EXPECT_EQ(ack.type, w::kWriteAck);
-  EXPECT_EQ(ack.request_id, 4u);
+  EXPECT_EQ(ack.request_id, 2u);
   EXPECT_EQ(ack.status, w::kOutOfBounds);
   EXPECT_EQ(ack.offset, 56u);
   EXPECT_EQ(ack.length, sizeof payload);
-  write(5, 32, 0);
+  write(3, 60, w::kNoAck);   // rejected too, reported on its own
+  ASSERT_TRUE(readWithTimeout(fd, &ack, sizeof ack, 5000));
+  EXPECT_EQ(ack.request_id, 3u);
+  EXPECT_EQ(ack.status, w::kOutOfBounds);
+  write(4, 16, w::kNoAck);   // fine
+  write(5, 32, 0);           // acknowledged: clean
   ASSERT_TRUE(readWithTimeout(fd, &ack, sizeof ack, 5000));
   EXPECT_EQ(ack.request_id, 5u);
   EXPECT_EQ(ack.status, w::kOk);
   for (int i = 0; i < 48; ++i) ASSERT_EQ(static_cast<uint8_t>(seg[i]), 0x5A) << "byte " << i;
   for (int i = 48; i < 64; ++i) ASSERT_EQ(seg[i], 0) << "rejected write landed at " << i;
   pollfd pf{fd, POLLIN, 0};
-  EXPECT_EQ(0, poll(&pf, 1, 200)) << "an acknowledgement came for a kNoAck write";
+  EXPECT_EQ(0, poll(&pf, 1, 200)) << "an acknowledgement came for an accepted kNoAck write";
   close(fd);
+}
+
+// The sender's side: a kNoAck write that its receiver rejects (here: the receiver registered its
+// segment again, smaller, after the sender opened it) has completed already, so the rejection
+// breaks the connection, naming it: later requests to that peer fail at once with that reason.
+TEST(TcpTransport, RejectedUnacknowledgedWriteBreaksTheConnection) {
+  auto store = std::make_shared<InProcessStore>();
+  auto e0 = std::make_unique<TransferEngine>(store, opts(0, 2, "tcp"));
+  auto e1 = std::make_unique<TransferEngine>(store, opts(1, 2, "tcp"));
+  e0->allocateSegment(1, 64);
+  std::vector<char> big(4096, 0), small(64, 0);
+  e1->registerSegment(1, big.data(), big.size());
+  e0->openSegment(1, 1);
+  e1->unregisterSegment(1);
+  e1->registerSegment(1, small.data(), small.size());
+  std::vector<char> buf(256, 7);
+  TransferRequest w{Opcode::kWrite, buf.data(), 1, 1, 1024, buf.size()};
+  w.no_ack = true;
+  auto b = e0->submit({w});
+  ASSERT_TRUE(b->wait(seconds(10)));
+  EXPECT_FALSE(b->failed()) << "completes once sent: " << b->error();
+  auto t0 = steady_clock::now();
+  std::string reason;
+  while (reason.empty() && steady_clock::now() - t0 < seconds(10)) {
+    reason = e0->lostReason(1);
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  EXPECT_NE(reason.find("rejected a write of 256 bytes at offset 1024"), std::string::npos) << reason;
+  auto next = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, 8}});
+  ASSERT_TRUE(next->wait(seconds(10)));
+  EXPECT_TRUE(next->failed());
+  EXPECT_NE(next->error().find("rejected a write"), std::string::npos) << next->error();
+  for (char c : small) ASSERT_EQ(c, 0);
+  for (char c : big) ASSERT_EQ(c, 0);
 }
 
 TEST(TcpTransport, UnauthenticatedConnectionIsClosed) {

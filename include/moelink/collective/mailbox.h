@@ -83,7 +83,10 @@ class Mailbox {
   // Whether a control message (an ABORT) can go: it may use the pair's spare slot, so that a
   // failing sender can always say so at once, even with every data slot full.
   bool canSendControl(int peer) const;
-  // Sends one message (header.bytes payload bytes from `payload`). canSend must be true.
+  // Sends one message (header.bytes payload bytes from `payload`). canSend must be true. The
+  // batch completes once `payload` is no longer read: over tcp once the bytes are handed to the
+  // network (no acknowledgement: the credits pace the sender, and a refused write breaks the
+  // connection), over shm once copied.
   transfer::BatchPtr send(int peer, const MsgHeader& header, const void* payload);
   // Whether `peer` reads this rank's messages from its memory (sendPull) rather than out of
   // a slot.

@@ -112,10 +112,6 @@ class TcpTransport::Impl {
     std::deque<OutFrame> out;
     bool want_out = false;
     std::unordered_map<uint64_t, Pending> pending;  // outbound: by request id
-    // inbound: the first write rejected since the last acknowledgement (kNoAck writes wait
-    // for the next acknowledged one to report it)
-    wire::FrameHeader rejected{};
-    bool any_rejected = false;
   };
 
   Impl(int rank, uint64_t secret, LocalSegments& segs, milliseconds timeout,
@@ -564,20 +560,26 @@ class TcpTransport::Impl {
         return true;
       }
       case wire::kWriteAck: {
-        // A failure it reports may be of an earlier kNoAck write on the connection (the first
-        // rejected since the last acknowledgement; those completed when sent).
         if (!c.outbound) return protocolError(c, "ack frame on an inbound connection");
         auto it = c.pending.find(h.request_id);
-        if (it == c.pending.end()) return protocolError(c, "ack for an unknown request");
-        ring_ = true;
-        if (h.status == wire::kOk) {
-          it->second.batch->complete(it->second.index);
-        } else {
-          it->second.batch->fail(it->second.index,
-                                 str("rank ", c.peer, " rejected a write of ", h.length,
-                                     " bytes at offset ", h.offset, " of segment ", h.segment,
-                                     ": out of bounds"));
+        const std::string why = h.status == wire::kOk
+                                    ? std::string()
+                                    : str("rank ", c.peer, " rejected a write of ", h.length, " bytes at offset ",
+                                          h.offset, " of segment ", h.segment, ": out of bounds");
+        if (it == c.pending.end()) {
+          // A kNoAck write completed when it was sent: its rejection reaches no request, and
+          // the writes after it assumed it landed. The pair is broken; say why.
+          if (!why.empty()) {
+            closeConn(c, why, true);
+            return false;
+          }
+          return protocolError(c, "ack for an unknown request");
         }
+        ring_ = true;
+        if (why.empty())
+          it->second.batch->complete(it->second.index);
+        else
+          it->second.batch->fail(it->second.index, why);
         c.pending.erase(it);
         return true;
       }
@@ -617,18 +619,11 @@ class TcpTransport::Impl {
       if (c.signal) shm::orderedCopy(c.dst, c.sigbuf, 8);
       c.signal = false;
       if ((h.flags & wire::kNotify) && c.reply_status == wire::kOk) ring_ = true;
-      if (c.reply_status != wire::kOk && !c.any_rejected) {
-        c.rejected = h;
-        c.rejected.status = c.reply_status;
-        c.any_rejected = true;
-      }
-      if (!(h.flags & wire::kNoAck)) {
-        wire::FrameHeader a = c.any_rejected ? c.rejected : h;  // the first rejected write it covers
+      if (!(h.flags & wire::kNoAck) || c.reply_status != wire::kOk) {
+        wire::FrameHeader a = h;
         a.type = wire::kWriteAck;
-        a.status = c.any_rejected ? c.rejected.status : wire::kOk;
-        a.request_id = h.request_id;
+        a.status = c.reply_status;
         a.flags = 0;
-        c.any_rejected = false;
         c.out.push_back(makeFrame(a, nullptr, 0));
       }
     } else if (h.type == wire::kReadData) {

@@ -68,8 +68,9 @@ struct Hello {
 };
 enum FrameType : uint32_t { kWrite = 1, kRead = 2, kWriteAck = 3, kReadData = 4 };
 enum FrameStatus : uint32_t { kOk = 0, kOutOfBounds = 1 };
-// kNoAck (writes): not acknowledged; the sender counts it complete once sent, and the next
-// acknowledgement on the connection carries the first rejection among such writes.
+// kNoAck (writes): acknowledged only when rejected; the sender counts it complete once sent,
+// and a rejection of it, which can then reach no request, breaks the connection (the pair's
+// view of the receiver's memory is wrong: nothing later on it can be trusted).
 enum FrameFlags : uint32_t { kNotify = 1, kNoAck = 2 };
 struct FrameHeader {
   uint32_t type;
