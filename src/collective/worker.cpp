@@ -80,7 +80,7 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   bool tcp_group = engine_.transportMode() == "tcp" || spans_hosts;
   chain_broadcast_bytes_ = opts_.chain_broadcast_bytes >= 0
                                ? static_cast<uint64_t>(opts_.chain_broadcast_bytes)
-                               : (tcp_group ? (1u << 20) : 0);
+                               : (spans_hosts ? (1u << 20) : 0);
   ring_allreduce_bytes_ = opts_.ring_allreduce_bytes >= 0 ? static_cast<uint64_t>(opts_.ring_allreduce_bytes)
                                                           : (tcp_group ? (4u << 20) : 0);
   live_ = active_;
@@ -94,9 +94,10 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   lost_.assign(world_, "");
   // MOELINK_WORKER_SPIN: pause-loop iterations before the worker sleeps on its doorbell.
   // Default: 256 when this host has a core for each of its ranks' workers, else 0:
-  // spinning on an oversubscribed host steals the peers' time slices.
+  // spinning on an oversubscribed host steals the peers' time slices (whatever transport
+  // the ranks use between them: forced tcp on one host shares its cores just the same).
   int local_ranks = 0;
-  for (int p = 0; p < world_; ++p) local_ranks += active_[p] && coll_->transportTo(p) != "tcp";
+  for (int p = 0; p < world_; ++p) local_ranks += active_[p] && engine_.hostIdOf(p) == engine_.hostId();
   cpu_set_t cpus;
   int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
   spin_ = static_cast<int>(envNumber("MOELINK_WORKER_SPIN", ncpu >= local_ranks ? 256 : 0));

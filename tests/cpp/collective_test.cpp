@@ -120,7 +120,7 @@ TEST_P(CollectiveTest, AlltoallUnevenAndBroadcast) {
     std::vector<int> b(9000, rank == 1 ? 42 : 0);
     ASSERT_EQ("", run(*r.worker, broadcastOp(r.worker->context(), b.data(), b.size() * 4, 1)));
     for (int v : b) ASSERT_EQ(v, 42);
-    // The pipelined chain (forced here; chosen by default for large tcp broadcasts).
+    // The pipelined chain (forced here; chosen by default for large broadcasts across hosts).
     AlgoContext chain = r.worker->context();
     chain.chain_broadcast_bytes = 1;
     std::vector<int> c(9000, rank == world - 1 ? 7 : -1);

@@ -59,7 +59,8 @@ struct WorkerOptions {
   uint64_t pull_min_bytes = 64 << 10;
   // all_to_all's piece size for such pairs (AlgoContext::pull_chunk). MOELINK_PULL_CHUNK_BYTES.
   uint64_t pull_chunk_bytes = 4 << 20;
-  // MOELINK_CHAIN_BROADCAST_BYTES; unset: 1 MiB in groups that talk over tcp, else never.
+  // MOELINK_CHAIN_BROADCAST_BYTES; unset: 1 MiB in groups that span hosts, else never (on one
+  // host the root's sends cost CPU, not link bandwidth, and a chain costs more hand-offs).
   int64_t chain_broadcast_bytes = -1;
   // MOELINK_RING_ALLREDUCE_BYTES; unset: 4 MiB in groups that talk over tcp, else never.
   int64_t ring_allreduce_bytes = -1;
