@@ -3,7 +3,8 @@
     python examples/bench/collectives.py [--nproc 4] [--iters 20] [--out collectives.png]
     python examples/bench/collectives.py --device cuda --gpus 2 [--max-bytes 1073741824]
 
-Spawns `nproc` processes on this machine (with --device cuda: one per GPU); each joins an "ep"
+Spawns `nproc` processes on this machine (with --device cuda: one per GPU, or several per GPU when
+--gpus exceeds the GPUs, which only ep accepts: use --no-anchor); each joins an "ep"
 group and an anchor group over the same store (gloo for CPU tensors, NCCL for CUDA tensors) and
 times every op on both after warm-up, the two taking turns run by run. Prints a table (median of
 `iters` runs, `iters`/2 from 8 MiB up; max over ranks per run) with the ep/anchor ratio, and writes a PNG. A CUDA op is timed from a
@@ -86,9 +87,9 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, q
     import moelink  # noqa: F401
 
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # more ranks than GPUs: they share
     dist.init_process_group("ep", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    anchor = dist.new_group(backend="nccl" if device == "cuda" else "gloo")
+    anchor = dist.new_group(backend="nccl" if device == "cuda" else "gloo") if with_gloo else None
     ep = dist.group.WORLD
     rows = []
     for op in ops:
