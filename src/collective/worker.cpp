@@ -75,8 +75,13 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   // Algorithm choices must agree across ranks, so they rest on facts every rank sees
   // alike: the transport mode and whether the group spans hosts.
   bool spans_hosts = false;
-  for (int p = 0; p < world_; ++p)
-    spans_hosts |= active_[p] && engine_.hostIdOf(p) != engine_.hostId();
+  int local_ranks = 0;  // the group's ranks on this host, whatever transport they use
+  for (int p = 0; p < world_; ++p) {
+    if (!active_[p]) continue;
+    const bool here = engine_.hostIdOf(p) == engine_.hostId();
+    spans_hosts |= !here;
+    local_ranks += here;
+  }
   bool tcp_group = engine_.transportMode() == "tcp" || spans_hosts;
   chain_broadcast_bytes_ = opts_.chain_broadcast_bytes >= 0
                                ? static_cast<uint64_t>(opts_.chain_broadcast_bytes)
@@ -96,8 +101,6 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   // Default: 256 when this host has a core for each of its ranks' workers, else 0:
   // spinning on an oversubscribed host steals the peers' time slices (whatever transport
   // the ranks use between them: forced tcp on one host shares its cores just the same).
-  int local_ranks = 0;
-  for (int p = 0; p < world_; ++p) local_ranks += active_[p] && engine_.hostIdOf(p) == engine_.hostId();
   cpu_set_t cpus;
   int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
   spin_ = static_cast<int>(envNumber("MOELINK_WORKER_SPIN", ncpu >= local_ranks ? 256 : 0));
