@@ -460,7 +460,7 @@ class TcpTransport::Impl {
   bool handleRecvResult(Conn& c, ssize_t r) {
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
     std::string why = r == 0 ? "peer closed the connection" : std::strerror(errno);
-    closeConn(c, why, true);
+    closeConn(c, why, false);  // a peer that exited (closeConn says who reports it)
     return false;
   }
 
@@ -664,7 +664,7 @@ class TcpTransport::Impl {
       if (r < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) break;
         if (errno == EINTR) continue;
-        closeConn(c, std::strerror(errno), true);
+        closeConn(c, std::strerror(errno), false);  // a peer that exited, as above
         return;
       }
       uint64_t left = static_cast<uint64_t>(r);
@@ -704,7 +704,16 @@ class TcpTransport::Impl {
     if (c.fd < 0) return;
     if (c.in == Conn::In::kHello && !c.outbound) --unauthenticated_;
     std::string reason = str("tcp connection to rank ", c.peer, " lost: ", why);
-    if (log && c.outbound && !stopped_) LOG(WARNING) << "moelink " << reason;
+    // A connection that ends because its peer closed it or exited is logged only verbosely:
+    // the group's ranks close theirs on every clean shutdown, and when a peer died, the
+    // membership unit (or the op that needed it) reports that with this reason. What the
+    // peer did wrong (a protocol error, a refused write) is a warning.
+    if (c.outbound && !stopped_) {
+      if (log)
+        LOG(WARNING) << "moelink " << reason;
+      else
+        VLOG(1) << "moelink " << reason;
+    }
     epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
     ::close(c.fd);
     c.fd = -1;
