@@ -205,6 +205,9 @@ ExchangeTuning ExchangeTuning::fromEnv() {
   t.round_bytes = envNumber("MOELINK_CUDA_ROUND_BYTES", t.round_bytes);
   t.blocks = static_cast<int>(envNumber("MOELINK_CUDA_BLOCKS", static_cast<uint64_t>(t.blocks)));
   t.one_shot_bytes = envNumber("MOELINK_CUDA_ONESHOT_BYTES", t.one_shot_bytes);
+  const uint64_t split = envNumber("MOELINK_CUDA_SPLIT", t.split ? 1 : 0);
+  MOELINK_CHECK(split <= 1, "MOELINK_CUDA_SPLIT must be 0 or 1, got ", split);
+  t.split = split == 1;
   MOELINK_CHECK(t.round_bytes >= (64u << 10) && t.round_bytes % 16 == 0,
                 "MOELINK_CUDA_ROUND_BYTES must be a multiple of 16 of at least 65536, got ", t.round_bytes);
   MOELINK_CHECK(t.blocks >= 1 && t.blocks <= kExchangeMaxBlocks, "MOELINK_CUDA_BLOCKS must be 1..",
@@ -238,6 +241,7 @@ ExchangeHeader exchangeHeader(const Exchange& x, int peer, const ExchangeTuning&
   h.mode = static_cast<uint8_t>(x.mode);
   h.root = x.root;
   h.blocks = static_cast<uint32_t>(t.blocks);
+  h.split = t.split ? 1 : 0;
   return h;
 }
 
@@ -265,9 +269,10 @@ std::string describeMismatch(const ExchangeHeader& mine, const ExchangeHeader& t
   if (theirs.mode != mine.mode)
     return str(who, " ran the ", theirs.mode ? "reduce" : "copy", " step where this rank ran the ",
                mine.mode ? "reduce" : "copy", " step (different one-shot settings?)");
-  if (theirs.round_bytes != mine.round_bytes || theirs.blocks != mine.blocks)
+  if (theirs.round_bytes != mine.round_bytes || theirs.blocks != mine.blocks || theirs.split != mine.split)
     return str(who, " uses MOELINK_CUDA_ROUND_BYTES=", theirs.round_bytes, " MOELINK_CUDA_BLOCKS=", theirs.blocks,
-               ", this rank ", mine.round_bytes, " and ", mine.blocks, "; set them alike on every rank");
+               " MOELINK_CUDA_SPLIT=", theirs.split, ", this rank ", mine.round_bytes, ", ", mine.blocks, " and ",
+               mine.split, "; set them alike on every rank");
   return "";
 }
 

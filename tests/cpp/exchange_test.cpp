@@ -387,6 +387,12 @@ TEST(ExchangeHeader, MismatchesReadLikeTheCpuPath) {
   auto bc = exchangeHeader(exchangeBroadcast(2, 1, 8192, 1), 0, t);
   bc.seq = 17;
   EXPECT_NE(describeMismatch(mine, bc, 1).find("called broadcast"), std::string::npos);
+  ExchangeTuning unsplit;
+  unsplit.split = false;
+  auto other = exchangeHeader(exchangeAllreduceOneShot(2, 1, 2048, DType::kFloat32, ReduceOp::kSum), 0, unsplit);
+  other.seq = 17;
+  EXPECT_NE(describeMismatch(mine, other, 1).find("MOELINK_CUDA_SPLIT=0, this rank 8388608, 64 and 1"),
+            std::string::npos);
   ExchangeStatus s{};
   s.code = ExchangeStatus::kTimeout;
   s.peer = 1;
@@ -402,7 +408,13 @@ TEST(ExchangeTuning, ReadsAndChecksTheEnvironment) {
   setenv("MOELINK_CUDA_ROUND_BYTES", "1000", 1);
   EXPECT_THROW(ExchangeTuning::fromEnv(), moelink::Error);
   setenv("MOELINK_CUDA_ROUND_BYTES", "1048576", 1);
+  setenv("MOELINK_CUDA_SPLIT", "2", 1);
+  EXPECT_THROW(ExchangeTuning::fromEnv(), moelink::Error);
+  setenv("MOELINK_CUDA_SPLIT", "0", 1);
+  EXPECT_FALSE(ExchangeTuning::fromEnv().split);
+  unsetenv("MOELINK_CUDA_SPLIT");
   auto t = ExchangeTuning::fromEnv();
+  EXPECT_TRUE(t.split);
   EXPECT_EQ(t.blocks, 8);
   EXPECT_EQ(t.round_bytes, 1048576u);
   EXPECT_TRUE(t.oneShot(2, 1ull << 30));

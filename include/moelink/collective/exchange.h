@@ -97,6 +97,10 @@ struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
   int blocks = 64;                  // MOELINK_CUDA_BLOCKS (SMs the kernel occupies)
   uint64_t one_shot_bytes = 1 << 20;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always)
+  // MOELINK_CUDA_SPLIT: pushing to the peers and consuming what they sent run on separate
+  // blocks (`blocks` of each), so that the next round's NVLink writes overlap this round's
+  // copy or reduction; 0: every block does both in turn.
+  bool split = true;
   // Reads MOELINK_CUDA_* over the defaults; throws moelink::Error on a bad value.
   static ExchangeTuning fromEnv();
   bool oneShot(int n, uint64_t bytes) const { return n <= 2 || bytes <= one_shot_bytes; }
@@ -138,7 +142,7 @@ struct ExchangeHeader {
   uint8_t kind, dtype, redop, mode;
   int32_t root;
   uint32_t blocks;
-  uint32_t pad;
+  uint32_t split;
   uint64_t reserved;
   uint64_t seq;  // op number on this group's exchange path, from 1
 };

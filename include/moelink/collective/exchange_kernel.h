@@ -20,6 +20,7 @@ namespace moelink::collective {
 
 struct ExchangeLaunch {
   int rank = 0, size = 0, blocks = 1;
+  int roles = 1;  // 2: blocks [0, blocks) push, [blocks, 2 * blocks) consume (ExchangeTuning::split)
   uint8_t mode = 0, dtype = 0, redop = 0;
   const char* in = nullptr;
   char* out = nullptr;

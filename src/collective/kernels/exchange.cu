@@ -91,7 +91,8 @@ __device__ __forceinline__ char* dataSlot(char* staging, const ExchangeLayout& l
 __device__ bool sameHeader(const ExchangeHeader& m, const ExchangeHeader& t) {
   return m.kind == t.kind && m.dtype == t.dtype && m.redop == t.redop && m.mode == t.mode && m.root == t.root &&
          (m.op_bytes == 0 || t.op_bytes == 0 || m.op_bytes == t.op_bytes) && t.send_bytes == m.recv_bytes &&
-         t.recv_bytes == m.send_bytes && m.round_bytes == t.round_bytes && m.blocks == t.blocks;
+         t.recv_bytes == m.send_bytes && m.round_bytes == t.round_bytes && m.blocks == t.blocks &&
+         m.split == t.split;
 }
 
 // Block-wide copy; 16-byte vectors when everything is aligned.
@@ -294,7 +295,11 @@ __device__ int roundsOf(const ExchangeLaunch& a, int q) {
 template <typename Reduce>
 __device__ bool runRounds(const Ctx& c) {
   const ExchangeLaunch& a = *c.a;
-  const int me = a.rank, n = a.size, b = blockIdx.x, G = gridDim.x;
+  // Block b of the G that cut each round: one block does both the pushing and the consuming,
+  // or (roles == 2) block b pushes and block G + b consumes.
+  const int me = a.rank, n = a.size, G = a.blocks, b = blockIdx.x % G;
+  const bool push = a.roles == 1 || static_cast<int>(blockIdx.x) < G;
+  const bool consume = a.roles == 1 || static_cast<int>(blockIdx.x) >= G;
   const ExchangeLayout& L = a.layout;
   const uint64_t R = L.round_bytes;
   char* mine = a.staging[me];
@@ -311,7 +316,7 @@ __device__ bool runRounds(const Ctx& c) {
     const uint64_t tag = tagOf(c.seq, r);
     // Push this block's piece of round r to each peer (starting after this rank, so that
     // peers are not all written at once by everyone).
-    for (int k = 1; k < n; ++k) {
+    for (int k = 1; push && k < n; ++k) {
       const int p = (me + k) % n;
       uint64_t len = exchangeRoundLen(a.send_bytes[p], r, R), lo, hi;
       exchangePiece(len, b, G, &lo, &hi);
@@ -331,6 +336,22 @@ __device__ bool runRounds(const Ctx& c) {
         __threadfence_system();
         device::stReleaseSys64(flagSlot(a.staging[p], L, half, me, b), tag);
       }
+    }
+    if (a.roles == 2) {
+      // Pushing and consuming blocks part here: this block says when it has read round r of
+      // the input, and consuming blocks wait until every pushing block has (a consumer
+      // writes the output, which may be the input: an in-place all_reduce).
+      if (push) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          device::stReleaseSys64(flagSlot(mine, L, half, me, b), tag);  // no peer writes this slot
+        }
+        continue;
+      }
+      if (threadIdx.x < G && !waitAtLeast(c, flagSlot(mine, L, half, me, threadIdx.x), tag, me))
+        atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+      if (blockFailed(c)) return false;
     }
     if (!reduce) {
       // This rank's own block, straight into place.
@@ -437,6 +458,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   l.rank = rank;
   l.size = n;
   l.blocks = t.blocks;
+  l.roles = t.split ? 2 : 1;
   l.mode = static_cast<uint8_t>(x.mode);
   l.dtype = static_cast<uint8_t>(x.dtype);
   l.redop = static_cast<uint8_t>(x.redop);
@@ -452,22 +474,22 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
 
 cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream) {
   if (l.mode != static_cast<uint8_t>(ExchangeMode::kReduce)) {
-    exchangeKernel<CopyOnly><<<l.blocks, 512, 0, stream>>>(l);
+    exchangeKernel<CopyOnly><<<l.blocks * l.roles, 512, 0, stream>>>(l);
     return cudaGetLastError();
   }
   switch (static_cast<DType>(l.dtype)) {
-    case DType::kFloat32: exchangeKernel<ReduceAs<float>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kFloat64: exchangeKernel<ReduceAs<double>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kFloat16: exchangeKernel<ReduceAs<__half>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kBFloat16: exchangeKernel<ReduceAs<__nv_bfloat16>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kInt8: exchangeKernel<ReduceAs<int8_t>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kInt16: exchangeKernel<ReduceAs<int16_t>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kInt32: exchangeKernel<ReduceAs<int32_t>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kInt64: exchangeKernel<ReduceAs<long long>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kUInt8: exchangeKernel<ReduceAs<uint8_t>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kBool: exchangeKernel<ReduceAs<Bool>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kComplex64: exchangeKernel<ReduceComplex<float>><<<l.blocks, 512, 0, stream>>>(l); break;
-    case DType::kComplex128: exchangeKernel<ReduceComplex<double>><<<l.blocks, 512, 0, stream>>>(l); break;
+    case DType::kFloat32: exchangeKernel<ReduceAs<float>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kFloat64: exchangeKernel<ReduceAs<double>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kFloat16: exchangeKernel<ReduceAs<__half>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kBFloat16: exchangeKernel<ReduceAs<__nv_bfloat16>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kInt8: exchangeKernel<ReduceAs<int8_t>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kInt16: exchangeKernel<ReduceAs<int16_t>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kInt32: exchangeKernel<ReduceAs<int32_t>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kInt64: exchangeKernel<ReduceAs<long long>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kUInt8: exchangeKernel<ReduceAs<uint8_t>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kBool: exchangeKernel<ReduceAs<Bool>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kComplex64: exchangeKernel<ReduceComplex<float>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kComplex128: exchangeKernel<ReduceComplex<double>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
