@@ -95,7 +95,7 @@ std::vector<std::pair<uint64_t, uint64_t>> droppedRanges(const Exchange& x, cons
 // Tunables every rank must share (checked in the header).
 struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
-  int blocks = 64;                  // MOELINK_CUDA_BLOCKS (SMs the kernel occupies)
+  int blocks = 64;                  // MOELINK_CUDA_BLOCKS (per role: the kernel holds 2 x blocks SMs when split)
   uint64_t one_shot_bytes = 1 << 20;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always)
   // MOELINK_CUDA_SPLIT: pushing to the peers and consuming what they sent run on separate
   // blocks (`blocks` of each), so that the next round's NVLink writes overlap this round's
