@@ -473,23 +473,24 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
 }
 
 cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream) {
+  const int grid = l.blocks * l.roles;
   if (l.mode != static_cast<uint8_t>(ExchangeMode::kReduce)) {
-    exchangeKernel<CopyOnly><<<l.blocks * l.roles, 512, 0, stream>>>(l);
+    exchangeKernel<CopyOnly><<<grid, 512, 0, stream>>>(l);
     return cudaGetLastError();
   }
   switch (static_cast<DType>(l.dtype)) {
-    case DType::kFloat32: exchangeKernel<ReduceAs<float>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kFloat64: exchangeKernel<ReduceAs<double>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kFloat16: exchangeKernel<ReduceAs<__half>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kBFloat16: exchangeKernel<ReduceAs<__nv_bfloat16>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kInt8: exchangeKernel<ReduceAs<int8_t>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kInt16: exchangeKernel<ReduceAs<int16_t>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kInt32: exchangeKernel<ReduceAs<int32_t>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kInt64: exchangeKernel<ReduceAs<long long>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kUInt8: exchangeKernel<ReduceAs<uint8_t>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kBool: exchangeKernel<ReduceAs<Bool>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kComplex64: exchangeKernel<ReduceComplex<float>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
-    case DType::kComplex128: exchangeKernel<ReduceComplex<double>><<<l.blocks * l.roles, 512, 0, stream>>>(l); break;
+    case DType::kFloat32: exchangeKernel<ReduceAs<float>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kFloat64: exchangeKernel<ReduceAs<double>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kFloat16: exchangeKernel<ReduceAs<__half>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kBFloat16: exchangeKernel<ReduceAs<__nv_bfloat16>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kInt8: exchangeKernel<ReduceAs<int8_t>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kInt16: exchangeKernel<ReduceAs<int16_t>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kInt32: exchangeKernel<ReduceAs<int32_t>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kInt64: exchangeKernel<ReduceAs<long long>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kUInt8: exchangeKernel<ReduceAs<uint8_t>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kBool: exchangeKernel<ReduceAs<Bool>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kComplex64: exchangeKernel<ReduceComplex<float>><<<grid, 512, 0, stream>>>(l); break;
+    case DType::kComplex128: exchangeKernel<ReduceComplex<double>><<<grid, 512, 0, stream>>>(l); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();

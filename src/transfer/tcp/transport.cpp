@@ -700,20 +700,14 @@ class TcpTransport::Impl {
     }
   }
 
-  void closeConn(Conn& c, const std::string& why, bool log) {
+  void closeConn(Conn& c, const std::string& why, bool warn) {
     if (c.fd < 0) return;
     if (c.in == Conn::In::kHello && !c.outbound) --unauthenticated_;
     std::string reason = str("tcp connection to rank ", c.peer, " lost: ", why);
-    // A connection that ends because its peer closed it or exited is logged only verbosely:
-    // the group's ranks close theirs on every clean shutdown, and when a peer died, the
-    // membership unit (or the op that needed it) reports that with this reason. What the
-    // peer did wrong (a protocol error, a refused write) is a warning.
-    if (c.outbound && !stopped_) {
-      if (log)
-        LOG(WARNING) << "moelink " << reason;
-      else
-        VLOG(1) << "moelink " << reason;
-    }
+    // A peer that closed or reset the connection (every clean shutdown does) is logged only
+    // verbosely: whoever needed it reports a real loss with this reason. Peer faults warn.
+    if (c.outbound && !stopped_ && warn) LOG(WARNING) << "moelink " << reason;
+    if (c.outbound && !stopped_ && !warn) VLOG(1) << "moelink " << reason;
     epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
     ::close(c.fd);
     c.fd = -1;
