@@ -177,6 +177,7 @@ class CudaCollectivesImpl final : public CudaCollectives {
   // membership change and others after are dropped on the latter, so that ranks stay in step.
   uint64_t seq_ = 0, start_seq_ = 0;
   std::unique_ptr<Completer> completer_;
+  std::shared_ptr<EventPool> events_;  // the ops' end events
   cudaEvent_t start_ = nullptr;  // recorded on the caller's stream at each op's start
   uint32_t ticket_ = 0;
 };
@@ -254,6 +255,7 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   }
   collective::CollectiveWorker* worker = &b_.worker();
   completer_ = std::make_unique<Completer>(device, kSlots, [worker] { worker->watchPeers(); });
+  events_ = std::make_shared<EventPool>(device);
   cudaCheck(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming), "cudaEventCreate");
   device_ = device;
   VLOG(1) << "moelink: rank " << rank_ << " CUDA collectives on cuda:" << device << " via "
@@ -381,7 +383,7 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
   // The wait takes the event's state at this call, so one event serves every op.
   cudaCheck(cudaEventRecord(start_, user.stream()), "cudaEventRecord");
   cudaCheck(cudaStreamWaitEvent(op.stream->stream(), start_, 0), "cudaStreamWaitEvent");
-  op.work = c10::make_intrusive<CudaWork>(rank_, k.type, k.title, std::move(outputs), device);
+  op.work = c10::make_intrusive<CudaWork>(rank_, k.type, k.title, std::move(outputs), device, events_);
   op.work->timeout_ms = static_cast<uint64_t>(timeout.count());
   op.slot = op.captured ? kSlots : completer_->reserve();
   {

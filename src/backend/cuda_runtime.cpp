@@ -1,9 +1,11 @@
 #include "cuda_runtime.h"
 
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <cuda.h>
+#include <sys/prctl.h>
 
 #include <glog/logging.h>
 
@@ -82,16 +84,48 @@ int HostOutcome::source() {
 
 // ---- CudaWork ----
 
-CudaWork::CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device)
-    : c10d::Work(rank, type, title),
-      outputs_(std::move(outputs)),
-      device_(device),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
-  cudaCheck(cudaEventCreateWithFlags(&end_, cudaEventDisableTiming | cudaEventBlockingSync), "cudaEventCreate");
+// ---- EventPool ----
+
+EventPool::~EventPool() {
+  for (cudaEvent_t e : free_) cudaEventDestroy(e);
+}
+
+cudaEvent_t EventPool::take() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!free_.empty()) {
+      cudaEvent_t e = free_.back();
+      free_.pop_back();
+      return e;
+    }
+  }
+  c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device_));
+  cudaEvent_t e = nullptr;
+  cudaCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  return e;
+}
+
+void EventPool::give(cudaEvent_t e) {
+  std::lock_guard<std::mutex> g(mu_);
+  free_.push_back(e);
+}
+
+// ---- CudaWork ----
+
+CudaWork::CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device,
+                   std::shared_ptr<EventPool> events)
+    : c10d::Work(rank, type, title), outputs_(std::move(outputs)), device_(device), events_(std::move(events)) {
+  static const c10::TypePtr kListOfTensors = c10::ListType::create(c10::TensorType::get());
+  future_ = c10::make_intrusive<c10::ivalue::Future>(kListOfTensors);
+  end_ = events_->take();
 }
 
 CudaWork::~CudaWork() {
-  if (end_) cudaEventDestroy(end_);
+  if (!end_) return;
+  if (events_)
+    events_->give(end_);
+  else
+    cudaEventDestroy(end_);
 }
 
 void CudaWork::complete(const std::string& error) {
@@ -107,6 +141,7 @@ void CudaWork::complete(const std::string& error) {
 }
 
 void CudaWork::completeCaptured() {
+  events_.reset();
   future_->markCompleted(c10::IValue(outputs_));
   finish();
 }
@@ -140,31 +175,48 @@ Completer::~Completer() {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
   }
-  cv_.notify_all();
+  work_cv_.notify_all();
   thread_.join();
 }
 
 size_t Completer::reserve() {
   std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [&] { return reserved_ - completed_ < slots_; });
+  slot_cv_.wait(lk, [&] { return reserved_ - completed_ < slots_; });
   return reserved_++ % slots_;
 }
 
 void Completer::add(c10::intrusive_ptr<CudaWork> w) {
+  bool wake;
   {
     std::lock_guard<std::mutex> g(mu_);
     queue_.push_back(std::move(w));
+    wake = parked_;
   }
-  cv_.notify_all();
+  if (wake) work_cv_.notify_one();
 }
 
 void Completer::loop() {
   cudaSetDevice(device_);
+  // Sleeps of a few microseconds, not the default 50 us of timer slack.
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  using Clock = std::chrono::steady_clock;
+  constexpr auto kLinger = std::chrono::milliseconds(2);  // looking for the next op before parking
   while (true) {
     c10::intrusive_ptr<CudaWork> w;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      const auto linger_until = Clock::now() + kLinger;
+      while (queue_.empty() && !stop_) {
+        if (Clock::now() < linger_until) {
+          lk.unlock();
+          std::this_thread::sleep_for(std::chrono::microseconds(5));
+          lk.lock();
+          continue;
+        }
+        parked_ = true;
+        work_cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+        parked_ = false;
+      }
       if (queue_.empty()) return;  // stop_ and nothing left
       w = std::move(queue_.front());
       queue_.pop_front();
@@ -173,17 +225,17 @@ void Completer::loop() {
     // Polled, so that a long wait can have the group check its peers (a dead peer otherwise
     // holds a kernel until its timeout).
     cudaError_t e;
-    const auto since = std::chrono::steady_clock::now();
+    const auto since = Clock::now();
     auto next_watch = since + std::chrono::milliseconds(100);
-    for (int spins = 0;; ++spins) {
+    for (int polls = 0;; ++polls) {
       e = cudaEventQuery(w->endEvent());
       if (e != cudaErrorNotReady) break;
-      const auto now = std::chrono::steady_clock::now();
+      const auto now = Clock::now();
       if (stalled_ && now >= next_watch) {
         stalled_();
         next_watch = now + std::chrono::milliseconds(100);
       }
-      if (spins > 200) std::this_thread::sleep_for(std::chrono::microseconds(spins > 2000 ? 200 : 20));
+      std::this_thread::sleep_for(std::chrono::microseconds(polls < 200 ? 5 : polls < 2000 ? 20 : 200));
     }
     if (e != cudaSuccess) error = std::string("the GPU failed while running this op: ") + cudaGetErrorString(e);
     if (error.empty() && w->status) {
@@ -208,7 +260,7 @@ void Completer::loop() {
       std::lock_guard<std::mutex> g(mu_);
       ++completed_;
     }
-    cv_.notify_all();
+    slot_cv_.notify_all();
   }
 }
 

@@ -72,12 +72,31 @@ class HostOutcome {
   int source_ = -1;
 };
 
+// CUDA events for the ends of a unit's ops, reused: creating and destroying an event per op
+// would cost the caller microseconds per op. Shared by the unit and its works (a Work may
+// outlive the unit); any thread may hand an event back.
+class EventPool {
+ public:
+  explicit EventPool(int device) : device_(device) {}
+  ~EventPool();
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
+  cudaEvent_t take();
+  void give(cudaEvent_t e);
+
+ private:
+  const int device_;
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+};
+
 // A CUDA op's Work. wait() makes the caller's current stream wait for the op's end event
 // (no host block) and raises the op's error if it is already known; the future and
 // isCompleted() follow the GPU, through the Completer.
 class CudaWork : public c10d::Work, public LostRanks {
  public:
-  CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device);
+  CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device,
+           std::shared_ptr<EventPool> events);
   ~CudaWork() override;
 
   void keep(const at::Tensor& t) { keep_.push_back(t); }
@@ -91,7 +110,8 @@ class CudaWork : public c10d::Work, public LostRanks {
   std::shared_ptr<HostOutcome> host;
   // Called by the Completer once the GPU has finished: "" or the error.
   void complete(const std::string& error);
-  // Captured into a CUDA graph: nothing to watch, the future is complete at once.
+  // Captured into a CUDA graph: nothing to watch, the future is complete at once (and the
+  // end event, which the capture used, is not reused).
   void completeCaptured();
 
   bool wait(std::chrono::milliseconds timeout) override;
@@ -103,14 +123,19 @@ class CudaWork : public c10d::Work, public LostRanks {
  private:
   std::vector<at::Tensor> outputs_, keep_;
   int device_;
+  std::shared_ptr<EventPool> events_;  // end_ goes back there (nullptr: destroyed)
   cudaEvent_t end_ = nullptr;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
 // One thread per CUDA unit that completes works in submission order once their end event
-// has passed (blocking-sync events: the thread sleeps), reading their kernel status and
-// their host-staged op's outcome. Also bounds the ops in flight (the status and ticket
-// rings have `slots` entries).
+// has passed, reading their kernel status and their host-staged op's outcome. Also bounds
+// the ops in flight (the status and ticket rings have `slots` entries).
+//
+// The thread polls an op's event with short sleeps between queries (a query in a tight loop
+// contends with the caller's own CUDA calls for the driver), and after its last op it keeps
+// looking for the next for a while before it parks, so that a caller issuing ops in a steady
+// stream never pays for waking it.
 class Completer {
  public:
   // `stalled` runs (on the completer's thread) every 100 ms while an op has been pending
@@ -127,10 +152,12 @@ class Completer {
   size_t slots_;
   std::function<void()> stalled_;
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable work_cv_;  // the thread, parked, waits for an op
+  std::condition_variable slot_cv_;  // reserve() waits for a free slot
   std::deque<c10::intrusive_ptr<CudaWork>> queue_;
   uint64_t reserved_ = 0, completed_ = 0;
   bool stop_ = false;
+  bool parked_ = false;
   std::thread thread_;
 };
 
