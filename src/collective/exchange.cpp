@@ -1,5 +1,6 @@
 #include "moelink/collective/exchange.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "moelink/common/env.h"
@@ -227,6 +228,19 @@ ExchangeLayout ExchangeLayout::make(int n, uint64_t round_bytes) {
   l.data = alignUp(l.acks + flag_bytes, 4096);
   l.total = l.data + 2ull * n * round_bytes;
   return l;
+}
+
+int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t) {
+  uint64_t first = x.mode == ExchangeMode::kReduce ? x.reduce_bytes : 0;
+  for (size_t q = 0; q < x.send_bytes.size(); ++q) first = std::max({first, x.send_bytes[q], x.recv_bytes[q]});
+  first = std::min(first, t.round_bytes);
+  int blocks = 1;  // pieces are consecutive from block 0; at least one block runs
+  for (; blocks < t.blocks; ++blocks) {
+    uint64_t lo, hi;
+    exchangePiece(first, blocks, t.blocks, &lo, &hi);
+    if (lo >= hi) break;
+  }
+  return blocks;
 }
 
 ExchangeHeader exchangeHeader(const Exchange& x, int peer, const ExchangeTuning& t) {

@@ -27,6 +27,22 @@ void model(const std::vector<Exchange>& xs, std::vector<Bytes>& in, std::vector<
   const int n = static_cast<int>(xs.size());
   if (out_base.empty()) out_base.assign(n, 0);
   const uint64_t R = t.round_bytes;
+  // The blocks each rank launches: every piece it sends, receives or reduces must be on one.
+  std::vector<int> launched(n);
+  for (int r = 0; r < n; ++r) launched[r] = exchangeBlocksWithWork(xs[r], t);
+  int pieces_of_round = 0;  // of a full round: what a pair longer than two rounds waits on
+  for (uint64_t lo = 0, hi = 0; pieces_of_round < t.blocks; ++pieces_of_round) {
+    exchangePiece(R, pieces_of_round, t.blocks, &lo, &hi);
+    if (lo >= hi) break;
+  }
+  for (int r = 0; r < n; ++r)
+    if (xs[r].mode == ExchangeMode::kReduce)
+      for (uint64_t k = 0; k * R < xs[r].reduce_bytes; ++k)
+        for (int b = 0; b < t.blocks; ++b) {
+          uint64_t lo, hi;
+          exchangePiece(exchangeRoundLen(xs[r].reduce_bytes, k, R), b, t.blocks, &lo, &hi);
+          if (lo < hi) EXPECT_LT(b, launched[r]) << "rank " << r << " reduces piece " << b;
+        }
   // What each consumer received from each source, assembled from pieces.
   std::vector<std::vector<Bytes>> got(n, std::vector<Bytes>(n));
   for (int p = 0; p < n; ++p)
@@ -43,6 +59,10 @@ void model(const std::vector<Exchange>& xs, std::vector<Bytes>& in, std::vector<
         for (int b = 0; b < t.blocks; ++b) {
           uint64_t lo, hi;
           exchangePiece(len, b, t.blocks, &lo, &hi);
+          if (lo < hi) {
+            EXPECT_LT(b, launched[q]) << "sender " << q << " has no block for piece " << b;
+            EXPECT_LT(b, launched[p]) << "receiver " << p << " has no block for piece " << b;
+          }
           for (uint64_t i = lo; i < hi; ++i) {
             got[p][q][r * R + i] = in[q][xs[q].send_off[p] + r * R + i];
             covered[r * R + i]++;
@@ -50,6 +70,10 @@ void model(const std::vector<Exchange>& xs, std::vector<Bytes>& in, std::vector<
         }
       }
       for (uint64_t i = 0; i < bytes; ++i) ASSERT_EQ(covered[i], 1) << "byte " << i << " of " << q << "->" << p;
+      if (p != q && bytes > 2 * R) {  // the sender waits for the consumer's acks of every piece of a round
+        EXPECT_EQ(launched[q], pieces_of_round) << q << "->" << p;
+        EXPECT_EQ(launched[p], pieces_of_round) << q << "->" << p;
+      }
     }
   for (int p = 0; p < n; ++p) {
     const Exchange& x = xs[p];
@@ -362,6 +386,23 @@ TEST(ExchangePiece, PartitionsEveryRound) {
       }
       ASSERT_EQ(next, len) << "len " << len << " blocks " << blocks;
     }
+}
+
+TEST(ExchangePiece, SmallExchangesLaunchFewBlocks) {
+  ExchangeTuning t;  // 64 blocks, 8 MiB rounds, pieces of at least 16 KiB
+  auto oneShot = [&](uint64_t bytes) {
+    return exchangeBlocksWithWork(exchangeAllreduceOneShot(2, 0, bytes / 4, DType::kFloat32, ReduceOp::kSum), t);
+  };
+  EXPECT_EQ(oneShot(0), 1);
+  EXPECT_EQ(oneShot(8 << 10), 1);
+  EXPECT_EQ(oneShot(16 << 10), 1);
+  EXPECT_EQ(oneShot((16 << 10) + 16), 2);
+  EXPECT_EQ(oneShot(256 << 10), 16);
+  EXPECT_EQ(oneShot(1 << 20), 64);
+  EXPECT_EQ(oneShot(64 << 20), 64);
+  // The largest pair counts, whichever way it goes.
+  EXPECT_EQ(exchangeBlocksWithWork(exchangeAlltoall(2, 0, {0, 0}, {0, 4096}, {0, 0}, {0, 100 << 10}), t), 7);
+  EXPECT_EQ(exchangeBlocksWithWork(exchangeAllgather(4, 1, 40 << 10), t), 3);
 }
 
 TEST(ExchangeLayout, FitsTheRoundsAndAligns) {

@@ -127,6 +127,11 @@ MOELINK_HOST_DEVICE inline void exchangePiece(uint64_t len, int b, int blocks, u
   *lo = l < len ? l : len;
   *hi = l + piece < len ? l + piece : len;
 }
+// The blocks (per role) that have a piece of some pair of `x` in its first, largest round:
+// the launch runs only those, so that a small exchange occupies a few SMs. A pair longer than
+// two rounds has a piece on each of them on both of its ranks (the kernel's acknowledgements
+// rely on it).
+int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t);
 // Bytes of round r of a pair that moves `bytes` (0 past the end).
 MOELINK_HOST_DEVICE inline uint64_t exchangeRoundLen(uint64_t bytes, uint64_t r, uint64_t round_bytes) {
   uint64_t start = r * round_bytes;

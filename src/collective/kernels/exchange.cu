@@ -295,11 +295,12 @@ __device__ int roundsOf(const ExchangeLaunch& a, int q) {
 template <typename Reduce>
 __device__ bool runRounds(const Ctx& c) {
   const ExchangeLaunch& a = *c.a;
-  // Block b of the G that cut each round: one block does both the pushing and the consuming,
-  // or (roles == 2) block b pushes and block G + b consumes.
-  const int me = a.rank, n = a.size, G = a.blocks, b = blockIdx.x % G;
-  const bool push = a.roles == 1 || static_cast<int>(blockIdx.x) < G;
-  const bool consume = a.roles == 1 || static_cast<int>(blockIdx.x) >= G;
+  // Block b of the G that cut each round (Gl of them launched per role, every piece of this
+  // rank's pairs among them): one block does both the pushing and the consuming, or
+  // (roles == 2) block b pushes and block Gl + b consumes.
+  const int me = a.rank, n = a.size, G = a.blocks, Gl = a.launched, b = blockIdx.x % Gl;
+  const bool push = a.roles == 1 || static_cast<int>(blockIdx.x) < Gl;
+  const bool consume = a.roles == 1 || static_cast<int>(blockIdx.x) >= Gl;
   const ExchangeLayout& L = a.layout;
   const uint64_t R = L.round_bytes;
   char* mine = a.staging[me];
@@ -321,7 +322,8 @@ __device__ bool runRounds(const Ctx& c) {
       uint64_t len = exchangeRoundLen(a.send_bytes[p], r, R), lo, hi;
       exchangePiece(len, b, G, &lo, &hi);
       if (lo >= hi) continue;
-      if (r >= 2) {  // the consumer has finished round r-2 in this half
+      if (r >= 2) {  // the consumer has finished round r-2 in this half (a pair this long
+                     // has a piece on every launched block of both ranks)
         uint64_t plo, phi;
         if (threadIdx.x < G) {
           exchangePiece(R, threadIdx.x, G, &plo, &phi);
@@ -349,7 +351,7 @@ __device__ bool runRounds(const Ctx& c) {
         }
         continue;
       }
-      if (threadIdx.x < G && !waitAtLeast(c, flagSlot(mine, L, half, me, threadIdx.x), tag, me))
+      if (threadIdx.x < Gl && !waitAtLeast(c, flagSlot(mine, L, half, me, threadIdx.x), tag, me))
         atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
       if (blockFailed(c)) return false;
     }
@@ -459,6 +461,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   l.size = n;
   l.blocks = t.blocks;
   l.roles = t.split ? 2 : 1;
+  l.launched = exchangeBlocksWithWork(x, t);
   l.mode = static_cast<uint8_t>(x.mode);
   l.dtype = static_cast<uint8_t>(x.dtype);
   l.redop = static_cast<uint8_t>(x.redop);
@@ -473,7 +476,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
 }
 
 cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream) {
-  const int grid = l.blocks * l.roles;
+  const int grid = l.launched * l.roles;
   if (l.mode != static_cast<uint8_t>(ExchangeMode::kReduce)) {
     exchangeKernel<CopyOnly><<<grid, 512, 0, stream>>>(l);
     return cudaGetLastError();
