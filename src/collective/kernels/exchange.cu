@@ -300,7 +300,6 @@ __device__ bool runRounds(const Ctx& c) {
   // (roles == 2) block b pushes and block Gl + b consumes.
   const int me = a.rank, n = a.size, G = a.blocks, Gl = a.launched, b = blockIdx.x % Gl;
   const bool push = a.roles == 1 || static_cast<int>(blockIdx.x) < Gl;
-  const bool consume = a.roles == 1 || static_cast<int>(blockIdx.x) >= Gl;
   const ExchangeLayout& L = a.layout;
   const uint64_t R = L.round_bytes;
   char* mine = a.staging[me];
