@@ -11,6 +11,11 @@ times every op on both after warm-up, the two taking turns run by run. Prints a 
 synchronized start to torch.cuda.synchronize() after it, as a caller that needs the result sees it.
 Bus bandwidth follows nccl-tests: allreduce 2(n-1)/n, allgather / reduce_scatter /
 alltoall (n-1)/n, broadcast 1, times the message bytes over the time.
+
+With --issue (CUDA tensors), a second table: the host time a rank spends issuing one op (the
+call's return, no synchronization; batches of 20 back-to-back calls, median of `iters` batches,
+slowest rank), the part of a small op's latency that is the caller's thread. `--gpus 1` measures
+it without peers.
 """
 
 import argparse
@@ -81,7 +86,27 @@ def time_pair(op, nbytes, groups, world, iters, warmup, device, sync_group):
     return [statistics.median(t) for t in times]
 
 
-def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, q):
+def issue_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
+    """Median host time per call over batches of `batch` back-to-back calls, per group in
+    `groups` (taking turns), slowest rank."""
+    n = max(world, nbytes // 4 // world * world)
+    bufs = [(torch.ones(n, device=device), torch.empty(n, device=device)) for _ in groups]
+    times = [[] for _ in groups]
+    for _ in range(iters):
+        for k, (g, b) in enumerate(zip(groups, bufs)):
+            torch.cuda.synchronize()
+            dist.barrier(group=sync_group)
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                run_op(op, nbytes, g, world, b)
+            dt = torch.tensor([(time.perf_counter() - t0) / batch], dtype=torch.float64)
+            torch.cuda.synchronize()
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync_group)
+            times[k].append(dt.item())
+    return [statistics.median(t) for t in times]
+
+
+def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, issue, q):
     os.environ["MOELINK_TRANSPORT"] = transport
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import moelink  # noqa: F401
@@ -99,7 +124,8 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, q
             warm = 3 if not big else 1
             groups = [ep, anchor] if with_gloo else [ep]
             t = time_pair(op, nbytes, groups, world, iters_here, warm, device, ep)
-            rows.append((op, nbytes, t[0], t[1] if with_gloo else float("nan")))
+            i = issue_time(op, nbytes, groups, world, iters_here, device, ep) if issue else [float("nan")] * 2
+            rows.append((op, nbytes, t[0], t[1] if with_gloo else float("nan"), i[0], i[1] if with_gloo else float("nan")))
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -124,6 +150,7 @@ def main():
     ap.add_argument("--transport", default=os.environ.get("MOELINK_TRANSPORT", "auto"))
     ap.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     ap.add_argument("--no-gloo", "--no-anchor", action="store_true", help="time backend ep only")
+    ap.add_argument("--issue", action="store_true", help="CUDA: also the host time to issue one op")
     ap.add_argument("--out", default="collectives.png")
     args = ap.parse_args()
     sizes = []
@@ -139,7 +166,9 @@ def main():
     if args.device == "cuda":
         n = args.gpus or torch.cuda.device_count()
         anchor = "nccl"
-    rows = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device),
+    if args.issue and args.device != "cuda":
+        ap.error("--issue needs --device cuda")
+    rows = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device, args.issue),
                      timeout=3600)
     path = os.environ.get("MOELINK_RANKS_PER_HOST")
     print(f"# {n} ranks, {args.device} tensors, ep transport={args.transport}"
@@ -147,9 +176,14 @@ def main():
           f"torch {torch.__version__}")
     print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep GB/s':>10}{anchor + ' GB/s':>11}"
           f"{'ep/' + anchor:>9}")
-    for op, nb, te, tg in rows:
+    for op, nb, te, tg, _, _ in rows:
         bw = lambda t: BUS[op](n) * nb / t / 1e9
         print(f"{op:<15}{fmt_bytes(nb):>10}{te * 1e6:12.1f}{tg * 1e6:12.1f}{bw(te):10.2f}{bw(tg):11.2f}{te / tg:9.2f}")
+    if args.issue:
+        print(f"# host time to issue one op (us): batches of 20 calls, median of {args.iters}, slowest rank")
+        print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep/' + anchor:>9}")
+        for op, nb, _, _, ie, ig in rows:
+            print(f"{op:<15}{fmt_bytes(nb):>10}{ie * 1e6:12.1f}{ig * 1e6:12.1f}{ie / ig:9.2f}")
     def draw(plt):
         fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), sharey=True, squeeze=False)
         axes = axes[0]
