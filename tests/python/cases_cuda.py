@@ -7,6 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
+import cases_funcol
+
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool]
 SIZES = [0, 1, 1000, 1 << 18, (1 << 24) + 3]
@@ -389,6 +391,12 @@ def c10d_extras(rank, world):
         same(out, torch.arange(world, device=d, dtype=torch.float32).repeat_interleave(4), "gather_into_tensor")
 
 
+def functional_and_dtensor(rank, world):
+    """Functional collectives (one under torch.compile) and a DTensor, on CUDA tensors."""
+    cases_funcol.functional_and_dtensor(rank, world, device="cuda")
+
+
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "stream_order", "async_interleaved", "graph_capture", "point_to_point",
-         "against_nccl", "bad_input", "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras"]
+         "against_nccl", "bad_input", "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras",
+         "functional_and_dtensor"]

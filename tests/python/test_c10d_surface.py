@@ -1,7 +1,8 @@
 """c10d methods beyond the core collectives, on CPU tensors over "ep", checked against values
 each rank computes itself: all_gather_coalesced, gather_into_tensor, monitored_barrier (passing,
-and failing with the missing rank named), and a walk over the whole public torch.distributed
-surface (cases_surface.py)."""
+and failing with the missing rank named), a walk over the whole public torch.distributed
+surface (cases_surface.py), and functional collectives with DTensor and torch.compile
+(cases_funcol.py)."""
 
 from datetime import timedelta
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cases_funcol
 from harness import run_group
 
 
@@ -98,3 +100,8 @@ def debug_detail(rank, world):
 
 def test_debug_detail_wrapper():
     run_group(2, debug_detail, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=120, pg_timeout=30)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_functional_collectives_and_dtensor(world):
+    run_group(world, cases_funcol.functional_and_dtensor, timeout=240, pg_timeout=60)
