@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
+import cases_fsdp
 import cases_funcol
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
@@ -396,7 +397,12 @@ def functional_and_dtensor(rank, world):
     cases_funcol.functional_and_dtensor(rank, world, device="cuda")
 
 
+def fsdp2_matches_local(rank, world):
+    """FSDP2 training on CUDA tensors against the same training in one process."""
+    cases_fsdp.fsdp2_matches_local(rank, world, device="cuda")
+
+
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "stream_order", "async_interleaved", "graph_capture", "point_to_point",
          "against_nccl", "bad_input", "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras",
-         "functional_and_dtensor"]
+         "functional_and_dtensor", "fsdp2_matches_local"]

@@ -1,10 +1,12 @@
 """A short DistributedDataParallel training on backend "ep" ends with the same parameters as
-the same training on gloo (both in one run, same seeds, same data)."""
+the same training on gloo (both in one run, same seeds, same data); an FSDP2 training ends with
+the parameters of the same training in one process (cases_fsdp.py)."""
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import cases_fsdp
 from harness import run_group
 
 
@@ -41,3 +43,7 @@ def ddp_matches_gloo(rank, world):
 def test_ddp_matches_gloo():
     sums = run_group(3, ddp_matches_gloo, timeout=300)
     assert len(set(sums)) == 1
+
+
+def test_fsdp2_matches_local():
+    run_group(2, cases_fsdp.fsdp2_matches_local, timeout=240, pg_timeout=60)
