@@ -195,21 +195,39 @@ void Completer::add(c10::intrusive_ptr<CudaWork> w) {
   if (wake) work_cv_.notify_one();
 }
 
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The pause between two looks (for the next op, or at an op's event) after waiting `waited`:
+// short at first, so that a short op completes promptly, longer as the wait goes on, so that a
+// long one costs few wake-ups.
+std::chrono::microseconds pauseAfter(Clock::duration waited) {
+  using std::chrono::microseconds;
+  using std::chrono::milliseconds;
+  if (waited < microseconds(100)) return microseconds(5);
+  if (waited < milliseconds(2)) return microseconds(20);
+  if (waited < milliseconds(50)) return microseconds(100);
+  return microseconds(200);
+}
+
+}  // namespace
+
 void Completer::loop() {
   cudaSetDevice(device_);
-  // Sleeps of a few microseconds, not the default 50 us of timer slack.
+  // Pauses of a few microseconds, not the default 50 us of timer slack.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-  using Clock = std::chrono::steady_clock;
   constexpr auto kLinger = std::chrono::milliseconds(2);  // looking for the next op before parking
   while (true) {
     c10::intrusive_ptr<CudaWork> w;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      const auto linger_until = Clock::now() + kLinger;
+      const auto idle_since = Clock::now();
       while (queue_.empty() && !stop_) {
-        if (Clock::now() < linger_until) {
+        const auto idle = Clock::now() - idle_since;
+        if (idle < kLinger) {
           lk.unlock();
-          std::this_thread::sleep_for(std::chrono::microseconds(5));
+          std::this_thread::sleep_for(pauseAfter(idle));
           lk.lock();
           continue;
         }
@@ -227,7 +245,7 @@ void Completer::loop() {
     cudaError_t e;
     const auto since = Clock::now();
     auto next_watch = since + std::chrono::milliseconds(100);
-    for (int polls = 0;; ++polls) {
+    while (true) {
       e = cudaEventQuery(w->endEvent());
       if (e != cudaErrorNotReady) break;
       const auto now = Clock::now();
@@ -235,7 +253,7 @@ void Completer::loop() {
         stalled_();
         next_watch = now + std::chrono::milliseconds(100);
       }
-      std::this_thread::sleep_for(std::chrono::microseconds(polls < 200 ? 5 : polls < 2000 ? 20 : 200));
+      std::this_thread::sleep_for(pauseAfter(now - since));
     }
     if (e != cudaSuccess) error = std::string("the GPU failed while running this op: ") + cudaGetErrorString(e);
     if (error.empty() && w->status) {

@@ -132,10 +132,10 @@ class CudaWork : public c10d::Work, public LostRanks {
 // has passed, reading their kernel status and their host-staged op's outcome. Also bounds
 // the ops in flight (the status and ticket rings have `slots` entries).
 //
-// The thread polls an op's event with short sleeps between queries (a query in a tight loop
-// contends with the caller's own CUDA calls for the driver), and after its last op it keeps
-// looking for the next for a while before it parks, so that a caller issuing ops in a steady
-// stream never pays for waking it.
+// The thread polls an op's event with pauses between queries (a query in a tight loop contends
+// with the caller's own CUDA calls for the driver), 5 us at first and longer as the op lasts,
+// and after its last op it keeps looking for the next for 2 ms before it parks, so that a
+// caller issuing ops in a steady stream never pays for waking it.
 class Completer {
  public:
   // `stalled` runs (on the completer's thread) every 100 ms while an op has been pending
