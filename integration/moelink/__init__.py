@@ -33,7 +33,7 @@ Elastic membership: see ``EpOptions``, ``get_active_ranks``, ``get_peer_state``,
 CUDA tensors (read at a group's first CUDA op; see the README's "CUDA tensors"):
 
 - ``MOELINK_CUDA_BLOCKS`` (default 64, blocks per role), ``MOELINK_CUDA_SPLIT`` (default 1: separate
-  pushing and consuming blocks), ``MOELINK_CUDA_ROUND_BYTES`` (default 8 MiB),
+  pushing and consuming blocks in ops of more than one round), ``MOELINK_CUDA_ROUND_BYTES`` (default 8 MiB),
   ``MOELINK_CUDA_ONESHOT_BYTES`` (default 1 MiB): the in-host exchange kernel's shape; the same
   on every rank.
 - ``MOELINK_RANKS_PER_HOST``: virtual hosts of this many ranks; a group they split takes the

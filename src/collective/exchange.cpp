@@ -230,10 +230,21 @@ ExchangeLayout ExchangeLayout::make(int n, uint64_t round_bytes) {
   return l;
 }
 
+namespace {
+// Bytes of the longest pair of `x` (or of its reduction).
+uint64_t longestPair(const Exchange& x) {
+  uint64_t longest = x.mode == ExchangeMode::kReduce ? x.reduce_bytes : 0;
+  for (size_t q = 0; q < x.send_bytes.size(); ++q) longest = std::max({longest, x.send_bytes[q], x.recv_bytes[q]});
+  return longest;
+}
+}  // namespace
+
+bool exchangeSplits(const Exchange& x, const ExchangeTuning& t) {
+  return t.split && longestPair(x) > t.round_bytes;
+}
+
 int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t) {
-  uint64_t first = x.mode == ExchangeMode::kReduce ? x.reduce_bytes : 0;
-  for (size_t q = 0; q < x.send_bytes.size(); ++q) first = std::max({first, x.send_bytes[q], x.recv_bytes[q]});
-  first = std::min(first, t.round_bytes);
+  const uint64_t first = std::min(longestPair(x), t.round_bytes);
   int blocks = 1;  // pieces are consecutive from block 0; at least one block runs
   for (; blocks < t.blocks; ++blocks) {
     uint64_t lo, hi;

@@ -41,7 +41,9 @@ void model(const std::vector<Exchange>& xs, std::vector<Bytes>& in, std::vector<
         for (int b = 0; b < t.blocks; ++b) {
           uint64_t lo, hi;
           exchangePiece(exchangeRoundLen(xs[r].reduce_bytes, k, R), b, t.blocks, &lo, &hi);
-          if (lo < hi) EXPECT_LT(b, launched[r]) << "rank " << r << " reduces piece " << b;
+          if (lo < hi) {
+            EXPECT_LT(b, launched[r]) << "rank " << r << " reduces piece " << b;
+          }
         }
   // What each consumer received from each source, assembled from pieces.
   std::vector<std::vector<Bytes>> got(n, std::vector<Bytes>(n));
@@ -403,6 +405,16 @@ TEST(ExchangePiece, SmallExchangesLaunchFewBlocks) {
   // The largest pair counts, whichever way it goes.
   EXPECT_EQ(exchangeBlocksWithWork(exchangeAlltoall(2, 0, {0, 0}, {0, 4096}, {0, 0}, {0, 100 << 10}), t), 7);
   EXPECT_EQ(exchangeBlocksWithWork(exchangeAllgather(4, 1, 40 << 10), t), 3);
+  // Separate pushing and consuming blocks from the second round on, and only when split.
+  auto splits = [&](uint64_t bytes) {
+    return exchangeSplits(exchangeAllreduceOneShot(2, 0, bytes / 4, DType::kFloat32, ReduceOp::kSum), t);
+  };
+  EXPECT_FALSE(splits(8 << 10));
+  EXPECT_FALSE(splits(8 << 20));
+  EXPECT_TRUE(splits((8 << 20) + 16));
+  EXPECT_TRUE(exchangeSplits(exchangeAllgather(2, 0, 16 << 20), t));
+  t.split = false;
+  EXPECT_FALSE(splits(64 << 20));
 }
 
 TEST(ExchangeLayout, FitsTheRoundsAndAligns) {

@@ -99,7 +99,8 @@ struct ExchangeTuning {
   uint64_t one_shot_bytes = 1 << 20;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always)
   // MOELINK_CUDA_SPLIT: pushing to the peers and consuming what they sent run on separate
   // blocks (`blocks` of each), so that the next round's NVLink writes overlap this round's
-  // copy or reduction; 0: every block does both in turn.
+  // copy or reduction (ops of more than one round, exchangeSplits); 0: every block does both
+  // in turn.
   bool split = true;
   // Reads MOELINK_CUDA_* over the defaults; throws moelink::Error on a bad value.
   static ExchangeTuning fromEnv();
@@ -132,6 +133,11 @@ MOELINK_HOST_DEVICE inline void exchangePiece(uint64_t len, int b, int blocks, u
 // two rounds has a piece on each of them on both of its ranks (the kernel's acknowledgements
 // rely on it).
 int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t);
+// Whether this rank runs `x` on separate pushing and consuming blocks: with
+// ExchangeTuning::split, when `x` has more than one round. Within a round the consumers wait for
+// every pusher, so an op of one round gains nothing from them and would only pay that wait. A
+// rank-local choice: ranks pair their blocks by index whatever their roles.
+bool exchangeSplits(const Exchange& x, const ExchangeTuning& t);
 // Bytes of round r of a pair that moves `bytes` (0 past the end).
 MOELINK_HOST_DEVICE inline uint64_t exchangeRoundLen(uint64_t bytes, uint64_t r, uint64_t round_bytes) {
   uint64_t start = r * round_bytes;

@@ -23,7 +23,7 @@ struct ExchangeLaunch {
   // `launched` of them run per role: those that have a piece of some pair in the first round
   // (the largest), so that a small exchange runs on a few blocks.
   int rank = 0, size = 0, blocks = 1, launched = 1;
-  int roles = 1;  // 2: blocks [0, launched) push, [launched, 2 * launched) consume (ExchangeTuning::split)
+  int roles = 1;  // 2: blocks [0, launched) push, [launched, 2 * launched) consume (exchangeSplits)
   uint8_t mode = 0, dtype = 0, redop = 0;
   const char* in = nullptr;
   char* out = nullptr;

@@ -459,7 +459,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   l.rank = rank;
   l.size = n;
   l.blocks = t.blocks;
-  l.roles = t.split ? 2 : 1;
+  l.roles = exchangeSplits(x, t) ? 2 : 1;
   l.launched = exchangeBlocksWithWork(x, t);
   l.mode = static_cast<uint8_t>(x.mode);
   l.dtype = static_cast<uint8_t>(x.dtype);
