@@ -390,7 +390,7 @@ TEST(ExchangePiece, PartitionsEveryRound) {
     }
 }
 
-TEST(ExchangePiece, SmallExchangesLaunchFewBlocks) {
+TEST(ExchangePiece, LaunchedBlocksAndRolesFollowTheLongestPair) {
   ExchangeTuning t;  // 64 blocks, 8 MiB rounds, pieces of at least 16 KiB
   auto oneShot = [&](uint64_t bytes) {
     return exchangeBlocksWithWork(exchangeAllreduceOneShot(2, 0, bytes / 4, DType::kFloat32, ReduceOp::kSum), t);
