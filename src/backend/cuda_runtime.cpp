@@ -138,12 +138,14 @@ void CudaWork::complete(const std::string& error) {
     future_->setError(eptr);
     finish(eptr);
   }
+  result_future_.settle(error);
 }
 
 void CudaWork::completeCaptured() {
   events_.reset();
   future_->markCompleted(c10::IValue(outputs_));
   finish();
+  result_future_.settle("");
 }
 
 void CudaWork::synchronize() {

@@ -117,6 +117,7 @@ class CudaWork : public c10d::Work, public LostRanks {
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return result_future_.get(); }
   std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override;
 
@@ -126,6 +127,7 @@ class CudaWork : public c10d::Work, public LostRanks {
   std::shared_ptr<EventPool> events_;  // end_ goes back there (nullptr: destroyed)
   cudaEvent_t end_ = nullptr;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  ResultFuture result_future_;
 };
 
 // One thread per CUDA unit that completes works in submission order once their end event

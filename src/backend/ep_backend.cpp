@@ -52,6 +52,39 @@ void EpWork::complete(std::string error, int source_rank) {
     future_->setError(eptr);
     finish(eptr);
   }
+  result_future_.settle(error);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> ResultFuture::get() {
+  bool mark = false;
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::AnyEnumType::get());
+      mark = settled_;  // completed before anyone asked: the new future is complete at once
+    }
+    f = future_;
+  }
+  if (mark) f->markCompleted(c10::IValue(result_));
+  return f;
+}
+
+void ResultFuture::settle(const std::string& error) {
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto result = c10d::WorkResult::SUCCESS;
+    if (!error.empty()) {
+      // Timeouts read "<op> #<n>: timed out after <ms> ms ..." on every path (worker and kernels).
+      result = error.find(": timed out after ") != std::string::npos ? c10d::WorkResult::TIMEOUT
+                                                                     : c10d::WorkResult::COMM_ERROR;
+    }
+    result_ = static_cast<uint8_t>(result);
+    settled_ = true;
+    f = future_;
+  }
+  if (f) f->markCompleted(c10::IValue(result_));
 }
 
 std::exception_ptr distBackendError(const std::string& what) {

@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,22 @@ class LostRanks {
   std::vector<int64_t> lost_;
 };
 
+// What Work::getFutureResult() returns (as NCCL's works do): a future, made at the first call,
+// that completes with the op's c10d::WorkResult (SUCCESS, TIMEOUT or COMM_ERROR) once the op
+// has completed. Every Work of the backend has one.
+class ResultFuture {
+ public:
+  c10::intrusive_ptr<c10::ivalue::Future> get();
+  // The op completed: "" or its error.
+  void settle(const std::string& error);
+
+ private:
+  std::mutex mu_;
+  bool settled_ = false;
+  uint8_t result_ = 0;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
 class EpWork : public c10d::Work, public LostRanks {
  public:
   EpWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs);
@@ -41,6 +58,7 @@ class EpWork : public c10d::Work, public LostRanks {
   void complete(std::string error, int source_rank = -1);
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return result_future_.get(); }
   std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override { return source_.load(); }
 
@@ -48,6 +66,7 @@ class EpWork : public c10d::Work, public LostRanks {
   std::vector<at::Tensor> outputs_, keep_;
   std::vector<std::function<void()>> finishers_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  ResultFuture result_future_;
   std::atomic<int> source_{-1};
 };
 

@@ -365,8 +365,21 @@ def ddp_matches_nccl(rank, world):
 
 
 def c10d_extras(rank, world):
-    """all_gather_coalesced, gather_into_tensor and PREMUL_SUM on CUDA tensors."""
+    """all_gather_coalesced, gather_into_tensor, PREMUL_SUM and Work.get_future_result() on CUDA
+    tensors."""
+    from torch._C._distributed_c10d import WorkResult
+
     d = dev(rank)
+    w = dist.all_reduce(torch.ones(64, device=d), async_op=True)
+    assert WorkResult(w.get_future_result().wait()) == WorkResult.SUCCESS
+    w = dist.all_reduce(torch.ones(64 if rank == 0 else 128, device=d), async_op=True)
+    assert WorkResult(w.get_future_result().wait()) == WorkResult.COMM_ERROR
+    try:
+        w.wait()
+        torch.cuda.synchronize()
+        raise AssertionError("an all_reduce of different sizes passed")
+    except RuntimeError as e:
+        assert "expects" in str(e), e
     total = float(sum(range(1, world + 1)))
     x = torch.full((1000,), float(rank + 1), device=d)
     dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.0))

@@ -145,6 +145,32 @@ def missing_peer_times_out(rank, world):
     _group_still_works(world)
 
 
+def work_result_futures(rank, world):
+    """Work.get_future_result() (as NCCL's works have it): SUCCESS, COMM_ERROR for a disagreement,
+    TIMEOUT for a peer that never came; asked before or after the op completed."""
+    from datetime import timedelta
+
+    from torch._C._distributed_c10d import WorkResult
+
+    w = dist.all_reduce(torch.ones(8), async_op=True)
+    early = w.get_future_result()
+    w.wait()
+    assert WorkResult(early.wait()) == WorkResult.SUCCESS
+    assert WorkResult(w.get_future_result().wait()) == WorkResult.SUCCESS
+    w = dist.all_reduce(torch.ones(1024 if rank == 0 else 2048), async_op=True)
+    with pytest.raises(RuntimeError, match="expects"):
+        w.wait()
+    assert WorkResult(w.get_future_result().wait()) == WorkResult.COMM_ERROR
+    g = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
+    if rank != world - 1:
+        w = dist.all_reduce(torch.ones(4), group=g, async_op=True)
+        assert WorkResult(w.get_future_result().wait()) == WorkResult.TIMEOUT
+        with pytest.raises(RuntimeError, match="timed out"):
+            w.wait()
+    dist.destroy_process_group(g)
+    _group_still_works(world)
+
+
 def transport_is_reported(rank, world):
     for r in range(world):
         kind = moelink.transport_of(r)
