@@ -114,9 +114,7 @@ void EventPool::give(cudaEvent_t e) {
 
 CudaWork::CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device,
                    std::shared_ptr<EventPool> events)
-    : c10d::Work(rank, type, title), outputs_(std::move(outputs)), device_(device), events_(std::move(events)) {
-  static const c10::TypePtr kListOfTensors = c10::ListType::create(c10::TensorType::get());
-  future_ = c10::make_intrusive<c10::ivalue::Future>(kListOfTensors);
+    : BackendWork(rank, type, title, std::move(outputs)), device_(device), events_(std::move(events)) {
   end_ = events_->take();
 }
 
@@ -130,22 +128,12 @@ CudaWork::~CudaWork() {
 
 void CudaWork::complete(const std::string& error) {
   keep_.clear();
-  if (error.empty()) {
-    future_->markCompleted(c10::IValue(outputs_));
-    finish();
-  } else {
-    auto eptr = distBackendError(error);
-    future_->setError(eptr);
-    finish(eptr);
-  }
-  result_future_.settle(error);
+  settle(error);
 }
 
 void CudaWork::completeCaptured() {
   events_.reset();
-  future_->markCompleted(c10::IValue(outputs_));
-  finish();
-  result_future_.settle("");
+  settle("");
 }
 
 void CudaWork::synchronize() {

@@ -93,7 +93,7 @@ class EventPool {
 // A CUDA op's Work. wait() makes the caller's current stream wait for the op's end event
 // (no host block) and raises the op's error if it is already known; the future and
 // isCompleted() follow the GPU, through the Completer.
-class CudaWork : public c10d::Work, public LostRanks {
+class CudaWork : public BackendWork {
  public:
   CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device,
            std::shared_ptr<EventPool> events);
@@ -116,18 +116,13 @@ class CudaWork : public c10d::Work, public LostRanks {
 
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return result_future_.get(); }
-  std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override;
 
  private:
-  std::vector<at::Tensor> outputs_, keep_;
+  std::vector<at::Tensor> keep_;
   int device_;
   std::shared_ptr<EventPool> events_;  // end_ goes back there (nullptr: destroyed)
   cudaEvent_t end_ = nullptr;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  ResultFuture result_future_;
 };
 
 // One thread per CUDA unit that completes works in submission order once their end event

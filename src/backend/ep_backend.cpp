@@ -20,12 +20,53 @@ namespace moelink::backend {
 
 using namespace std::chrono;
 
-// ---- EpWork ----
+// ---- BackendWork, EpWork ----
 
-EpWork::EpWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs)
-    : c10d::Work(rank, type, title),
-      outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+BackendWork::BackendWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type, title), outputs_(std::move(outputs)) {
+  static const c10::TypePtr kListOfTensors = c10::ListType::create(c10::TensorType::get());
+  future_ = c10::make_intrusive<c10::ivalue::Future>(kListOfTensors);
+}
+
+void BackendWork::settle(const std::string& error) {
+  if (error.empty()) {
+    future_->markCompleted(c10::IValue(outputs_));
+    finish();
+  } else {
+    auto eptr = distBackendError(error);
+    future_->setError(eptr);
+    finish(eptr);
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  {
+    std::lock_guard<std::mutex> g(result_mu_);
+    auto result = c10d::WorkResult::SUCCESS;
+    if (!error.empty()) {
+      // Timeouts read "<op> #<n>: timed out after <ms> ms ..." on every path (worker and kernels).
+      result = error.find(": timed out after ") != std::string::npos ? c10d::WorkResult::TIMEOUT
+                                                                     : c10d::WorkResult::COMM_ERROR;
+    }
+    result_ = static_cast<uint8_t>(result);
+    settled_ = true;
+    f = result_future_;
+  }
+  if (f) f->markCompleted(c10::IValue(result_));
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> BackendWork::getFutureResult() {
+  bool mark = false;
+  c10::intrusive_ptr<c10::ivalue::Future> f;
+  {
+    std::lock_guard<std::mutex> g(result_mu_);
+    if (!result_future_) {
+      result_future_ = c10::make_intrusive<c10::ivalue::Future>(c10::AnyEnumType::get());
+      mark = settled_;  // completed before anyone asked: the new future is complete at once
+    }
+    f = result_future_;
+  }
+  if (mark) f->markCompleted(c10::IValue(result_));
+  return f;
+}
 
 void EpWork::copyBack(const at::Tensor& dst, const at::Tensor& src) {
   keep(src);
@@ -44,47 +85,7 @@ void EpWork::complete(std::string error, int source_rank) {
   }
   finishers_.clear();
   keep_.clear();
-  if (error.empty()) {
-    future_->markCompleted(c10::IValue(outputs_));
-    finish();
-  } else {
-    auto eptr = distBackendError(error);
-    future_->setError(eptr);
-    finish(eptr);
-  }
-  result_future_.settle(error);
-}
-
-c10::intrusive_ptr<c10::ivalue::Future> ResultFuture::get() {
-  bool mark = false;
-  c10::intrusive_ptr<c10::ivalue::Future> f;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (!future_) {
-      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::AnyEnumType::get());
-      mark = settled_;  // completed before anyone asked: the new future is complete at once
-    }
-    f = future_;
-  }
-  if (mark) f->markCompleted(c10::IValue(result_));
-  return f;
-}
-
-void ResultFuture::settle(const std::string& error) {
-  c10::intrusive_ptr<c10::ivalue::Future> f;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    auto result = c10d::WorkResult::SUCCESS;
-    if (!error.empty()) {
-      // Timeouts read "<op> #<n>: timed out after <ms> ms ..." on every path (worker and kernels).
-      result = error.find(": timed out after ") != std::string::npos ? c10d::WorkResult::TIMEOUT
-                                                                     : c10d::WorkResult::COMM_ERROR;
-    }
-    result_ = static_cast<uint8_t>(result);
-    settled_ = true;
-    f = future_;
-  }
-  if (f) f->markCompleted(c10::IValue(result_));
+  settle(error);
 }
 
 std::exception_ptr distBackendError(const std::string& what) {

@@ -15,7 +15,6 @@
 
 namespace moelink::backend {
 
-// A submitted op: owns its tensors until the worker completes it.
 // The ranks that left the group while an op ran (moelink.failed_ranks); every Work of the
 // backend has them.
 class LostRanks {
@@ -28,25 +27,35 @@ class LostRanks {
   std::vector<int64_t> lost_;
 };
 
-// What Work::getFutureResult() returns (as NCCL's works do): a future, made at the first call,
-// that completes with the op's c10d::WorkResult (SUCCESS, TIMEOUT or COMM_ERROR) once the op
-// has completed. Every Work of the backend has one.
-class ResultFuture {
+// What every Work of the backend has (EpWork on the worker, CudaWork on the GPU): its outputs,
+// the future of them, and what Work::getFutureResult() returns (as NCCL's works do): a future,
+// made at the first call, of the op's c10d::WorkResult. settle() completes all of them once.
+class BackendWork : public c10d::Work, public LostRanks {
  public:
-  c10::intrusive_ptr<c10::ivalue::Future> get();
-  // The op completed: "" or its error.
+  BackendWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs);
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override;
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+ protected:
+  // The op completed: "" is success, else the error (a DistBackendError for the Work and its
+  // future; TIMEOUT or COMM_ERROR for the result future).
   void settle(const std::string& error);
 
  private:
-  std::mutex mu_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex result_mu_;
   bool settled_ = false;
   uint8_t result_ = 0;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  c10::intrusive_ptr<c10::ivalue::Future> result_future_;
 };
 
-class EpWork : public c10d::Work, public LostRanks {
+// A submitted op: owns its tensors until the worker completes it.
+class EpWork : public BackendWork {
  public:
-  EpWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs);
+  using BackendWork::BackendWork;
 
   // Keeps `t` alive until completion (inputs and staging buffers).
   void keep(const at::Tensor& t) { keep_.push_back(t); }
@@ -57,16 +66,11 @@ class EpWork : public c10d::Work, public LostRanks {
   // Completes: "" is success, else the error. Called once, on the worker thread.
   void complete(std::string error, int source_rank = -1);
 
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override { return result_future_.get(); }
-  std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override { return source_.load(); }
 
  private:
-  std::vector<at::Tensor> outputs_, keep_;
+  std::vector<at::Tensor> keep_;
   std::vector<std::function<void()>> finishers_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  ResultFuture result_future_;
   std::atomic<int> source_{-1};
 };
 
