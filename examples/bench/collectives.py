@@ -56,6 +56,12 @@ def run_op(op, nbytes, group, world, bufs):
         dist.broadcast(x, src=0, group=group)
 
 
+def buffers(nbytes, groups, world, device):
+    """An (input, output) pair of about `nbytes` float32 per group."""
+    n = max(world, nbytes // 4 // world * world)
+    return [(torch.ones(n, device=device), torch.empty(n, device=device)) for _ in groups]
+
+
 def time_once(op, nbytes, group, world, bufs, cuda, sync_group):
     """One synchronized run: the slowest rank's time."""
     if cuda:
@@ -73,9 +79,8 @@ def time_once(op, nbytes, group, world, bufs, cuda, sync_group):
 def time_pair(op, nbytes, groups, world, iters, warmup, device, sync_group):
     """Median time of `op` on each group in `groups`, the groups taking turns run by run (so
     that a slow spell of the machine falls on both alike)."""
-    n = max(world, nbytes // 4 // world * world)
     cuda = device != "cpu"
-    bufs = [(torch.ones(n, device=device), torch.empty(n, device=device)) for _ in groups]
+    bufs = buffers(nbytes, groups, world, device)
     for g, b in zip(groups, bufs):
         for _ in range(warmup):
             run_op(op, nbytes, g, world, b)
@@ -89,8 +94,7 @@ def time_pair(op, nbytes, groups, world, iters, warmup, device, sync_group):
 def issue_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
     """Median host time per call over batches of `batch` back-to-back calls, per group in
     `groups` (taking turns), slowest rank."""
-    n = max(world, nbytes // 4 // world * world)
-    bufs = [(torch.ones(n, device=device), torch.empty(n, device=device)) for _ in groups]
+    bufs = buffers(nbytes, groups, world, device)
     times = [[] for _ in groups]
     for _ in range(iters):
         for k, (g, b) in enumerate(zip(groups, bufs)):
