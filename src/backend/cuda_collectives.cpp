@@ -1,8 +1,8 @@
-// The CUDA unit of EpBackend (see cuda_collectives.h). Every op is put on the group's
-// communication stream by run(): the op's GPU-side preparation (contiguous copies, flattened
-// lists) is shared by both routes, and its data movement is one flat collective, which
-// flat() runs as exchange kernels (in-host) or as a worker op over pinned copies
-// (host-staged, hostFlat()).
+// The CUDA unit of EpBackend (see cuda_collectives.h). Every op is put on its stream by run()
+// (the caller's for a synchronous group op, else the group's communication stream): the op's
+// GPU-side preparation (contiguous copies, flattened lists) is shared by both routes, and its
+// data movement is one flat collective, which flat() runs as exchange kernels (in-host) or as
+// a worker op over pinned copies (host-staged, hostFlat()).
 #include "cuda_collectives.h"
 
 #include <ATen/ATen.h>
@@ -86,21 +86,21 @@ class CudaCollectivesImpl final : public CudaCollectives {
     return device_ < 0 ? "" : inHost() ? "nvlink" : "host";
   }
 
-  Work broadcast(at::Tensor& t, int root, Timeout timeout) override;
-  Work allreduce(Tensors& ts, ReduceOp op, Timeout timeout) override;
-  Work reduce(at::Tensor& t, ReduceOp op, int root, Timeout timeout) override;
-  Work allgather(at::Tensor& output, at::Tensor& input, Timeout timeout) override;
-  Work allgather(Tensors& outputs, at::Tensor& input, Timeout timeout) override;
-  Work allgatherCoalesced(Tensors& outputs, Tensors& inputs, Timeout timeout) override;
-  Work gather(Tensors& outputs, at::Tensor& input, int root, Timeout timeout) override;
-  Work scatter(at::Tensor& output, const Tensors& inputs, int root, Timeout timeout) override;
-  Work reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp op, Timeout timeout) override;
-  Work reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp op, Timeout timeout) override;
-  Work reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp op, Timeout timeout) override;
-  Work alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& layout, Timeout timeout) override;
-  Work alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& layout, Timeout timeout) override;
-  Work send(at::Tensor& t, int dst, int tag, Timeout timeout) override;
-  Work recv(at::Tensor& t, int src, int tag, Timeout timeout) override;
+  Work broadcast(at::Tensor& t, int root, const Call& call) override;
+  Work allreduce(Tensors& ts, ReduceOp op, const Call& call) override;
+  Work reduce(at::Tensor& t, ReduceOp op, int root, const Call& call) override;
+  Work allgather(at::Tensor& output, at::Tensor& input, const Call& call) override;
+  Work allgather(Tensors& outputs, at::Tensor& input, const Call& call) override;
+  Work allgatherCoalesced(Tensors& outputs, Tensors& inputs, const Call& call) override;
+  Work gather(Tensors& outputs, at::Tensor& input, int root, const Call& call) override;
+  Work scatter(at::Tensor& output, const Tensors& inputs, int root, const Call& call) override;
+  Work reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp op, const Call& call) override;
+  Work reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp op, const Call& call) override;
+  Work reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp op, const Call& call) override;
+  Work alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& layout, const Call& call) override;
+  Work alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& layout, const Call& call) override;
+  Work send(at::Tensor& t, int dst, int tag, const Call& call) override;
+  Work recv(at::Tensor& t, int src, int tag, const Call& call) override;
 
  private:
   // An op on its stream (current while the op's body runs).
@@ -117,11 +117,12 @@ class CudaCollectivesImpl final : public CudaCollectives {
     const char* title;  // the Work's profiling title
   };
   enum class Route { kGroup, kHost, kHostRecv };  // the group's route; host-staged (p2p)
-  // Binds the unit (first op), orders a new op after the caller's current stream on the
-  // communication stream (the receive stream for kHostRecv), runs `body` there, records
-  // the op's end and hands its work to the completer. `used`: the caller's CUDA tensors.
+  // Binds the unit (first op), puts a new op on its stream, runs `body` there, records the
+  // op's end and hands its work to the completer. `used`: the caller's CUDA tensors. The
+  // stream: the caller's current one for a synchronous group op, else the communication
+  // stream (the receive stream for kHostRecv), ordered after the caller's current stream.
   template <typename Body>
-  Work run(const Kind& k, Tensors outputs, const Tensors& used, Route route, Timeout timeout, Body&& body);
+  Work run(const Kind& k, Tensors outputs, const Tensors& used, Route route, const Call& call, Body&& body);
   void bind(int device, const char* opname);
   // In-host kernels: while the group's membership is the one the staging areas were set up
   // for (the areas of a rank that left, or of its replacement, are not consistent any more).
@@ -180,6 +181,16 @@ class CudaCollectivesImpl final : public CudaCollectives {
   std::shared_ptr<EventPool> events_;  // the ops' end events
   cudaEvent_t start_ = nullptr;  // recorded on the caller's stream at each op's start
   uint32_t ticket_ = 0;
+  // The group's latest op: its end event, its stream and the capture it was recorded in (0:
+  // none). The kernels of a group number themselves on the staging area in the order they
+  // run, so an op on another stream than this one waits for it first.
+  struct Latest {
+    std::shared_ptr<PooledEvent> end;
+    cudaStream_t stream = nullptr;
+    unsigned long long capture = 0;
+  } latest_;
+  // Blocks until the group's ops issued so far have run (those of a capture need not).
+  void drainGroupOps();
 };
 
 CudaCollectivesImpl::~CudaCollectivesImpl() {
@@ -190,6 +201,8 @@ CudaCollectivesImpl::~CudaCollectivesImpl() {
   completer_.reset();  // completes what was handed in
   cudaStreamSynchronize(comm_->stream());
   cudaStreamSynchronize(recv_->stream());
+  if (latest_.end && latest_.capture == 0) cudaEventSynchronize(latest_.end->get());
+  latest_ = {};
   staging_.reset();
   cudaEventDestroy(start_);
 }
@@ -283,7 +296,7 @@ uint64_t CudaCollectivesImpl::restage(const char* opname, bool capturing, uint64
     // worker; in-host ones that waited on a rank that left were aborted by the change).
     // Point-to-point ops (the receive stream) never use the areas, and one may wait for a
     // peer's later send: not waited for.
-    cudaCheck(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize");
+    drainGroupOps();
     if (captured_since_stage_ && staging_) {
       // Graphs captured over these areas may be replayed: keep them, their abort word raised.
       __atomic_store_n(abort_->host(0), 1u, __ATOMIC_RELEASE);
@@ -342,7 +355,7 @@ uint64_t CudaCollectivesImpl::restage(const char* opname, bool capturing, uint64
 }
 
 template <typename Body>
-Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& used, Route route, Timeout timeout,
+Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& used, Route route, const Call& call,
                               Body&& body) {
   int device = -1;
   for (const auto& t : used)
@@ -352,17 +365,20 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
     }
   TORCH_INTERNAL_ASSERT(device >= 0, "a CUDA op without CUDA tensors");
   bind(device, k.name);
-  // One op at a time per group: ranks must queue ops in one order, and start_ and the
-  // tickets are shared.
+  // One op at a time per group: ranks must queue ops in one order, and start_, latest_ and
+  // the tickets are shared.
   std::lock_guard<std::mutex> submitting(submit_mu_);
   const auto dev = static_cast<c10::DeviceIndex>(device);
   c10::cuda::CUDAStream user = c10::cuda::getCurrentCUDAStream(dev);
   cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  cudaCheck(cudaStreamIsCapturing(user.stream(), &cs), "cudaStreamIsCapturing");
+  unsigned long long capture = 0;
+  cudaCheck(cudaStreamGetCaptureInfo(user.stream(), &cs, &capture), "cudaStreamGetCaptureInfo");
+  if (cs == cudaStreamCaptureStatusNone) capture = 0;
   // An op that other ranks issued before they saw a membership change, and that failed
   // there (aborted), fails here too, without running: its Work carries the error, as theirs.
   std::string dropped;
-  if (route == Route::kGroup) {
+  const bool group = route == Route::kGroup;
+  if (group) {
     uint64_t seq = seq_++;
     if (capable_ && changed_.load(std::memory_order_acquire))
       seq = restage(k.name, cs != cudaStreamCaptureStatusNone, seq);
@@ -371,20 +387,36 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
                          "CUDA ops (epoch ", staged_epoch_, "), and another rank had issued this op before it saw the "
                          "change, where it failed; the ranks are in step again from op #", start_seq_);
   }
-  const bool host = route != Route::kGroup || !inHost();
+  const bool host = !group || !inHost();
   Op op;
   op.captured = cs != cudaStreamCaptureStatusNone;
   TORCH_CHECK(dropped.empty() || !op.captured, dropped);
   TORCH_CHECK_VALUE(!(op.captured && host), "moelink ", k.name, ": in this group the op runs through host memory (",
-                    route != Route::kGroup ? "point-to-point ops always do" : "its ranks are on several hosts",
+                    !group ? "point-to-point ops always do" : "its ranks are on several hosts",
                     ") and cannot be captured in a CUDA graph");
-  op.stream = route == Route::kHostRecv ? *recv_ : *comm_;
-  op.timeout = timeout;
-  // The wait takes the event's state at this call, so one event serves every op.
-  cudaCheck(cudaEventRecord(start_, user.stream()), "cudaEventRecord");
-  cudaCheck(cudaStreamWaitEvent(op.stream->stream(), start_, 0), "cudaStreamWaitEvent");
+  // A synchronous group op runs where the caller's next work will wait for it anyway.
+  const bool on_caller = group && !call.async;
+  op.stream = route == Route::kHostRecv ? *recv_ : on_caller ? user : *comm_;
+  op.timeout = call.timeout;
+  if (!on_caller) {
+    // The wait takes the event's state at this call, so one event serves every op.
+    cudaCheck(cudaEventRecord(start_, user.stream()), "cudaEventRecord");
+    cudaCheck(cudaStreamWaitEvent(op.stream->stream(), start_, 0), "cudaStreamWaitEvent");
+  }
   op.work = c10::make_intrusive<CudaWork>(rank_, k.type, k.title, std::move(outputs), device, events_);
-  op.work->timeout_ms = static_cast<uint64_t>(timeout.count());
+  op.work->timeout_ms = static_cast<uint64_t>(call.timeout.count());
+  op.work->ranOn(op.stream->stream());
+  if (group) {
+    // After the group's previous op, unless stream order (this stream, or the caller's that
+    // this op waits for) already puts it there, or it belongs to no capture this op can
+    // depend on (ops issued before a capture began are the caller's to order, as with NCCL).
+    const cudaStream_t s = op.stream->stream();
+    if (latest_.end && latest_.stream != s && !(!on_caller && latest_.stream == user.stream()) &&
+        latest_.capture == capture)
+      cudaCheck(cudaStreamWaitEvent(s, latest_.end->get(), 0), "cudaStreamWaitEvent");
+    // Its end event is recorded below on every path, the failed one included.
+    latest_ = {op.work->endHolder(), s, capture};
+  }
   op.slot = op.captured ? kSlots : completer_->reserve();
   {
     c10::cuda::CUDAStreamGuard guard(*op.stream);
@@ -404,15 +436,22 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
       throw;
     }
     cudaCheck(cudaEventRecord(op.work->endEvent(), op.stream->stream()), "cudaEventRecord");
-    for (const auto& t : used)
-      if (t.defined() && t.storage().data_ptr().get())
-        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *op.stream);
+    // On another stream than the caller's, the tensors must outlive the op there.
+    if (!on_caller)
+      for (const auto& t : used)
+        if (t.defined() && t.storage().data_ptr().get())
+          c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *op.stream);
   }
   if (op.captured)
     op.work->completeCaptured();
   else
     completer_->add(op.work);
   return op.work;
+}
+
+void CudaCollectivesImpl::drainGroupOps() {
+  cudaCheck(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize");
+  if (latest_.end && latest_.capture == 0) cudaCheck(cudaEventSynchronize(latest_.end->get()), "cudaEventSynchronize");
 }
 
 void CudaCollectivesImpl::exchange(Op& op, const Exchange& full, const void* in, void* out) {
@@ -531,8 +570,8 @@ void CudaCollectivesImpl::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp 
 
 // ---- the collectives ----
 
-Work CudaCollectivesImpl::broadcast(at::Tensor& t, int root, Timeout timeout) {
-  return run({"broadcast", OpType::BROADCAST, "ep:broadcast"}, {t}, {t}, Route::kGroup, timeout, [&](Op& op) {
+Work CudaCollectivesImpl::broadcast(at::Tensor& t, int root, const Call& call) {
+  return run({"broadcast", OpType::BROADCAST, "ep:broadcast"}, {t}, {t}, Route::kGroup, call, [&](Op& op) {
     at::Tensor buf = t.contiguous();
     flat(op, collective::exchangeBroadcast(size_, rank_, nbytes(buf), root), buf, buf,
          [=](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, nbytes(buf), root); });
@@ -540,11 +579,11 @@ Work CudaCollectivesImpl::broadcast(at::Tensor& t, int root, Timeout timeout) {
   });
 }
 
-Work CudaCollectivesImpl::allreduce(Tensors& ts, ReduceOp rop, Timeout timeout) {
+Work CudaCollectivesImpl::allreduce(Tensors& ts, ReduceOp rop, const Call& call) {
   const bool one = ts.size() == 1;
   Kind k = one ? Kind{"allreduce", OpType::ALLREDUCE, "ep:all_reduce"}
                : Kind{"allreduce_coalesced", OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced"};
-  return run(k, ts, ts, Route::kGroup, timeout, [&](Op& op) {
+  return run(k, ts, ts, Route::kGroup, call, [&](Op& op) {
     at::Tensor buf = one ? ts[0].contiguous() : flatten(ts);
     allreduceFlat(op, buf, rop);
     if (one)
@@ -554,8 +593,8 @@ Work CudaCollectivesImpl::allreduce(Tensors& ts, ReduceOp rop, Timeout timeout) 
   });
 }
 
-Work CudaCollectivesImpl::reduce(at::Tensor& t, ReduceOp rop, int root, Timeout timeout) {
-  return run({"reduce", OpType::REDUCE, "ep:reduce"}, {t}, {t}, Route::kGroup, timeout, [&](Op& op) {
+Work CudaCollectivesImpl::reduce(at::Tensor& t, ReduceOp rop, int root, const Call& call) {
+  return run({"reduce", OpType::REDUCE, "ep:reduce"}, {t}, {t}, Route::kGroup, call, [&](Op& op) {
     at::Tensor buf = t.contiguous();
     const auto dt = toDType(buf.scalar_type());
     const uint64_t count = static_cast<uint64_t>(buf.numel());
@@ -565,9 +604,9 @@ Work CudaCollectivesImpl::reduce(at::Tensor& t, ReduceOp rop, int root, Timeout 
   });
 }
 
-Work CudaCollectivesImpl::allgather(at::Tensor& output, at::Tensor& input, Timeout timeout) {
+Work CudaCollectivesImpl::allgather(at::Tensor& output, at::Tensor& input, const Call& call) {
   Kind k{"all_gather_into_tensor", OpType::_ALLGATHER_BASE, "ep:_all_gather_base"};
-  return run(k, {output}, {input, output}, Route::kGroup, timeout, [&](Op& op) {
+  return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
     flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
@@ -575,9 +614,9 @@ Work CudaCollectivesImpl::allgather(at::Tensor& output, at::Tensor& input, Timeo
   });
 }
 
-Work CudaCollectivesImpl::allgather(Tensors& outputs, at::Tensor& input, Timeout timeout) {
+Work CudaCollectivesImpl::allgather(Tensors& outputs, at::Tensor& input, const Call& call) {
   return run({"allgather", OpType::ALLGATHER, "ep:all_gather"}, outputs, joined(outputs, {input}), Route::kGroup,
-             timeout, [&](Op& op) {
+             call, [&](Op& op) {
                at::Tensor in = input.contiguous();
                at::Tensor out = at::empty({in.numel() * size_}, in.options());
                flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
@@ -588,9 +627,9 @@ Work CudaCollectivesImpl::allgather(Tensors& outputs, at::Tensor& input, Timeout
              });
 }
 
-Work CudaCollectivesImpl::allgatherCoalesced(Tensors& outputs, Tensors& inputs, Timeout timeout) {
+Work CudaCollectivesImpl::allgatherCoalesced(Tensors& outputs, Tensors& inputs, const Call& call) {
   Kind k{"allgather_into_tensor_coalesced", OpType::COALESCED, "ep:allgather_into_tensor_coalesced"};
-  return run(k, outputs, joined(outputs, inputs), Route::kGroup, timeout, [&](Op& op) {
+  return run(k, outputs, joined(outputs, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = flatten(inputs);
     at::Tensor out = at::empty({in.numel() * size_}, in.options());
     flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
@@ -605,8 +644,8 @@ Work CudaCollectivesImpl::allgatherCoalesced(Tensors& outputs, Tensors& inputs, 
   });
 }
 
-Work CudaCollectivesImpl::gather(Tensors& outputs, at::Tensor& input, int root, Timeout timeout) {
-  return run({"gather", OpType::GATHER, "ep:gather"}, outputs, joined(outputs, {input}), Route::kGroup, timeout,
+Work CudaCollectivesImpl::gather(Tensors& outputs, at::Tensor& input, int root, const Call& call) {
+  return run({"gather", OpType::GATHER, "ep:gather"}, outputs, joined(outputs, {input}), Route::kGroup, call,
              [&](Op& op) {
                at::Tensor in = input.contiguous();
                at::Tensor out = rank_ == root ? at::empty({in.numel() * size_}, in.options()) : at::Tensor();
@@ -618,8 +657,8 @@ Work CudaCollectivesImpl::gather(Tensors& outputs, at::Tensor& input, int root, 
              });
 }
 
-Work CudaCollectivesImpl::scatter(at::Tensor& output, const Tensors& inputs, int root, Timeout timeout) {
-  return run({"scatter", OpType::SCATTER, "ep:scatter"}, {output}, joined({output}, inputs), Route::kGroup, timeout,
+Work CudaCollectivesImpl::scatter(at::Tensor& output, const Tensors& inputs, int root, const Call& call) {
+  return run({"scatter", OpType::SCATTER, "ep:scatter"}, {output}, joined({output}, inputs), Route::kGroup, call,
              [&](Op& op) {
                at::Tensor in = rank_ == root ? flatten(inputs) : at::Tensor();
                at::Tensor out = contiguousOut(output);
@@ -631,9 +670,9 @@ Work CudaCollectivesImpl::scatter(at::Tensor& output, const Tensors& inputs, int
              });
 }
 
-Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp rop, Timeout timeout) {
+Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp rop, const Call& call) {
   Kind k{"reduce_scatter_tensor", OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base"};
-  return run(k, {output}, {input, output}, Route::kGroup, timeout, [&](Op& op) {
+  return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
@@ -643,9 +682,9 @@ Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, at::Tensor& input, R
   });
 }
 
-Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp rop, Timeout timeout) {
+Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp rop, const Call& call) {
   Kind k{"reduce_scatter", OpType::REDUCE_SCATTER, "ep:reduce_scatter"};
-  return run(k, {output}, joined({output}, inputs), Route::kGroup, timeout, [&](Op& op) {
+  return run(k, {output}, joined({output}, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = flatten(inputs), out = contiguousOut(output);
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
@@ -655,9 +694,9 @@ Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, Tensors& inputs, Red
   });
 }
 
-Work CudaCollectivesImpl::reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp rop, Timeout timeout) {
+Work CudaCollectivesImpl::reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp rop, const Call& call) {
   Kind k{"reduce_scatter_tensor_coalesced", OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced"};
-  return run(k, outputs, joined(outputs, inputs), Route::kGroup, timeout, [&](Op& op) {
+  return run(k, outputs, joined(outputs, inputs), Route::kGroup, call, [&](Op& op) {
     // Block layout [rank][output 0 | output 1 | ...] built from each input's rank slices.
     Tensors pieces;
     for (int r = 0; r < size_; ++r)
@@ -675,9 +714,9 @@ Work CudaCollectivesImpl::reduceScatterCoalesced(Tensors& outputs, Tensors& inpu
   });
 }
 
-Work CudaCollectivesImpl::alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& l, Timeout timeout) {
+Work CudaCollectivesImpl::alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& l, const Call& call) {
   Kind k{"all_to_all_single", OpType::ALLTOALL_BASE, "ep:all_to_all"};
-  return run(k, {output}, {input, output}, Route::kGroup, timeout, [&](Op& op) {
+  return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
     flat(op, collective::exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) {
@@ -687,9 +726,9 @@ Work CudaCollectivesImpl::alltoall(at::Tensor& output, at::Tensor& input, const 
   });
 }
 
-Work CudaCollectivesImpl::alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& l, Timeout timeout) {
+Work CudaCollectivesImpl::alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& l, const Call& call) {
   return run({"all_to_all", OpType::ALLTOALL, "ep:all_to_all"}, outputs, joined(outputs, inputs), Route::kGroup,
-             timeout, [&](Op& op) {
+             call, [&](Op& op) {
                at::Tensor in = flatten(inputs);
                const uint64_t total = l.recv_off.back() + l.recv_bytes.back();
                at::Tensor out = at::empty({static_cast<int64_t>(total / in.element_size())}, in.options());
@@ -704,25 +743,25 @@ Work CudaCollectivesImpl::alltoall(Tensors& outputs, Tensors& inputs, const Pair
 
 // ---- point to point: host-staged in every group ----
 
-Work CudaCollectivesImpl::send(at::Tensor& t, int dst, int tag, Timeout timeout) {
-  return run({"send", OpType::SEND, "ep:send"}, {t}, {t}, Route::kHost, timeout, [&](Op& op) {
+Work CudaCollectivesImpl::send(at::Tensor& t, int dst, int tag, const Call& call) {
+  return run({"send", OpType::SEND, "ep:send"}, {t}, {t}, Route::kHost, call, [&](Op& op) {
     at::Tensor pin = pinnedLike(t);
     pin.copy_(t, /*non_blocking=*/true);
     op.work->keep(pin);
     const uint32_t ticket = raiseReady(op);
     auto done = doneCallback(op, ticket);
     b_.worker().send(dst, ptr(pin), nbytes(pin), tag, [done](const std::string& err) { done(err, -1); },
-                     timeout, readyGate(op, ticket));
+                     call.timeout, readyGate(op, ticket));
   });
 }
 
-Work CudaCollectivesImpl::recv(at::Tensor& t, int src, int tag, Timeout timeout) {
+Work CudaCollectivesImpl::recv(at::Tensor& t, int src, int tag, const Call& call) {
   Kind k = src < 0 ? Kind{"recv", OpType::RECVANYSOURCE, "ep:recvAnySource"} : Kind{"recv", OpType::RECV, "ep:recv"};
-  return run(k, {t}, {t}, Route::kHostRecv, timeout, [&](Op& op) {
+  return run(k, {t}, {t}, Route::kHostRecv, call, [&](Op& op) {
     at::Tensor pin = pinnedLike(t);
     op.work->keep(pin);
     const uint32_t ticket = nextTicket();
-    b_.worker().recv(src, ptr(pin), nbytes(pin), tag, doneCallback(op, ticket), timeout);
+    b_.worker().recv(src, ptr(pin), nbytes(pin), tag, doneCallback(op, ticket), call.timeout);
     StreamMemOps::wait(op.stream->stream(), done_->dev(op.slot), ticket);
     t.copy_(pin, /*non_blocking=*/true);
   });

@@ -112,19 +112,20 @@ void EventPool::give(cudaEvent_t e) {
 
 // ---- CudaWork ----
 
-CudaWork::CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device,
-                   std::shared_ptr<EventPool> events)
-    : BackendWork(rank, type, title, std::move(outputs)), device_(device), events_(std::move(events)) {
-  end_ = events_->take();
+PooledEvent::~PooledEvent() {
+  if (pool_)
+    pool_->give(e_);
+  else
+    cudaEventDestroy(e_);
 }
 
-CudaWork::~CudaWork() {
-  if (!end_) return;
-  if (events_)
-    events_->give(end_);
-  else
-    cudaEventDestroy(end_);
-}
+CudaWork::CudaWork(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, int device,
+                   std::shared_ptr<EventPool> events)
+    : BackendWork(rank, type, title, std::move(outputs)),
+      device_(device),
+      end_(std::make_shared<PooledEvent>(std::move(events))) {}
+
+CudaWork::~CudaWork() = default;
 
 void CudaWork::complete(const std::string& error) {
   keep_.clear();
@@ -132,13 +133,14 @@ void CudaWork::complete(const std::string& error) {
 }
 
 void CudaWork::completeCaptured() {
-  events_.reset();
+  end_->retire();
   settle("");
 }
 
 void CudaWork::synchronize() {
   c10::cuda::CUDAStream cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
-  cudaCheck(cudaStreamWaitEvent(cur.stream(), end_, 0), "cudaStreamWaitEvent");
+  if (cur.stream() == stream_) return;  // ordered after the op already
+  cudaCheck(cudaStreamWaitEvent(cur.stream(), end_->get(), 0), "cudaStreamWaitEvent");
 }
 
 bool CudaWork::wait(std::chrono::milliseconds) {

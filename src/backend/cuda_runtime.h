@@ -90,8 +90,26 @@ class EventPool {
   std::vector<cudaEvent_t> free_;
 };
 
+// An event taken from a pool, handed back when its last holder lets go (an op's Work, and the
+// unit while the op is the group's latest): a holder can still wait on it, since no later op
+// can have been given it.
+class PooledEvent {
+ public:
+  explicit PooledEvent(std::shared_ptr<EventPool> pool) : pool_(std::move(pool)), e_(pool_->take()) {}
+  ~PooledEvent();
+  PooledEvent(const PooledEvent&) = delete;
+  PooledEvent& operator=(const PooledEvent&) = delete;
+  cudaEvent_t get() const { return e_; }
+  // Destroyed rather than reused (an event a CUDA graph capture used).
+  void retire() { pool_.reset(); }
+
+ private:
+  std::shared_ptr<EventPool> pool_;
+  cudaEvent_t e_;
+};
+
 // A CUDA op's Work. wait() makes the caller's current stream wait for the op's end event
-// (no host block) and raises the op's error if it is already known; the future and
+// (no host block; nothing to do on the stream the op ran on) and raises the op's error if it is already known; the future and
 // isCompleted() follow the GPU, through the Completer.
 class CudaWork : public BackendWork {
  public:
@@ -100,7 +118,10 @@ class CudaWork : public BackendWork {
   ~CudaWork() override;
 
   void keep(const at::Tensor& t) { keep_.push_back(t); }
-  cudaEvent_t endEvent() const { return end_; }
+  cudaEvent_t endEvent() const { return end_->get(); }
+  const std::shared_ptr<PooledEvent>& endHolder() const { return end_; }
+  // The stream the op runs on: wait() from that stream needs no event wait.
+  void ranOn(cudaStream_t s) { stream_ = s; }
   int device() const { return device_; }
   // The exchange status slot this op's kernels report into (nullptr: none).
   collective::ExchangeStatus* status = nullptr;
@@ -121,8 +142,8 @@ class CudaWork : public BackendWork {
  private:
   std::vector<at::Tensor> keep_;
   int device_;
-  std::shared_ptr<EventPool> events_;  // end_ goes back there (nullptr: destroyed)
-  cudaEvent_t end_ = nullptr;
+  std::shared_ptr<PooledEvent> end_;
+  cudaStream_t stream_ = nullptr;
 };
 
 // One thread per CUDA unit that completes works in submission order once their end event

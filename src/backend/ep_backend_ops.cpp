@@ -58,7 +58,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& ten
   checkSingle(tensors, "broadcast");
   checkRoot(opts.rootRank, size_, "broadcast");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink broadcast: rootTensor must be 0");
-  if (DevicePlacement("broadcast").add(tensors).cuda()) return cuda().broadcast(tensors[0], static_cast<int>(opts.rootRank), timeoutOf(opts.timeout));
+  if (DevicePlacement("broadcast").add(tensors).cuda()) return cuda().broadcast(tensors[0], static_cast<int>(opts.rootRank), callOf(opts));
   auto w = makeWork(rank_, OpType::BROADCAST, "ep:broadcast", tensors);
   at::Tensor buf = inplaceBuffer(*w, tensors[0]);
   return enqueue(w, [=](const algo::AlgoContext& c) {
@@ -75,7 +75,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& ten
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce");
   const bool on_cuda = DevicePlacement("allreduce").add(tensors).cuda();
   preMultiplyInPlace(opts.reduceOp, tensors[0]);  // PREMUL_SUM: the tensor is the output too
-  if (on_cuda) return cuda().allreduce(tensors, op, timeoutOf(opts.timeout));
+  if (on_cuda) return cuda().allreduce(tensors, op, callOf(opts));
   auto w = makeWork(rank_, OpType::ALLREDUCE, "ep:all_reduce", tensors);
   at::Tensor buf = inplaceBuffer(*w, tensors[0]);
   return enqueue(w, [=](const algo::AlgoContext& c) {
@@ -95,7 +95,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce_coalesced");
   const bool on_cuda = DevicePlacement("allreduce_coalesced").add(tensors).cuda();
   for (auto& t : tensors) preMultiplyInPlace(opts.reduceOp, t);
-  if (on_cuda) return cuda().allreduce(tensors, op, timeoutOf(opts.timeout));
+  if (on_cuda) return cuda().allreduce(tensors, op, callOf(opts));
   auto w = makeWork(rank_, OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced", tensors);
   at::Tensor flat = concat(*w, tensors);
   scatterBack(*w, flat, tensors);
@@ -119,7 +119,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensor
     preMultiplyInPlace(opts.reduceOp, in[0]);
   else
     in[0] = preMultiplied(opts.reduceOp, tensors[0]);
-  if (on_cuda) return cuda().reduce(in[0], op, static_cast<int>(opts.rootRank), timeoutOf(opts.timeout));
+  if (on_cuda) return cuda().reduce(in[0], op, static_cast<int>(opts.rootRank), callOf(opts));
   auto w = makeWork(rank_, OpType::REDUCE, "ep:reduce", in);
   at::Tensor buf = inplaceBuffer(*w, in[0]);
   return enqueue(w, [=](const algo::AlgoContext& c) {
@@ -136,7 +136,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::
   checkSingle(inputs, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1, "moelink allgather: expects one output list per process");
   checkList(outputs[0], inputs[0], size_, "allgather", "the output list");
-  if (DevicePlacement("allgather").add(outputs).add(inputs).cuda()) return cuda().allgather(outputs[0], inputs[0], timeoutOf(opts.timeout));
+  if (DevicePlacement("allgather").add(outputs).add(inputs).cuda()) return cuda().allgather(outputs[0], inputs[0], callOf(opts));
   auto w = makeWork(rank_, OpType::ALLGATHER, "ep:all_gather", outputs[0]);
   at::Tensor in = inputBuffer(*w, inputs[0]);
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
@@ -157,7 +157,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "moelink all_gather_into_tensor: output has ",
                     output.numel(), " elements, expected ", input.numel() * size_, " (input ",
                     input.numel(), " x group size ", size_, ")");
-  if (DevicePlacement("all_gather_into_tensor").add(output).add(input).cuda()) return cuda().allgather(output, input, timeoutOf(opts.timeout));
+  if (DevicePlacement("all_gather_into_tensor").add(output).add(input).cuda()) return cuda().allgather(output, input, callOf(opts));
   auto w = makeWork(rank_, OpType::_ALLGATHER_BASE, "ep:_all_gather_base", {output});
   at::Tensor in = inputBuffer(*w, input);
   at::Tensor out = outputBuffer(*w, output);
@@ -182,7 +182,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
     TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, "moelink ", name, ": output ", i,
                       " has ", outputs[i].numel(), " elements, expected ", inputs[i].numel() * size_);
   }
-  if (DevicePlacement("allgather_into_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().allgatherCoalesced(outputs, inputs, timeoutOf(opts.timeout));
+  if (DevicePlacement("allgather_into_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().allgatherCoalesced(outputs, inputs, callOf(opts));
   auto w = makeWork(rank_, OpType::COALESCED, "ep:allgather_into_tensor_coalesced", outputs);
   at::Tensor in = concat(*w, inputs);
   at::Tensor flat = at::empty({in.numel() * size_}, in.options());
@@ -249,7 +249,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_coalesced(std::vector<std::v
       return v;
     }())};
     at::Tensor flat = at::empty({total * size_}, inputs[0].options());
-    auto work = cuda().allgather(flat, flat_in[0], timeoutOf(opts.timeout));
+    auto work = cuda().allgather(flat, flat_in[0], callOf(opts));
     work->wait();  // the current stream waits for the op; the copies below follow it
     place(flat);
     return work;
@@ -302,7 +302,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Ten
     TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
                       "moelink gather: only the root (rank ", root, ") takes an output list");
   }
-  if (DevicePlacement("gather").add(outputs).add(inputs).cuda()) return cuda().gather(outs, inputs[0], root, timeoutOf(opts.timeout));
+  if (DevicePlacement("gather").add(outputs).add(inputs).cuda()) return cuda().gather(outs, inputs[0], root, callOf(opts));
   auto w = makeWork(rank_, OpType::GATHER, "ep:gather", outs);
   at::Tensor in = inputBuffer(*w, inputs[0]);
   at::Tensor flat;
@@ -333,7 +333,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outpu
   }
   if (DevicePlacement("scatter").add(outputs).add(inputs).cuda())
     return cuda().scatter(outputs[0], rank_ == root ? inputs[0] : std::vector<at::Tensor>{}, root,
-                          timeoutOf(opts.timeout));
+                          callOf(opts));
   auto w = makeWork(rank_, OpType::SCATTER, "ep:scatter", outputs);
   at::Tensor in;
   if (rank_ == root) in = concat(*w, inputs[0]);
@@ -356,7 +356,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>
   const bool on_cuda = DevicePlacement("reduce_scatter").add(outputs).add(inputs).cuda();
   std::vector<at::Tensor> ins;
   for (const auto& t : inputs[0]) ins.push_back(preMultiplied(opts.reduceOp, t));  // PREMUL_SUM
-  if (on_cuda) return cuda().reduceScatter(outputs[0], ins, op, timeoutOf(opts.timeout));
+  if (on_cuda) return cuda().reduceScatter(outputs[0], ins, op, callOf(opts));
   auto w = makeWork(rank_, OpType::REDUCE_SCATTER, "ep:reduce_scatter", outputs);
   at::Tensor in = concat(*w, ins);
   at::Tensor out = outputBuffer(*w, outputs[0]);
@@ -380,7 +380,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& outpu
   auto op = toReduceOp(opts.reduceOp, output.scalar_type(), name);
   const bool on_cuda = DevicePlacement("reduce_scatter_tensor").add(output).add(input).cuda();
   at::Tensor scaled = preMultiplied(opts.reduceOp, input);  // PREMUL_SUM
-  if (on_cuda) return cuda().reduceScatter(output, scaled, op, timeoutOf(opts.timeout));
+  if (on_cuda) return cuda().reduceScatter(output, scaled, op, callOf(opts));
   auto w = makeWork(rank_, OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", {output});
   at::Tensor in = inputBuffer(*w, scaled);
   at::Tensor out = outputBuffer(*w, output);
@@ -409,7 +409,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
   const bool on_cuda = DevicePlacement("reduce_scatter_tensor_coalesced").add(outputs).add(inputs).cuda();
   std::vector<at::Tensor> scaled;
   for (const auto& t : inputs) scaled.push_back(preMultiplied(opts.reduceOp, t));  // PREMUL_SUM
-  if (on_cuda) return cuda().reduceScatterCoalesced(outputs, scaled, op, timeoutOf(opts.timeout));
+  if (on_cuda) return cuda().reduceScatterCoalesced(outputs, scaled, op, callOf(opts));
   auto w = makeWork(rank_, OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced", outputs);
   // Block layout [rank][output 0 | output 1 | ...] built from each input's rank slices.
   std::vector<at::Tensor> pieces;
@@ -443,7 +443,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
   // so the op sends from a copy.
   at::Tensor src = at::get_overlap_status(output, input) == at::MemOverlapStatus::No ? input : input.clone();
   if (DevicePlacement("all_to_all_single").add(output).add(src).cuda())
-    return cuda().alltoall(output, src, l, timeoutOf(opts.timeout));
+    return cuda().alltoall(output, src, l, callOf(opts));
   auto w = makeWork(rank_, OpType::ALLTOALL_BASE, "ep:all_to_all", {output});
   at::Tensor in = inputBuffer(*w, src);
   at::Tensor out = outputBuffer(*w, output);
@@ -472,7 +472,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outp
                     ": this rank's own input and output differ in size");
   PairLayout l = alltoallLayout(inputs, outputs);
   if (DevicePlacement("all_to_all").add(outputs).add(inputs).cuda())
-    return cuda().alltoall(outputs, inputs, l, timeoutOf(opts.timeout));
+    return cuda().alltoall(outputs, inputs, l, callOf(opts));
   auto w = makeWork(rank_, OpType::ALLTOALL, "ep:all_to_all", outputs);
   at::Tensor in = concat(*w, inputs);
   const uint64_t ro = l.recv_off.back() + l.recv_bytes.back();
@@ -556,7 +556,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::send(std::vector<at::Tensor>& tensors,
   checkSingle(tensors, "send");
   TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "moelink send: invalid destination rank ", dst,
                     " (group of ", size_, ", this rank ", rank_, ")");
-  if (DevicePlacement("send").add(tensors).cuda()) return cuda().send(tensors[0], dst, tag, timeout_);
+  if (DevicePlacement("send").add(tensors).cuda()) return cuda().send(tensors[0], dst, tag, CudaCall{timeout_});
   auto w = makeWork(rank_, OpType::SEND, "ep:send", tensors);
   at::Tensor in = inputBuffer(*w, tensors[0]);
   worker().send(dst, ptr(in), nbytes(in), tag, [w](const std::string& err) { w->complete(err); }, timeout_);
@@ -567,7 +567,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::recv(std::vector<at::Tensor>& tensors,
   checkSingle(tensors, "recv");
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "moelink recv: invalid source rank ", src,
                     " (group of ", size_, ", this rank ", rank_, ")");
-  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors[0], src, tag, timeout_);
+  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors[0], src, tag, CudaCall{timeout_});
   auto w = makeWork(rank_, OpType::RECV, "ep:recv", tensors);
   at::Tensor out = outputBuffer(*w, tensors[0]);
   worker().recv(src, ptr(out), nbytes(out), tag,
@@ -577,7 +577,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::recv(std::vector<at::Tensor>& tensors,
 
 c10::intrusive_ptr<c10d::Work> EpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   checkSingle(tensors, "recv");
-  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors[0], -1, tag, timeout_);
+  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors[0], -1, tag, CudaCall{timeout_});
   auto w = makeWork(rank_, OpType::RECVANYSOURCE, "ep:recvAnySource", tensors);
   at::Tensor out = outputBuffer(*w, tensors[0]);
   worker().recv(-1, ptr(out), nbytes(out), tag,

@@ -210,6 +210,65 @@ def async_interleaved(rank, world):
     assert not early, "is_completed() was True while the op was queued behind a sleep"
 
 
+def streams_sync_and_async(rank, world):
+    """A synchronous op runs on the caller's current stream, an asynchronous one on the group's
+    stream: whatever the mix of streams, a group's ops run on the GPU in the order issued (a
+    misordered pair would meet the peer's other op and fail its header check)."""
+    d = dev(rank)
+    total = float(sum(r + 1 for r in range(world)))
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    a = torch.zeros(3000, device=d)
+    b = torch.zeros(5000, device=d)
+    c = torch.empty(world * 7, device=d)
+    with torch.cuda.stream(s1):
+        torch.cuda._sleep(300_000_000)  # a is written late on s1
+        a.fill_(rank + 1.0)
+        wa = dist.all_reduce(a, async_op=True)
+    with torch.cuda.stream(s2):  # idle stream: this op must still run after wa's
+        b.fill_(rank + 1.0)
+        dist.all_reduce(b)  # synchronous: on s2
+        b2 = b * 2  # after it, on s2, no host sync
+    with torch.cuda.stream(s1):
+        wc = dist.all_gather_into_tensor(c, torch.full((7,), float(rank), device=d), async_op=True)
+    x = torch.full((100,), rank + 1.0, device=d)
+    dist.all_reduce(x)  # synchronous, on the default stream
+    wa.wait()
+    wc.wait()
+    torch.cuda.synchronize()
+    same(a, torch.full_like(a, total), "async all_reduce behind a sleep")
+    same(b2, torch.full_like(b2, 2 * total), "sync all_reduce on a side stream")
+    same(c, torch.cat([torch.full((7,), float(r), device=d) for r in range(world)]), "async all_gather")
+    same(x, torch.full_like(x, total), "sync all_reduce on the default stream")
+    # A synchronous op under a stream context, behind a sleep there.
+    y = torch.zeros(1 << 16, device=d)
+    with torch.cuda.stream(s2):
+        torch.cuda._sleep(100_000_000)
+        y.fill_(rank + 1.0)
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+        y2 = y + 1
+    s2.synchronize()
+    same(y2, torch.full_like(y2, float(world) + 1), "sync all_reduce behind a sleep on a side stream")
+    if os.environ.get("MOELINK_RANKS_PER_HOST"):
+        return
+    # Both kinds in one capture.
+    p, q = torch.zeros(64, device=d), torch.zeros(64, device=d)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s1):
+        with torch.cuda.graph(graph, stream=s1):
+            dist.all_reduce(p)
+            w = dist.all_reduce(q, async_op=True)
+            w.wait()
+            dist.all_reduce(p)
+    for it in range(2):
+        p.fill_(rank + it)
+        q.fill_(rank * 2.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        same(p, torch.full_like(p, world * float(sum(r + it for r in range(world)))), f"captured sync pair {it}")
+        same(q, torch.full_like(q, float(sum(2 * r for r in range(world)))), f"captured async op {it}")
+
+
 def graph_capture(rank, world):
     if os.environ.get("MOELINK_RANKS_PER_HOST"):
         return  # the host-staged route refuses capture (tested in errors)
@@ -416,6 +475,6 @@ def fsdp2_matches_local(rank, world):
 
 
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
-         "uneven_all_to_all", "stream_order", "async_interleaved", "graph_capture", "point_to_point",
-         "against_nccl", "bad_input", "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras",
-         "functional_and_dtensor", "fsdp2_matches_local"]
+         "uneven_all_to_all", "stream_order", "async_interleaved", "streams_sync_and_async", "graph_capture",
+         "point_to_point", "against_nccl", "bad_input", "cpu_and_cuda_in_one_group", "ddp_matches_nccl",
+         "c10d_extras", "functional_and_dtensor", "fsdp2_matches_local"]

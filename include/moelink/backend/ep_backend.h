@@ -39,6 +39,12 @@ namespace moelink::backend {
 
 class EpWork;
 class CudaCollectives;
+// How the caller issued an op on CUDA tensors: its timeout, and whether it is asynchronous
+// (c10d's Options::asyncOp; false: the caller waits for the work at once).
+struct CudaCall {
+  std::chrono::milliseconds timeout;
+  bool async = true;
+};
 
 // Membership options (moelink.EpOptions): on a peer's failure, complete the op in flight
 // over the survivors ("continue") or fail it everywhere ("raise"); `extension`: this
@@ -155,6 +161,11 @@ class EpBackend : public c10d::Backend {
   // The CUDA unit, created by the first op on CUDA tensors.
   CudaCollectives& cuda();
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
+  // What the CUDA unit needs of a call's c10d options.
+  template <typename Options>
+  CudaCall callOf(const Options& opts) const {
+    return {timeoutOf(opts.timeout), opts.asyncOp};
+  }
   // Hands `spec` to the worker; `work` is completed with the worker's outcome.
   c10::intrusive_ptr<c10d::Work> enqueue(
       c10::intrusive_ptr<EpWork> work, std::function<collective::OpSpec(const collective::AlgoContext&)> build,
