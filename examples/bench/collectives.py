@@ -16,6 +16,11 @@ With --issue (CUDA tensors), a second table: the host time a rank spends issuing
 call's return, no synchronization; batches of 20 back-to-back calls, median of `iters` batches,
 slowest rank), the part of a small op's latency that is the caller's thread. `--gpus 1` measures
 it without peers.
+
+With --graph (CUDA tensors), another table: the time per op of 20 back-to-back ops captured in
+one CUDA graph and replayed (from a synchronized start to torch.cuda.synchronize(), median of
+`iters` replays, slowest rank), the latency a caller that replays graphs sees (a serving
+engine's decode step): no host work per op, so the GPU's own time is what is left.
 """
 
 import argparse
@@ -110,7 +115,38 @@ def issue_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
     return [statistics.median(t) for t in times]
 
 
-def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, issue, q):
+def graph_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
+    """Median time per op over replays of a CUDA graph of `batch` back-to-back ops, per group
+    in `groups` (taking turns), slowest rank."""
+    bufs = buffers(nbytes, groups, world, device)
+    graphs = []
+    for g, b in zip(groups, bufs):
+        run_op(op, nbytes, g, world, b)  # outside the capture: sets up what the op needs
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+            for _ in range(batch):
+                run_op(op, nbytes, g, world, b)
+        torch.cuda.current_stream().wait_stream(s)
+        graph.replay()  # warm-up
+        graphs.append(graph)
+    times = [[] for _ in groups]
+    for _ in range(iters):
+        for k, graph in enumerate(graphs):
+            torch.cuda.synchronize()
+            dist.barrier(group=sync_group)
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            dt = torch.tensor([(time.perf_counter() - t0) / batch], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync_group)
+            times[k].append(dt.item())
+    return [statistics.median(t) for t in times]
+
+
+def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, issue, graph, q):
     os.environ["MOELINK_TRANSPORT"] = transport
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import moelink  # noqa: F401
@@ -128,8 +164,11 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
             warm = 3 if not big else 1
             groups = [ep, anchor] if with_gloo else [ep]
             t = time_pair(op, nbytes, groups, world, iters_here, warm, device, ep)
-            i = issue_time(op, nbytes, groups, world, iters_here, device, ep) if issue else [float("nan")] * 2
-            rows.append((op, nbytes, t[0], t[1] if with_gloo else float("nan"), i[0], i[1] if with_gloo else float("nan")))
+            nan2 = [float("nan")] * 2
+            i = issue_time(op, nbytes, groups, world, iters_here, device, ep) if issue else nan2
+            gr = graph_time(op, nbytes, groups, world, iters_here, device, ep) if graph else nan2
+            rows.append((op, nbytes, t[0], t[1] if with_gloo else float("nan"), i[0], i[1] if with_gloo else float("nan"),
+                         gr[0], gr[1] if with_gloo else float("nan")))
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -155,6 +194,7 @@ def main():
     ap.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     ap.add_argument("--no-gloo", "--no-anchor", action="store_true", help="time backend ep only")
     ap.add_argument("--issue", action="store_true", help="CUDA: also the host time to issue one op")
+    ap.add_argument("--graph", action="store_true", help="CUDA: also the time per op replayed in a CUDA graph")
     ap.add_argument("--out", default="collectives.png")
     args = ap.parse_args()
     sizes = []
@@ -170,24 +210,29 @@ def main():
     if args.device == "cuda":
         n = args.gpus or torch.cuda.device_count()
         anchor = "nccl"
-    if args.issue and args.device != "cuda":
-        ap.error("--issue needs --device cuda")
-    rows = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device, args.issue),
-                     timeout=3600)
+    if (args.issue or args.graph) and args.device != "cuda":
+        ap.error("--issue and --graph need --device cuda")
+    rows = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device, args.issue,
+                                 args.graph), timeout=3600)
     path = os.environ.get("MOELINK_RANKS_PER_HOST")
     print(f"# {n} ranks, {args.device} tensors, ep transport={args.transport}"
           f"{', MOELINK_RANKS_PER_HOST=' + path if path else ''}, median of {args.iters} (max over ranks), "
           f"torch {torch.__version__}")
     print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep GB/s':>10}{anchor + ' GB/s':>11}"
           f"{'ep/' + anchor:>9}")
-    for op, nb, te, tg, _, _ in rows:
+    for op, nb, te, tg, *_ in rows:
         bw = lambda t: BUS[op](n) * nb / t / 1e9
         print(f"{op:<15}{fmt_bytes(nb):>10}{te * 1e6:12.1f}{tg * 1e6:12.1f}{bw(te):10.2f}{bw(tg):11.2f}{te / tg:9.2f}")
     if args.issue:
         print(f"# host time to issue one op (us): batches of 20 calls, median of {args.iters}, slowest rank")
         print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep/' + anchor:>9}")
-        for op, nb, _, _, ie, ig in rows:
+        for op, nb, _, _, ie, ig, _, _ in rows:
             print(f"{op:<15}{fmt_bytes(nb):>10}{ie * 1e6:12.1f}{ig * 1e6:12.1f}{ie / ig:9.2f}")
+    if args.graph:
+        print(f"# time per op replayed in a CUDA graph (us): graphs of 20 ops, median of {args.iters}, slowest rank")
+        print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep/' + anchor:>9}")
+        for op, nb, _, _, _, _, ge, gg in rows:
+            print(f"{op:<15}{fmt_bytes(nb):>10}{ge * 1e6:12.1f}{gg * 1e6:12.1f}{ge / gg:9.2f}")
     def draw(plt):
         fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), sharey=True, squeeze=False)
         axes = axes[0]
