@@ -311,9 +311,15 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
   s->areas_.assign(size, nullptr);
   cudaCheck(cudaMalloc(&s->areas_[rank], s->layout_.total), "cudaMalloc(staging)");
   cudaCheck(cudaMemset(s->areas_[rank], 0, s->layout_.total), "cudaMemset(staging)");
+  // The handle, then the round size that shapes the area: peers write into it before they
+  // have checked an op's header (exchange.cu), so every rank must lay it out alike.
   cudaIpcMemHandle_t handle;
   cudaCheck(cudaIpcGetMemHandle(&handle, s->areas_[rank]), "cudaIpcGetMemHandle");
-  store->set(prefix + "ipc/" + std::to_string(rank), bytesOf(&handle, sizeof handle));
+  std::vector<uint8_t> published = bytesOf(&handle, sizeof handle);
+  const uint64_t round_bytes = tuning.round_bytes;
+  const std::vector<uint8_t> rb = bytesOf(&round_bytes, sizeof round_bytes);
+  published.insert(published.end(), rb.begin(), rb.end());
+  store->set(prefix + "ipc/" + std::to_string(rank), published);
   std::string mine;
   for (int q : who) {
     if (q == rank || !mine.empty()) continue;
@@ -322,8 +328,16 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
       if (why_not) *why_not = "rank " + std::to_string(q) + " did not set up its staging area";
       return nullptr;
     }
-    if (h.size() != sizeof(cudaIpcMemHandle_t)) {
+    if (h.size() != sizeof(cudaIpcMemHandle_t) + sizeof(uint64_t)) {
       mine = "rank " + std::to_string(q) + " published a malformed handle";
+      break;
+    }
+    uint64_t theirs = 0;
+    std::memcpy(&theirs, h.data() + sizeof(cudaIpcMemHandle_t), sizeof theirs);
+    if (theirs != round_bytes) {
+      mine = "rank " + std::to_string(q) + " stages rounds of " + std::to_string(theirs) + " bytes, rank " +
+             std::to_string(rank) + " of " + std::to_string(round_bytes) +
+             " (MOELINK_CUDA_ROUND_BYTES must be the same on every rank)";
       break;
     }
     cudaIpcMemHandle_t ph;

@@ -269,6 +269,56 @@ def streams_sync_and_async(rank, world):
         same(q, torch.full_like(q, float(sum(2 * r for r in range(world)))), f"captured async op {it}")
 
 
+def small_op_burst(rank, world):
+    """Back-to-back one-round ops of several kinds, the ranks now and then far apart (a sleep on
+    one of them), with a two-round op here and there: a one-round op that follows a one-round
+    op pushes before it has seen the peers' headers, into the other half of their areas."""
+    d = dev(rank)
+    checks = []
+    for i in range(64):
+        if rank == world - 1 and i % 7 == 3:
+            torch.cuda._sleep(20_000_000)  # this rank falls behind
+        x = torch.full((256 + i,), float(rank * 1000 + i), device=d)
+        dist.all_reduce(x)
+        checks.append((x, float(sum(r * 1000 + i for r in range(world))), f"all_reduce {i}"))
+        g = torch.empty(world * 64, device=d)
+        dist.all_gather_into_tensor(g, torch.full((64,), float(rank + i), device=d))
+        checks.append((g, torch.cat([torch.full((64,), float(r + i), device=d) for r in range(world)]),
+                       f"all_gather {i}"))
+        b = torch.full((100,), float(rank + 10 * i), device=d)
+        dist.broadcast(b, src=i % world)
+        checks.append((b, float(i % world + 10 * i), f"broadcast {i}"))
+        if i % 16 == 5:  # 12 MiB: two rounds of the default 8 MiB
+            y = torch.full((3 << 20,), float(rank + i), device=d)
+            dist.all_reduce(y)
+            checks.append((y, float(sum(r + i for r in range(world))), f"two-round all_reduce {i}"))
+    torch.cuda.synchronize()
+    for t, want, what in checks:
+        same(t, want if isinstance(want, torch.Tensor) else torch.full_like(t, want), what)
+
+
+def round_size_disagreement(rank, world):
+    """Ranks that stage rounds of different sizes (MOELINK_CUDA_ROUND_BYTES) cannot share
+    staging areas: the group takes the host-staged route, exact, instead of writing past a
+    peer's area."""
+    import moelink
+
+    old = os.environ.get("MOELINK_CUDA_ROUND_BYTES")
+    os.environ["MOELINK_CUDA_ROUND_BYTES"] = str((1 << 20) * (rank + 1))
+    try:
+        g = dist.new_group()
+        x = torch.full((4096,), rank + 1.0, device=dev(rank))
+        dist.all_reduce(x, group=g)
+        same(x, torch.full_like(x, float(sum(r + 1 for r in range(world)))), "all_reduce")
+        assert moelink.get_backend(g).cuda_path() == "host", moelink.get_backend(g).cuda_path()
+        dist.destroy_process_group(g)
+    finally:
+        if old is None:
+            del os.environ["MOELINK_CUDA_ROUND_BYTES"]
+        else:
+            os.environ["MOELINK_CUDA_ROUND_BYTES"] = old
+
+
 def graph_capture(rank, world):
     if os.environ.get("MOELINK_RANKS_PER_HOST"):
         return  # the host-staged route refuses capture (tested in errors)
@@ -475,6 +525,7 @@ def fsdp2_matches_local(rank, world):
 
 
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
-         "uneven_all_to_all", "stream_order", "async_interleaved", "streams_sync_and_async", "graph_capture",
-         "point_to_point", "against_nccl", "bad_input", "cpu_and_cuda_in_one_group", "ddp_matches_nccl",
-         "c10d_extras", "functional_and_dtensor", "fsdp2_matches_local"]
+         "uneven_all_to_all", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
+         "round_size_disagreement", "graph_capture", "point_to_point", "against_nccl", "bad_input",
+         "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "functional_and_dtensor",
+         "fsdp2_matches_local"]

@@ -144,6 +144,18 @@ MOELINK_HOST_DEVICE inline uint64_t exchangeRoundLen(uint64_t bytes, uint64_t r,
   return bytes > start ? (bytes - start < round_bytes ? bytes - start : round_bytes) : 0;
 }
 
+// The staging half (of the two per source) that round r of op `seq` uses.
+MOELINK_HOST_DEVICE inline int exchangeHalf(uint64_t seq, uint64_t r) { return static_cast<int>((seq + r) & 1); }
+// Whether op `seq` pushes its first round before it has seen its peers' headers: when every
+// pair of this rank moves at most one round (`one_round`) on blocks that both push and consume,
+// and this rank's previous op succeeded with every pair in one round (`single_ok`, the seq of
+// the latest such op). That op saw each peer's header of it, so each peer had ended every
+// earlier op, and in it a peer read only half exchangeHalf(seq - 1, 0) of its area: the half
+// this op writes is free.
+MOELINK_HOST_DEVICE inline bool exchangePushesEarly(uint64_t seq, uint64_t single_ok, bool one_round, int roles) {
+  return roles == 1 && one_round && seq >= 1 && single_ok == seq - 1;
+}
+
 // The header one rank writes to a peer (64 bytes; seq is written last).
 struct ExchangeHeader {
   uint64_t op_bytes;

@@ -14,7 +14,12 @@
 // Across launches: a peer writes the next op's header only once its previous launch has
 // ended, which needed everything this rank sent it; so the header check also guarantees
 // that nothing of the previous op is still being read, and two header parities keep a fast
-// peer's next header from overwriting one a slow block has yet to read.
+// peer's next header from overwriting one a slow block has yet to read. The halves go by op
+// and round (exchangeHalf), which lets a one-round op push before it has seen the peers'
+// headers when this rank's previous op succeeded in one round (exchangePushesEarly,
+// Counter::single_ok). Its headers are still checked before anything that arrived is
+// consumed, so a disagreement fails the op as before (what a peer pushed stays in the
+// staging area, within the size every rank agreed on at set-up).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -29,6 +34,9 @@ struct Counter {
   unsigned long long seq;  // ops completed on this staging area
   unsigned int done;       // blocks of the current launch that have finished
   unsigned int failed;     // seq of a failed launch (blocks stop waiting)
+  // seq of the latest launch that succeeded with every pair in one round (0: none): the
+  // next launch may push before it has seen its peers' headers (exchangeKernel).
+  unsigned long long single_ok;
 };
 
 __device__ __forceinline__ uint64_t tagOf(uint64_t seq, uint64_t round) { return (seq << 24) | (round + 1); }
@@ -291,9 +299,53 @@ __device__ int roundsOf(const ExchangeLaunch& a, int q) {
   return static_cast<int>((bytes + a.layout.round_bytes - 1) / a.layout.round_bytes);
 }
 
-// The rounds of block b. False when the launch failed.
+// Whether every pair of this rank with a peer moves at most one round.
+__device__ bool pairsInOneRound(const ExchangeLaunch& a) {
+  for (int q = 0; q < a.size; ++q)
+    if (q != a.rank && roundsOf(a, q) > 1) return false;
+  return true;
+}
+
+// Block b pushes its piece of round r to each peer and raises the peer's flag. False when the
+// launch failed.
+__device__ bool pushRound(const Ctx& c, int r, int b) {
+  const ExchangeLaunch& a = *c.a;
+  const int me = a.rank, n = a.size, G = a.blocks;
+  const ExchangeLayout& L = a.layout;
+  const uint64_t R = L.round_bytes;
+  char* mine = a.staging[me];
+  const int half = exchangeHalf(c.seq, r);
+  const uint64_t tag = tagOf(c.seq, r);
+  // Starting after this rank, so that peers are not all written at once by everyone.
+  for (int k = 1; k < n; ++k) {
+    const int p = (me + k) % n;
+    uint64_t len = exchangeRoundLen(a.send_bytes[p], r, R), lo, hi;
+    exchangePiece(len, b, G, &lo, &hi);
+    if (lo >= hi) continue;
+    if (r >= 2) {  // the consumer has finished round r-2 in this half (a pair this long
+                   // has a piece on every launched block of both ranks)
+      uint64_t plo, phi;
+      if (threadIdx.x < G) {
+        exchangePiece(R, threadIdx.x, G, &plo, &phi);
+        if (plo < phi && !waitAtLeast(c, ackSlot(mine, L, half, p, threadIdx.x), tagOf(c.seq, r - 2), p))
+          atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+      }
+      if (blockFailed(c)) return false;
+    }
+    copyBytes(dataSlot(a.staging[p], L, n, half, me) + lo, a.in + a.send_off[p] + r * R + lo, hi - lo);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      device::stReleaseSys64(flagSlot(a.staging[p], L, half, me, b), tag);
+    }
+  }
+  return true;
+}
+
+// The rounds of block b (round 0's pushes already done when `pushed_first`). False when the
+// launch failed.
 template <typename Reduce>
-__device__ bool runRounds(const Ctx& c) {
+__device__ bool runRounds(const Ctx& c, bool pushed_first) {
   const ExchangeLaunch& a = *c.a;
   // Block b of the G that cut each round (Gl of them launched per role, every piece of this
   // rank's pairs among them): one block does both the pushing and the consuming, or
@@ -312,32 +364,9 @@ __device__ bool runRounds(const Ctx& c) {
   __shared__ const char* srcs[kExchangeMaxRanks];
 
   for (int r = 0; r < rounds; ++r) {
-    const int half = r & 1;
+    const int half = exchangeHalf(c.seq, r);
     const uint64_t tag = tagOf(c.seq, r);
-    // Push this block's piece of round r to each peer (starting after this rank, so that
-    // peers are not all written at once by everyone).
-    for (int k = 1; push && k < n; ++k) {
-      const int p = (me + k) % n;
-      uint64_t len = exchangeRoundLen(a.send_bytes[p], r, R), lo, hi;
-      exchangePiece(len, b, G, &lo, &hi);
-      if (lo >= hi) continue;
-      if (r >= 2) {  // the consumer has finished round r-2 in this half (a pair this long
-                     // has a piece on every launched block of both ranks)
-        uint64_t plo, phi;
-        if (threadIdx.x < G) {
-          exchangePiece(R, threadIdx.x, G, &plo, &phi);
-          if (plo < phi && !waitAtLeast(c, ackSlot(mine, L, half, p, threadIdx.x), tagOf(c.seq, r - 2), p))
-            atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
-        }
-        if (blockFailed(c)) return false;
-      }
-      copyBytes(dataSlot(a.staging[p], L, n, half, me) + lo, a.in + a.send_off[p] + r * R + lo, hi - lo);
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence_system();
-        device::stReleaseSys64(flagSlot(a.staging[p], L, half, me, b), tag);
-      }
-    }
+    if (push && !(r == 0 && pushed_first) && !pushRound(c, r, b)) return false;
     if (a.roles == 2) {
       // Pushing and consuming blocks part here: this block says when it has read round r of
       // the input, and consuming blocks wait until every pushing block has (a consumer
@@ -401,10 +430,14 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
   Counter* counter = reinterpret_cast<Counter*>(mine + a.layout.counter);
   Ctx c{&a, *reinterpret_cast<volatile unsigned long long*>(&counter->seq) + 1, counter, 0};
   __shared__ uint64_t start;
-  __shared__ int bad;
+  __shared__ int bad, early;
+  const bool single = pairsInOneRound(a);
   if (threadIdx.x == 0) {
     start = device::globalTimerNs();
     bad = 0;
+    // Push before the headers have come (see the top of this file).
+    early = exchangePushesEarly(c.seq, *reinterpret_cast<volatile unsigned long long*>(&counter->single_ok), single,
+                                a.roles);
   }
   __syncthreads();
   c.start_ns = start;
@@ -419,6 +452,7 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
     __threadfence_system();
     device::stReleaseSys64(&h->seq, c.seq);
   }
+  if (early && !pushRound(c, 0, blockIdx.x)) bad = 1;  // (roles == 1: block b is piece b)
   if (threadIdx.x < n && threadIdx.x != me) {
     const int q = threadIdx.x;
     ExchangeHeader* h = headerSlot(mine, a.layout, c.seq, q);
@@ -438,7 +472,7 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
   __syncthreads();
 
   // (2) Rounds.
-  if (!bad) runRounds<Reduce>(c);
+  if (!bad) runRounds<Reduce>(c, early);
 
   // The last block to finish numbers the next op.
   __syncthreads();
@@ -446,6 +480,8 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
     __threadfence();
     if (atomicAdd(&counter->done, 1u) == gridDim.x - 1) {
       counter->done = 0;
+      const bool ok = *reinterpret_cast<volatile unsigned*>(&counter->failed) < static_cast<unsigned>(c.seq);
+      counter->single_ok = ok && single ? c.seq : 0;
       counter->seq = c.seq;
       __threadfence();
     }
