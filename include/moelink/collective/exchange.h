@@ -10,10 +10,11 @@
 // most `round_bytes` per (source, destination) pair and two halves, so round r+1 travels
 // while round r is consumed.
 //
-// Before any byte moves, every rank writes its op header into each peer's header slot and
-// checks the headers it receives (kind, dtype, reduce op, root, total bytes, the bytes of
-// each pair, and the tunables that shape the rounds): a disagreement ends the op on every
-// rank with an error naming both sides (describeMismatch), never a hang.
+// Every rank writes its op header into each peer's header slot and checks the headers it
+// receives (kind, dtype, reduce op, root, total bytes, the bytes of each pair, and the
+// tunables that shape the rounds) before it consumes anything a peer sent, and before it
+// sends anything unless exchangePushesEarly lets it push first: a disagreement ends
+// the op on every rank with an error naming both sides (describeMismatch), never a hang.
 #pragma once
 
 #include <cstdint>
