@@ -67,7 +67,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     out = torch.empty(n // world)
-    dist.reduce_scatter_tensor(out, value(rank, n))
+    # reduce_scatter_single is the newer name (torch 2.14 deprecates reduce_scatter_tensor).
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, value(rank, n))
     full = sum(value(r, n) for r in range(world))
     check("reduce_scatter", torch.equal(out, full.chunk(world)[rank]), t0)
 
