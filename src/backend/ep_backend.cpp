@@ -42,9 +42,9 @@ void BackendWork::settle(const std::string& error) {
     std::lock_guard<std::mutex> g(result_mu_);
     auto result = c10d::WorkResult::SUCCESS;
     if (!error.empty()) {
-      // Timeouts read "<op> #<n>: timed out after <ms> ms ..." on every path (worker and kernels).
-      result = error.find(": timed out after ") != std::string::npos ? c10d::WorkResult::TIMEOUT
-                                                                     : c10d::WorkResult::COMM_ERROR;
+      // Timeouts read "...: Timed out ..." on every path (collectives, point-to-point, kernels).
+      result = error.find(": Timed out") != std::string::npos ? c10d::WorkResult::TIMEOUT
+                                                               : c10d::WorkResult::COMM_ERROR;
     }
     result_ = static_cast<uint8_t>(result);
     settled_ = true;

@@ -489,7 +489,16 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outp
 void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   // A tag of its own, far from what applications use.
   constexpr int kTag = -0x6d6c6d62;
-  const std::chrono::milliseconds limit = timeoutOf(opts.timeout);
+  // An explicit zero is a zero budget here, as in gloo (timeoutOf reads it as "unset").
+  const std::chrono::milliseconds limit =
+      opts.timeout == c10d::kUnsetTimeout ? timeout_ : std::max(opts.timeout, std::chrono::milliseconds(0));
+  // The wording is gloo's, which PyTorch's tests and users' handlers match on.
+  const std::string prefix = "moelink monitored_barrier: ";
+  if (size_ > 1 && limit.count() == 0) {
+    TORCH_CHECK(rank_ != 0, prefix, "Rank 0 timed out in monitoredBarrier after 0 ms");
+    TORCH_CHECK(false, prefix, "Rank ", rank_, " successfully reached monitoredBarrier, but received errors while "
+                "waiting for send/recv from rank 0: its timeout is 0 ms");
+  }
   struct Outcome {
     std::mutex mu;
     std::condition_variable cv;
@@ -517,9 +526,10 @@ void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all
     // Rank 0 answers once it has heard from everyone or waited `limit` for them.
     worker().recv(0, &bytes[0], 1, kTag, track(1), 2 * limit);
     waitAll();
-    TORCH_CHECK(outcome->errors[1].empty() && bytes[0] == 1, "moelink monitored_barrier: rank ", rank_,
-                bytes[0] == 2 ? ": rank 0 reports that other ranks failed to pass the barrier"
-                              : ": no answer from rank 0 within the timeout");
+    TORCH_CHECK(outcome->errors[1].empty() && bytes[0] == 1, prefix, "Rank ", rank_,
+                " successfully reached monitoredBarrier, but received errors while waiting for send/recv from "
+                "rank 0: ", bytes[0] == 2 ? "rank 0 reports that other ranks failed to pass the barrier"
+                                          : "no answer from rank 0 within " + std::to_string(2 * limit.count()) + " ms");
     return;
   }
   outcome->errors.assign(size_, "");
@@ -542,8 +552,8 @@ void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all
   std::string who;
   const size_t shown = wait_all_ranks ? missing.size() : 1;
   for (size_t i = 0; i < shown; ++i) who += (i ? ", " : "") + std::to_string(missing[i]);
-  TORCH_CHECK(false, "moelink monitored_barrier: rank", shown > 1 ? "s " : " ", who, " failed to pass the barrier in ",
-              limit.count(), " ms");
+  TORCH_CHECK(false, prefix, "Rank", shown > 1 ? "s " : " ", who, " failed to pass monitoredBarrier in ", limit.count(),
+              " ms");
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -312,7 +312,7 @@ std::string describeStatus(const ExchangeStatus& s, uint64_t timeout_ms) {
                          : why;
     }
     case ExchangeStatus::kTimeout:
-      return str(opKindName(static_cast<OpKind>(s.mine.kind)), " #", s.seq, ": timed out after ", timeout_ms,
+      return str(opKindName(static_cast<OpKind>(s.mine.kind)), " #", s.seq, ": Timed out after ", timeout_ms,
                  " ms waiting for rank ", s.peer,
                  " on the GPU; this group's CUDA collectives are unusable from now on");
     case ExchangeStatus::kAborted:

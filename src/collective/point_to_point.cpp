@@ -131,7 +131,7 @@ bool CollectiveWorker::progressSends() {
       }
       if (err.empty() && !done && Clock::now() > s.deadline) {
         err = str("send to rank ", p, " (tag ", s.tag, ", ", s.bytes,
-                  " bytes): timed out; no matching recv consumed it");
+                  " bytes): Timed out; no matching recv consumed it");
         if (s.issued_bytes > 0 && !s.all_issued) abort_pending_[p] = 1;
       }
       if (err.empty() && !done) break;
@@ -279,7 +279,7 @@ bool CollectiveWorker::progressRecvs() {
     if (bound_[p] && Clock::now() > bound_[p]->deadline) {
       auto op = std::move(bound_[p]);
       discarding_[p] = 1;
-      op->done(str("recv from rank ", p, ": timed out in the middle of the message"), p);
+      op->done(str("recv from rank ", p, ": Timed out in the middle of the message"), p);
       progressed = true;
     }
   }
@@ -292,7 +292,7 @@ bool CollectiveWorker::progressRecvs() {
       std::string other;  // what did arrive from that source, under other tags
       for (const Stashed& m : stash_)
         if (op->peer < 0 || m.peer == op->peer) other += str(other.empty() ? "" : ", ", m.tag);
-      op->done(str("recv from ", from, " (tag ", op->tag, ", ", op->bytes, " bytes): timed out; nothing was sent",
+      op->done(str("recv from ", from, " (tag ", op->tag, ", ", op->bytes, " bytes): Timed out; nothing was sent",
                    other.empty() ? std::string() : str(" with this tag (unmatched sends with tags ", other, ")")),
                op->peer);
       progressed = true;

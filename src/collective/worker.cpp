@@ -26,7 +26,7 @@ std::string describeTimeout(const char* what, uint64_t seq, milliseconds timeout
                             const std::vector<int>& waiting_for) {
   std::string ranks;
   for (int r : waiting_for) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  return str(what, " #", seq, ": timed out after ", timeout.count(), " ms",
+  return str(what, " #", seq, ": Timed out after ", timeout.count(), " ms",
              ranks.empty() ? std::string() : str(" waiting for rank(s) ", ranks));
 }
 

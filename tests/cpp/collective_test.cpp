@@ -226,7 +226,7 @@ TEST(Collective, PulledDataIsWithdrawnWhenTheSenderFails) {
     if (rank == 1) {
       std::string err = run(*r.worker, alltoallOp(r.worker->context(), in.data(), off, len, out.data(), off, len),
                             milliseconds(300));
-      EXPECT_NE(err.find("timed out"), std::string::npos) << err;
+      EXPECT_NE(err.find("Timed out"), std::string::npos) << err;
       std::fill(in.begin(), in.end(), 0xEE);  // the caller's memory again
       storeBarrier(*store, "failed", 2, seconds(30));
     } else {
@@ -250,7 +250,7 @@ TEST(Collective, MissingPeerTimesOut) {
       auto t0 = steady_clock::now();
       std::string err = run(*r.worker, allreduceOp(r.worker->context(), x.data(), x.size(), DType::kFloat32, ReduceOp::kSum),
                             milliseconds(300));
-      EXPECT_NE(err.find("timed out"), std::string::npos) << err;
+      EXPECT_NE(err.find("Timed out"), std::string::npos) << err;
       EXPECT_NE(err.find("rank(s) 1"), std::string::npos) << err;
       EXPECT_LT(steady_clock::now() - t0, seconds(5));
     }
@@ -283,7 +283,7 @@ TEST(Collective, SendRecvAnySourceAndTags) {
       std::promise<std::string> p;
       r.worker->recv(1, &v, 4, 9, [&](const std::string& e, int) { p.set_value(e); }, milliseconds(500));
       std::string err = p.get_future().get();
-      EXPECT_NE(err.find("timed out"), std::string::npos) << err;
+      EXPECT_NE(err.find("Timed out"), std::string::npos) << err;
       EXPECT_NE(err.find("unmatched sends with tags 3"), std::string::npos) << err;
       // The send with tag 3 is still there for a recv that asks for it.
       std::promise<std::string> q;

@@ -451,7 +451,7 @@ TEST(ExchangeHeader, MismatchesReadLikeTheCpuPath) {
   s.peer = 1;
   s.seq = 17;
   s.mine = mine;
-  EXPECT_NE(describeStatus(s, 5000).find("timed out after 5000 ms waiting for rank 1"), std::string::npos);
+  EXPECT_NE(describeStatus(s, 5000).find("Timed out after 5000 ms waiting for rank 1"), std::string::npos);
 }
 
 TEST(ExchangeTuning, ReadsAndChecksTheEnvironment) {

@@ -38,16 +38,28 @@ def monitored_barrier_passes(rank, world):
 
 
 def monitored_barrier_names_the_missing(rank, world):
-    if rank == world - 1:
-        return  # never arrives
-    try:
-        dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
-        raise AssertionError("the barrier passed without the last rank")
-    except RuntimeError as e:
-        if rank == 0:
-            assert f"rank {world - 1} failed to pass" in str(e), e
-        else:
-            assert "other ranks failed" in str(e), e
+    if rank != world - 1:  # the last rank never arrives
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
+            raise AssertionError("the barrier passed without the last rank")
+        except RuntimeError as e:
+            # gloo's wording, which PyTorch's own tests match on
+            if rank == 0:
+                assert f"Rank {world - 1} failed to pass monitoredBarrier" in str(e), e
+            else:
+                assert f"Rank {rank} successfully reached monitoredBarrier, but received errors" in str(e), e
+                assert "other ranks failed" in str(e), e
+    dist.barrier()
+    # A zero timeout is a zero budget (rank 0 cannot wait for anyone), not "the default".
+    if rank == 0:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=0))
+            raise AssertionError("a monitored barrier with a zero timeout passed")
+        except RuntimeError as e:
+            assert "Rank 0 timed out in monitoredBarrier" in str(e), e
+    x = torch.ones(4)
+    dist.all_reduce(x)  # the group still works
+    assert torch.all(x == world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
