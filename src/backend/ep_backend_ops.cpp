@@ -71,6 +71,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& ten
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) return allreduceSparse(tensors, opts);
   checkSingle(tensors, "allreduce");
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce");
   const bool on_cuda = DevicePlacement("allreduce").add(tensors).cuda();

@@ -379,6 +379,41 @@ def subgroups(rank, world):
     dist.destroy_process_group(h)
 
 
+def sparse_all_reduce(rank, world):
+    """all_reduce of sparse COO tensors sums them, as gloo does (SUM only): repeated indices,
+    a rank with no entries, dense dimensions, integer values, async; checked against the dense
+    sum of every rank's known input."""
+    import pytest
+
+    def sparse_input(r, dtype, dense):
+        n = 0 if r == 1 else 3 + r
+        idx = torch.tensor([[(5 * r + 3 * i) % 7 for i in range(n)], [(r + i) % 4 for i in range(n)]])
+        shape = (n,) + ((3,) if dense else ())
+        val = (torch.arange(n * (3 if dense else 1)).reshape(shape) + 10 * r + 1).to(dtype)
+        return torch.sparse_coo_tensor(idx, val, (7, 4) + ((3,) if dense else ()), check_invariants=True)
+
+    for dtype, dense in ((torch.float32, False), (torch.float64, True), (torch.int64, False), (torch.float16, True)):
+        x = sparse_input(rank, dtype, dense)
+        want = sum(sparse_input(r, dtype, dense).to_dense() for r in range(world))
+        dist.all_reduce(x)
+        assert x.is_sparse
+        assert torch.equal(x.to_dense(), want), (dtype, dense, x.to_dense(), want)
+    x = sparse_input(rank, torch.float32, False)
+    w = dist.all_reduce(x, async_op=True)
+    w.wait()
+    assert torch.equal(x.to_dense(), sum(sparse_input(r, torch.float32, False).to_dense() for r in range(world)))
+    with pytest.raises(ValueError, match="only be summed"):
+        dist.all_reduce(sparse_input(rank, torch.float32, False), op=dist.ReduceOp.MAX)
+    # ranks that disagree on the shape all raise, naming the rank, and the group goes on
+    bad = torch.sparse_coo_tensor(torch.zeros(2, 1, dtype=torch.long), torch.ones(1), (7, 4 + (rank == 0)),
+                                  check_invariants=True)
+    with pytest.raises(ValueError, match="differs from this rank's"):
+        dist.all_reduce(bad)
+    z = torch.ones(3)
+    dist.all_reduce(z)
+    assert torch.equal(z, torch.full((3,), float(world)))
+
+
 CASES = [
     name for name, fn in list(globals().items())
     if callable(fn) and getattr(fn, "__module__", None) == __name__ and not name.startswith("_")

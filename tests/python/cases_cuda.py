@@ -514,6 +514,22 @@ def c10d_extras(rank, world):
         same(out, torch.arange(world, device=d, dtype=torch.float32).repeat_interleave(4), "gather_into_tensor")
 
 
+def sparse_all_reduce(rank, world):
+    """all_reduce of a CUDA sparse COO tensor (through host memory): the sum of every rank's
+    known input, on the caller's stream."""
+    d = dev(rank)
+
+    def make(r):
+        n = 2 + r
+        idx = torch.tensor([[(3 * r + i) % 5 for i in range(n)], [i % 2 for i in range(n)]])
+        return torch.sparse_coo_tensor(idx, torch.arange(n, dtype=torch.float32) + r + 1, (5, 2), check_invariants=True)
+
+    x = make(rank).to(d)
+    dist.all_reduce(x)
+    assert x.is_sparse and x.is_cuda
+    same(x.to_dense(), sum(make(r).to_dense() for r in range(world)).to(d), "sparse all_reduce")
+
+
 def functional_and_dtensor(rank, world):
     """Functional collectives (one under torch.compile) and a DTensor, on CUDA tensors."""
     cases_funcol.functional_and_dtensor(rank, world, device="cuda")
@@ -527,5 +543,5 @@ def fsdp2_matches_local(rank, world):
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
          "round_size_disagreement", "graph_capture", "point_to_point", "against_nccl", "bad_input",
-         "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "functional_and_dtensor",
-         "fsdp2_matches_local"]
+         "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "sparse_all_reduce",
+         "functional_and_dtensor", "fsdp2_matches_local"]

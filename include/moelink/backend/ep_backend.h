@@ -72,6 +72,12 @@ class EpBackend : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  // Sparse COO tensors (SUM only, as gloo): what c10d calls for CUDA sparse tensors; CPU sparse
+  // tensors reach allreduce() above, which hands them here too.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override {
+    return allreduceSparse(tensors, opts);
+  }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
@@ -161,6 +167,8 @@ class EpBackend : public c10d::Backend {
   // The CUDA unit, created by the first op on CUDA tensors.
   CudaCollectives& cuda();
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
+  // ep_backend_sparse.cpp
+  c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
   // What the CUDA unit needs of a call's c10d options.
   template <typename Options>
   CudaCall callOf(const Options& opts) const {
