@@ -14,9 +14,7 @@ namespace moelink::backend {
 
 namespace {
 
-// Per rank: [nnz, sparse_dim, dense_dim, dtype, sizes...].
-constexpr int64_t kHeader = 4;
-
+// What every rank tells the others: [nnz, sparse_dim, dense_dim, dtype, sizes...].
 at::Tensor describe(const at::Tensor& c) {
   std::vector<int64_t> m{c._nnz(), c.sparse_dim(), c.dense_dim(), static_cast<int64_t>(c.scalar_type())};
   for (int64_t s : c.sizes()) m.push_back(s);

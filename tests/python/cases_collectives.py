@@ -402,6 +402,9 @@ def sparse_all_reduce(rank, world):
     w = dist.all_reduce(x, async_op=True)
     w.wait()
     assert torch.equal(x.to_dense(), sum(sparse_input(r, torch.float32, False).to_dense() for r in range(world)))
+    empty = torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.long), torch.zeros(0), (7, 4), check_invariants=True)
+    dist.all_reduce(empty)  # no rank has an entry
+    assert empty.is_sparse and empty._nnz() == 0 and empty.shape == (7, 4)
     with pytest.raises(ValueError, match="only be summed"):
         dist.all_reduce(sparse_input(rank, torch.float32, False), op=dist.ReduceOp.MAX)
     # ranks that disagree on the shape all raise, naming the rank, and the group goes on
