@@ -43,7 +43,6 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduceSparse(std::vector<at::Tensor
                     target.device(), "; only CPU and CUDA are supported");
   const bool on_cuda = target.is_cuda();
   const auto timeout = timeoutOf(opts.timeout);
-  const auto bytes_of = [](const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); };
   const auto data = [](const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); };
 
   at::Tensor mine = target.detach().to(at::kCPU).coalesce();
@@ -58,7 +57,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduceSparse(std::vector<at::Tensor
   mw->keep(meta);
   mw->keep(metas);
   enqueue(mw, [=](const collective::AlgoContext& c) {
-    return collective::allgatherOp(c, data(meta), data(metas), bytes_of(meta));
+    return collective::allgatherOp(c, data(meta), data(metas), nbytes(meta));
   }, timeout)->wait();
   const int64_t width = meta.numel();
   std::vector<int64_t> counts(size_);
@@ -107,7 +106,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduceSparse(std::vector<at::Tensor
     if (!on_cuda) target.copy_(*sum);
   });
   auto work = enqueue(w, [=](const collective::AlgoContext& c) {
-    return collective::allgatherOp(c, data(send), data(recv), bytes_of(send));
+    return collective::allgatherOp(c, data(send), data(recv), nbytes(send));
   }, timeout);
   if (!on_cuda) return work;
   work->wait();  // the sum is on the host; bring it to the caller's device, on its current stream
