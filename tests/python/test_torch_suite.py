@@ -33,11 +33,10 @@ def test_pytorch_distributed_suite(tmp_path):
     env = dict(os.environ, WORLD_SIZE="2", TEMP_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join(p for p in (os.path.join(HERE, "..", "..", "integration"), HERE,
                                                        os.environ.get("PYTHONPATH")) if p))
-    names = CASES
     runner = os.path.join(HERE, "torch_suite_runner.py")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
-    cmd += [f"{runner}::TestEpWithSpawn::{n}" for n in names]
+    cmd += [f"{runner}::TestEpWithSpawn::{n}" for n in CASES]
     out = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=1200)
     tail = (out.stdout + out.stderr)[-6000:]
     assert out.returncode == 0, tail
-    assert f"{len(names)} passed" in out.stdout, tail
+    assert f"{len(CASES)} passed" in out.stdout, tail

@@ -15,9 +15,6 @@ os.environ["BACKEND"] = "gloo"  # read by the suite at import: gloo's selection 
 os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="moelink-torch-suite-"))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402,F401
-
 import moelink  # noqa: E402,F401  (registers backend "ep")
 import torch.testing._internal.distributed.distributed_test as suite  # noqa: E402
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
