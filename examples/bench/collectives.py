@@ -21,10 +21,15 @@ With --graph (CUDA tensors), another table: the time per op of 20 back-to-back o
 one CUDA graph and replayed (from a synchronized start to torch.cuda.synchronize(), median of
 `iters` replays, slowest rank), the latency a caller that replays graphs sees (a serving
 engine's decode step): no host work per op, so the GPU's own time is what is left.
+
+With --cpu, a table of the CPU time per op: user + system time of every thread of every rank
+(getrusage around the op, summed over ranks; median of `iters`). When the ranks share fewer cores
+than there are ranks, a CPU op's time is bounded by this sum over the cores.
 """
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -67,33 +72,45 @@ def buffers(nbytes, groups, world, device):
     return [(torch.ones(n, device=device), torch.empty(n, device=device)) for _ in groups]
 
 
+def cpu_seconds():
+    """User + system CPU time of this process, all of its threads (the backends' included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def time_once(op, nbytes, group, world, bufs, cuda, sync_group):
-    """One synchronized run: the slowest rank's time."""
+    """One synchronized run: the slowest rank's time, and the CPU time of all ranks together."""
     if cuda:
         torch.cuda.synchronize()
     dist.barrier(group=sync_group)
+    c0 = cpu_seconds()
     t0 = time.perf_counter()
     run_op(op, nbytes, group, world, bufs)
     if cuda:
         torch.cuda.synchronize()
     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    cpu = torch.tensor([cpu_seconds() - c0], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync_group)
-    return dt.item()
+    dist.all_reduce(cpu, group=sync_group)
+    return dt.item(), cpu.item()
 
 
 def time_pair(op, nbytes, groups, world, iters, warmup, device, sync_group):
-    """Median time of `op` on each group in `groups`, the groups taking turns run by run (so
-    that a slow spell of the machine falls on both alike)."""
+    """Median time and median CPU time of `op` on each group in `groups`, the groups taking
+    turns run by run (so that a slow spell of the machine falls on both alike)."""
     cuda = device != "cpu"
     bufs = buffers(nbytes, groups, world, device)
     for g, b in zip(groups, bufs):
         for _ in range(warmup):
             run_op(op, nbytes, g, world, b)
     times = [[] for _ in groups]
+    cpus = [[] for _ in groups]
     for _ in range(iters):
         for k, (g, b) in enumerate(zip(groups, bufs)):
-            times[k].append(time_once(op, nbytes, g, world, b, cuda, sync_group))
-    return [statistics.median(t) for t in times]
+            t, c = time_once(op, nbytes, g, world, b, cuda, sync_group)
+            times[k].append(t)
+            cpus[k].append(c)
+    return [statistics.median(t) for t in times], [statistics.median(c) for c in cpus]
 
 
 def issue_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
@@ -163,12 +180,12 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
             iters_here = iters if not big else max(5, iters // 2)
             warm = 3 if not big else 1
             groups = [ep, anchor] if with_gloo else [ep]
-            t = time_pair(op, nbytes, groups, world, iters_here, warm, device, ep)
+            t, c = time_pair(op, nbytes, groups, world, iters_here, warm, device, ep)
             nan2 = [float("nan")] * 2
             i = issue_time(op, nbytes, groups, world, iters_here, device, ep) if issue else nan2
             gr = graph_time(op, nbytes, groups, world, iters_here, device, ep) if graph else nan2
             rows.append((op, nbytes, t[0], t[1] if with_gloo else float("nan"), i[0], i[1] if with_gloo else float("nan"),
-                         gr[0], gr[1] if with_gloo else float("nan")))
+                         gr[0], gr[1] if with_gloo else float("nan"), c[0], c[1] if with_gloo else float("nan")))
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -195,6 +212,8 @@ def main():
     ap.add_argument("--no-gloo", "--no-anchor", action="store_true", help="time backend ep only")
     ap.add_argument("--issue", action="store_true", help="CUDA: also the host time to issue one op")
     ap.add_argument("--graph", action="store_true", help="CUDA: also the time per op replayed in a CUDA graph")
+    ap.add_argument("--cpu", action="store_true",
+                    help="also the CPU time per op (all ranks' threads summed): what a ratio costs in cores")
     ap.add_argument("--out", default="collectives.png")
     args = ap.parse_args()
     sizes = []
@@ -223,15 +242,20 @@ def main():
     for op, nb, te, tg, *_ in rows:
         bw = lambda t: BUS[op](n) * nb / t / 1e9
         print(f"{op:<15}{fmt_bytes(nb):>10}{te * 1e6:12.1f}{tg * 1e6:12.1f}{bw(te):10.2f}{bw(tg):11.2f}{te / tg:9.2f}")
+    if args.cpu:
+        print(f"# CPU time per op (us): user + system of every thread of every rank, summed over ranks, median of {args.iters}")
+        print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep/' + anchor:>9}")
+        for op, nb, *_, ce, cg in rows:
+            print(f"{op:<15}{fmt_bytes(nb):>10}{ce * 1e6:12.1f}{cg * 1e6:12.1f}{ce / cg:9.2f}")
     if args.issue:
         print(f"# host time to issue one op (us): batches of 20 calls, median of {args.iters}, slowest rank")
         print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep/' + anchor:>9}")
-        for op, nb, _, _, ie, ig, _, _ in rows:
+        for op, nb, _, _, ie, ig, *_ in rows:
             print(f"{op:<15}{fmt_bytes(nb):>10}{ie * 1e6:12.1f}{ig * 1e6:12.1f}{ie / ig:9.2f}")
     if args.graph:
         print(f"# time per op replayed in a CUDA graph (us): graphs of 20 ops, median of {args.iters}, slowest rank")
         print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep/' + anchor:>9}")
-        for op, nb, _, _, _, _, ge, gg in rows:
+        for op, nb, _, _, _, _, ge, gg, *_ in rows:
             print(f"{op:<15}{fmt_bytes(nb):>10}{ge * 1e6:12.1f}{gg * 1e6:12.1f}{ge / gg:9.2f}")
     def draw(plt):
         fig, axes = plt.subplots(1, len(ops), figsize=(4 * len(ops), 3.6), sharey=True, squeeze=False)
