@@ -91,8 +91,6 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
            "How CUDA tensors travel in this group: 'nvlink' (in-host kernels), 'host' (staged through host "
            "memory), or '' before the group's first CUDA op.")
       .def_property_readonly("timeout", &EpBackend::timeout)
-      .def_property_readonly("rank", &EpBackend::getRank)
-      .def_property_readonly("size", &EpBackend::getSize)
       .def_property_readonly("store", &EpBackend::store);
 
   m.def(

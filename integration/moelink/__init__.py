@@ -186,9 +186,9 @@ def recover_ranks(ranks, group=None) -> None:
     active ranks issue. Raises ValueError if one is not waiting (see get_peer_state)."""
     backend = get_backend(group)
     ranks = [int(r) for r in ranks]
-    bad = [r for r in ranks if not 0 <= r < backend.size]
+    bad = [r for r in ranks if not 0 <= r < backend.size()]
     if bad:
-        raise ValueError(f"moelink recover_ranks: rank(s) {bad} are outside the group of size {backend.size}")
+        raise ValueError(f"moelink recover_ranks: rank(s) {bad} are outside the group of size {backend.size()}")
     active = get_active_ranks(group).tolist()
     inactive = [r for r in ranks if not active[r]]  # active ones need nothing
     if not inactive:
@@ -213,8 +213,8 @@ def extend_group_size_to(new_size: int, group=None, timeout: float | None = None
     or failed ones), waiting up to ``timeout`` seconds (default: the group's timeout) until
     each has a process waiting. ``new_size`` cannot exceed the size the group was created with."""
     backend = get_backend(group)
-    if not 1 <= int(new_size) <= backend.size:
-        raise ValueError(f"moelink extend_group_size_to: {new_size} is outside 1..{backend.size} (a group's size is "
+    if not 1 <= int(new_size) <= backend.size():
+        raise ValueError(f"moelink extend_group_size_to: {new_size} is outside 1..{backend.size()} (a group's size is "
                          "fixed when it is created: create it with the largest world_size and "
                          "EpOptions(initial_world_size=...))")
     active = get_active_ranks(group).tolist()

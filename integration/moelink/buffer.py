@@ -106,7 +106,7 @@ class Buffer:
 
         backend = get_backend(group)
         self.group = group
-        self.rank, self.num_ranks = backend.rank, backend.size
+        self.rank, self.num_ranks = backend.rank(), backend.size()
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.hidden = hidden
         self.num_experts = num_experts
