@@ -133,6 +133,16 @@ class EpBackend : public c10d::Backend {
 
   void shutdown() override;
 
+#if MOELINK_C10D_SHRINK
+  // torch.distributed.shrink_group (ep_backend_shrink.cpp): the ranks that stay build a new
+  // backend over themselves, renumbered in order, through this group's store (which must
+  // still answer, as for new_group). Either shrink flag: ops still in flight here are failed
+  // by the destruction of this group that shrink_group does next; they do not hold it up.
+  bool supportsShrinking() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
+                                           const c10::intrusive_ptr<c10d::Backend::Options>& opts_override) override;
+#endif
+
   // The "ip:port" this rank's tcp transport listens on.
   std::string tcpAddress() const;
   // How this rank reaches `peer` for collectives ("shm", "tcp", "local").
@@ -181,6 +191,7 @@ class EpBackend : public c10d::Backend {
 
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> seq_collective_{0};
+  std::atomic<uint64_t> shrinks_{0};  // groups shrunk from this one (names their stores)
   Options options_;
   c10::intrusive_ptr<c10d::Store> c10d_store_;
   std::shared_ptr<transfer::MetadataStore> store_;
