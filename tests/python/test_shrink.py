@@ -115,3 +115,37 @@ def bad_shrinks(rank, world):
 
 def test_bad_shrink_raises_and_keeps_the_group():
     run_group(3, bad_shrinks, timeout=240)
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+SHARED = GPUS == 1 and os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"  # 3 ranks on one GPU
+
+
+def shrink_cuda(rank, world):
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    sub = dist.new_group(list(range(world)), device_id=dev)  # bound: its shrunk group serves CUDA tensors
+    x = torch.ones(1024, device=dev)
+    dist.all_reduce(x, group=sub)
+    assert torch.all(x == world)
+    if rank == 1:
+        return "excluded"
+    stay = [0, 2]
+    shrunk = dist.shrink_group([1], group=sub)
+    n, me = len(stay), stay.index(rank)
+    assert dist.get_rank(shrunk) == me and dist.get_world_size(shrunk) == n
+    for numel in (1024, 3 << 20):  # one round and several
+        y = torch.arange(numel, device=dev, dtype=torch.float32) + rank
+        dist.all_reduce(y, group=shrunk)
+        assert torch.equal(y, sum(torch.arange(numel, device=dev, dtype=torch.float32) + r for r in stay))
+        got = torch.empty(n * numel, device=dev)
+        dist.all_gather_into_tensor(got, torch.full((numel,), float(rank), device=dev), group=shrunk)
+        assert torch.equal(got.view(n, numel)[:, 0].cpu(), torch.tensor(stay, dtype=torch.float32))
+    torch.cuda.synchronize()
+    return me
+
+
+@pytest.mark.skipif(GPUS < 3 and not SHARED, reason="needs 3 GPUs (or MOELINK_TEST_SHARE_GPU=1 with one)")
+def test_shrink_a_bound_cuda_group():
+    out = run_group(3, shrink_cuda, timeout=300)
+    assert out == [0, "excluded", 1]
