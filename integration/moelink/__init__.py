@@ -142,10 +142,16 @@ _register()
 def get_backend(group=None) -> "_C.EpBackend":
     """The ``EpBackend`` object behind ``group`` (default: the WORLD group)."""
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    backend = pg._get_backend(torch.device("cpu"))
-    if not isinstance(backend, _C.EpBackend):
-        raise ValueError(f"group {pg} does not use backend 'ep' for CPU tensors")
-    return backend
+    # A group serves both devices through one backend object; a group that shrink_group made
+    # is registered for one device only (CPU, or its bound device).
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except RuntimeError:
+            continue
+        if isinstance(backend, _C.EpBackend):
+            return backend
+    raise ValueError(f"group {pg} does not use backend 'ep'")
 
 
 _cuda_masks = {}

@@ -25,6 +25,7 @@ def check_shrunk(group, old_rank, stay):
     assert dist.get_backend(group) == "ep"
     backend = moelink.get_backend(group)  # c10d's Backend API, which shrink_group itself calls
     assert (backend.rank(), backend.size()) == (new_rank, n)
+    assert moelink.get_active_ranks(group).tolist() == [1] * n
     x = torch.arange(6, dtype=torch.float64) + old_rank
     dist.all_reduce(x, group=group)
     assert torch.equal(x, sum(torch.arange(6, dtype=torch.float64) + r for r in stay))
@@ -142,6 +143,7 @@ def shrink_cuda(rank, world):
         dist.all_gather_into_tensor(got, torch.full((numel,), float(rank), device=dev), group=shrunk)
         assert torch.equal(got.view(n, numel)[:, 0].cpu(), torch.tensor(stay, dtype=torch.float32))
     torch.cuda.synchronize()
+    assert moelink.get_active_ranks(shrunk).tolist() == [1] * n, "moelink's API reaches the shrunk group's backend"
     return me
 
 
