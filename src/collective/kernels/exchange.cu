@@ -333,11 +333,11 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
       if (blockFailed(c)) return false;
     }
     copyBytes(dataSlot(a.staging[p], L, n, half, me) + lo, a.in + a.send_off[p] + r * R + lo, hi - lo);
+    // The barrier orders every thread's writes before thread 0's release, which is cumulative:
+    // the peer that acquires the flag sees the whole piece. (A fence.sc.sys before it would
+    // wait for the NVLink writes to be acknowledged, a round trip per flag, for nothing.)
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      device::stReleaseSys64(flagSlot(a.staging[p], L, half, me, b), tag);
-    }
+    if (threadIdx.x == 0) device::stReleaseSys64(flagSlot(a.staging[p], L, half, me, b), tag);
   }
   return true;
 }
@@ -449,8 +449,7 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
     const uint64_t* src = reinterpret_cast<const uint64_t*>(&a.header[p]);
     uint64_t* dst = reinterpret_cast<uint64_t*>(h);
     for (int i = 0; i < 7; ++i) dst[i] = src[i];
-    __threadfence_system();
-    device::stReleaseSys64(&h->seq, c.seq);
+    device::stReleaseSys64(&h->seq, c.seq);  // the header's words before its seq (release)
   }
   if (early && !pushRound(c, 0, blockIdx.x)) bad = 1;  // (roles == 1: block b is piece b)
   if (threadIdx.x < n && threadIdx.x != me) {
@@ -474,16 +473,21 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
   // (2) Rounds.
   if (!bad) runRounds<Reduce>(c, early);
 
-  // The last block to finish numbers the next op.
+  // The last block to finish numbers the next op (a launch of one block needs no count: the
+  // kernel's end publishes its writes to the next launch).
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&counter->done, 1u) == gridDim.x - 1) {
-      counter->done = 0;
+    bool last = gridDim.x == 1;
+    if (!last) {
+      __threadfence();
+      last = atomicAdd(&counter->done, 1u) == gridDim.x - 1;
+      if (last) counter->done = 0;
+    }
+    if (last) {
       const bool ok = *reinterpret_cast<volatile unsigned*>(&counter->failed) < static_cast<unsigned>(c.seq);
       counter->single_ok = ok && single ? c.seq : 0;
       counter->seq = c.seq;
-      __threadfence();
+      if (gridDim.x > 1) __threadfence();
     }
   }
 }
