@@ -14,8 +14,10 @@ alltoall (n-1)/n, broadcast 1, times the message bytes over the time.
 
 With --issue (CUDA tensors), a second table: the host time a rank spends issuing one op (the
 call's return, no synchronization; batches of 20 back-to-back calls, median of `iters` batches,
-slowest rank), the part of a small op's latency that is the caller's thread. `--gpus 1` measures
-it without peers.
+slowest rank), the part of a small op's latency that is the caller's thread; and the same for an
+all_reduce of the smallest size through each layer: torch.distributed's call, the backend's own
+allreduce method called directly (what is left without PyTorch's Python and dispatch), and
+`x.add_(0)` (one plain kernel launch through PyTorch). `--gpus 1` measures it without peers.
 
 With --graph (CUDA tensors), another table: the time per op of 20 back-to-back ops captured in
 one CUDA graph and replayed (from a synchronized start to torch.cuda.synchronize(), median of
@@ -132,6 +134,42 @@ def issue_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
     return [statistics.median(t) for t in times]
 
 
+def layer_times(nbytes, groups, world, iters, device, sync_group, batch=20):
+    """Host time per call of an all_reduce of `nbytes` issued through each layer, per group in
+    `groups` (taking turns): rows of (layer, [us per group])."""
+    x = torch.ones(max(1, nbytes // 4), device=device)
+
+    def through_backend(g):
+        backend = g._get_backend(torch.device(device))
+        opts = dist.AllreduceOptions()
+        if hasattr(opts, "asyncOp"):
+            opts.asyncOp = False  # as dist.all_reduce(async_op=False) passes it
+        return lambda: backend.allreduce([x], opts)
+
+    layers = [
+        ("dist.all_reduce", lambda g: (lambda: dist.all_reduce(x, group=g))),
+        ("backend.allreduce", through_backend),
+        ("x.add_(0), one kernel", lambda g: (lambda: x.add_(0))),
+    ]
+    out = []
+    for name, make in layers:
+        fns = [make(g) for g in groups]
+        times = [[] for _ in groups]
+        for _ in range(iters):
+            for k, f in enumerate(fns):
+                torch.cuda.synchronize()
+                dist.barrier(group=sync_group)
+                t0 = time.perf_counter()
+                for _ in range(batch):
+                    f()
+                dt = torch.tensor([(time.perf_counter() - t0) / batch], dtype=torch.float64)
+                torch.cuda.synchronize()
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync_group)
+                times[k].append(dt.item())
+        out.append((name, [statistics.median(t) for t in times]))
+    return out
+
+
 def graph_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
     """Median time per op over replays of a CUDA graph of `batch` back-to-back ops, per group
     in `groups` (taking turns), slowest rank."""
@@ -186,8 +224,12 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
             gr = graph_time(op, nbytes, groups, world, iters_here, device, ep) if graph else nan2
             rows.append((op, nbytes, t[0], t[1] if with_gloo else float("nan"), i[0], i[1] if with_gloo else float("nan"),
                          gr[0], gr[1] if with_gloo else float("nan"), c[0], c[1] if with_gloo else float("nan")))
+    layers = []
+    if issue and sizes:
+        groups = [ep, anchor] if with_gloo else [ep]
+        layers = layer_times(sizes[0], groups, world, iters, device, ep)
     if rank == 0:
-        q.put(rows)
+        q.put((rows, layers))
     dist.destroy_process_group()
 
 
@@ -231,7 +273,7 @@ def main():
         anchor = "nccl"
     if (args.issue or args.graph) and args.device != "cuda":
         ap.error("--issue and --graph need --device cuda")
-    rows = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device, args.issue,
+    rows, layers = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device, args.issue,
                                  args.graph), timeout=3600)
     path = os.environ.get("MOELINK_RANKS_PER_HOST")
     print(f"# {n} ranks, {args.device} tensors, ep transport={args.transport}"
@@ -252,6 +294,11 @@ def main():
         print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep/' + anchor:>9}")
         for op, nb, _, _, ie, ig, *_ in rows:
             print(f"{op:<15}{fmt_bytes(nb):>10}{ie * 1e6:12.1f}{ig * 1e6:12.1f}{ie / ig:9.2f}")
+        print(f"# the same, all_reduce of {fmt_bytes(sizes[0])} issued through each layer (us): PyTorch's "
+              "call, the backend's own method called directly, and a plain kernel launch for scale")
+        print(f"{'layer':<25}{'ep us':>12}{anchor + ' us':>12}")
+        for name, ts in layers:
+            print(f"{name:<25}" + "".join(f"{t * 1e6:12.1f}" for t in ts) + ("" if len(ts) > 1 else f"{'':>12}"))
     if args.graph:
         print(f"# time per op replayed in a CUDA graph (us): graphs of 20 ops, median of {args.iters}, slowest rank")
         print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep/' + anchor:>9}")
