@@ -115,18 +115,17 @@ def time_pair(op, nbytes, groups, world, iters, warmup, device, sync_group):
     return [statistics.median(t) for t in times], [statistics.median(c) for c in cpus]
 
 
-def issue_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
-    """Median host time per call over batches of `batch` back-to-back calls, per group in
-    `groups` (taking turns), slowest rank."""
-    bufs = buffers(nbytes, groups, world, device)
-    times = [[] for _ in groups]
+def batch_issue_time(fns, iters, sync_group, batch=20):
+    """Median host time per call over batches of `batch` back-to-back calls of each of `fns`
+    (taking turns), slowest rank."""
+    times = [[] for _ in fns]
     for _ in range(iters):
-        for k, (g, b) in enumerate(zip(groups, bufs)):
+        for k, f in enumerate(fns):
             torch.cuda.synchronize()
             dist.barrier(group=sync_group)
             t0 = time.perf_counter()
             for _ in range(batch):
-                run_op(op, nbytes, g, world, b)
+                f()
             dt = torch.tensor([(time.perf_counter() - t0) / batch], dtype=torch.float64)
             torch.cuda.synchronize()
             dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync_group)
@@ -134,9 +133,16 @@ def issue_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
     return [statistics.median(t) for t in times]
 
 
-def layer_times(nbytes, groups, world, iters, device, sync_group, batch=20):
-    """Host time per call of an all_reduce of `nbytes` issued through each layer, per group in
-    `groups` (taking turns): rows of (layer, [us per group])."""
+def issue_time(op, nbytes, groups, world, iters, device, sync_group):
+    """batch_issue_time of `op` on each group in `groups`."""
+    bufs = buffers(nbytes, groups, world, device)
+    fns = [lambda g=g, b=b: run_op(op, nbytes, g, world, b) for g, b in zip(groups, bufs)]
+    return batch_issue_time(fns, iters, sync_group)
+
+
+def layer_times(nbytes, groups, iters, device, sync_group):
+    """batch_issue_time of an all_reduce of `nbytes` issued through each layer, on each group in
+    `groups`: rows of (layer, [seconds per group])."""
     x = torch.ones(max(1, nbytes // 4), device=device)
 
     def through_backend(g):
@@ -151,23 +157,7 @@ def layer_times(nbytes, groups, world, iters, device, sync_group, batch=20):
         ("backend.allreduce", through_backend),
         ("x.add_(0), one kernel", lambda g: (lambda: x.add_(0))),
     ]
-    out = []
-    for name, make in layers:
-        fns = [make(g) for g in groups]
-        times = [[] for _ in groups]
-        for _ in range(iters):
-            for k, f in enumerate(fns):
-                torch.cuda.synchronize()
-                dist.barrier(group=sync_group)
-                t0 = time.perf_counter()
-                for _ in range(batch):
-                    f()
-                dt = torch.tensor([(time.perf_counter() - t0) / batch], dtype=torch.float64)
-                torch.cuda.synchronize()
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=sync_group)
-                times[k].append(dt.item())
-        out.append((name, [statistics.median(t) for t in times]))
-    return out
+    return [(name, batch_issue_time([make(g) for g in groups], iters, sync_group)) for name, make in layers]
 
 
 def graph_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
@@ -227,7 +217,7 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
     layers = []
     if issue and sizes:
         groups = [ep, anchor] if with_gloo else [ep]
-        layers = layer_times(sizes[0], groups, world, iters, device, ep)
+        layers = layer_times(sizes[0], groups, iters, device, ep)
     if rank == 0:
         q.put((rows, layers))
     dist.destroy_process_group()
