@@ -2,7 +2,7 @@
 # GPU-machine batch: builds into build-dev, then runs the named stages, writing logs and plots
 # to $OUT (default ./gpu-out). Stages: gtest gtestall test proxy ibgda quick bench4 bench2
 # benchnotma benchp benchi ctest cudatest cudabench cudasmall cudabenchhost elastic elasticgpu normal benchnormal.
-# cudasmall: 8-256 KiB, latency, host issue time and time per op replayed in a CUDA graph beside NCCL, `GPUS` ranks
+# cudabench: 8 KiB-1 GiB beside NCCL; cudasmall: 8-256 KiB, latency, host issue time and time per op replayed in a CUDA graph beside NCCL; both on `GPUS` ranks
 # (default 2; GPUS=1: without peers).
 # MOELINK_TEST_SHARE_GPU=1 runs the 2-GPU tests (elasticgpu, normal) on one GPU. Env: ITERS, TRACE=1 (phase breakdown), BT/TT/PT (timeouts, s),
 # NK (a pytest -k filter for the normal stage).
@@ -33,7 +33,7 @@ for s in "$@"; do
     gtestall) st gtestall; timeout 150 ./build-dev/tests/cpp/moelink_cpp_tests > $OUT/gtest.log 2>&1; tail -4 $OUT/gtest.log; grep -E "FAILED|SKIPPED" $OUT/gtest.log | head ;;
     quick) st quickstart; timeout 120 torchrun --nproc-per-node 4 examples/quickstart.py 2>&1 | grep -v "^W1\|OMP_NUM\|\*\*\*\*" | tail -12 ;;
     cudatest) st cudatest; (cd tests/python && timeout ${CT:-300} python3 -m pytest -q -rf test_cuda_collectives.py > $OUT/cudatest.log 2>&1; grep -E "^FAILED|passed|failed" $OUT/cudatest.log | head -40) ;;
-    cudabench) st cudabench; timeout ${BT:-300} python3 examples/bench/collectives.py --device cuda --gpus 2 --iters ${ITERS:-20} --min-bytes 8192 --max-bytes $((1 << 30)) --out $OUT/cuda2.png 2>&1 | tail -60 ;;
+    cudabench) st cudabench; timeout ${BT:-300} python3 examples/bench/collectives.py --device cuda --gpus ${GPUS:-2} --iters ${ITERS:-20} --min-bytes 8192 --max-bytes $((1 << 30)) --out $OUT/cuda2.png 2>&1 | tail -60 ;;
     cudasmall) st cudasmall; timeout ${BT:-300} python3 examples/bench/collectives.py --device cuda --gpus ${GPUS:-2} --issue --graph --iters ${ITERS:-20} --min-bytes 8192 --max-bytes 262144 --out $OUT/cudasmall.png 2>&1 | grep -v -i warn | tail -82 ;;
     cudabenchhost) st cudabenchhost; MOELINK_RANKS_PER_HOST=1 timeout ${BT:-300} python3 examples/bench/collectives.py --device cuda --gpus 2 --iters ${ITERS:-10} --min-bytes 8192 --max-bytes $((256 << 20)) --ops all_reduce,all_gather --out $OUT/cuda2host.png 2>&1 | tail -30 ;;
     elastic) st elastic; (cd tests/python && timeout ${ET:-400} python3 -m pytest -q -rs -rf test_elastic.py > $OUT/elastic.log 2>&1; grep -E "^FAILED|^SKIPPED|passed|failed|Error:" $OUT/elastic.log | grep -v "^frame" | head -30) ;;
