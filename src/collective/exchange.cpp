@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "moelink/common/env.h"
+#include "moelink/collective/message_check.h"
 #include "moelink/common/error.h"
 
 namespace moelink::collective {
@@ -271,22 +272,9 @@ ExchangeHeader exchangeHeader(const Exchange& x, int peer, const ExchangeTuning&
 }
 
 std::string describeMismatch(const ExchangeHeader& mine, const ExchangeHeader& theirs, int peer) {
-  auto kindName = [](uint8_t k) { return opKindName(static_cast<OpKind>(k)); };
-  std::string who = str(kindName(mine.kind), " #", mine.seq, ": rank ", peer);
-  if (theirs.seq > mine.seq)
-    return str(who, " is already at op #", theirs.seq, " (", kindName(theirs.kind),
-               "); the ranks called different sequences of collectives");
-  if (theirs.kind != mine.kind)
-    return str(who, " called ", kindName(theirs.kind), ", this rank called ", kindName(mine.kind));
-  if (theirs.root != mine.root) return str(who, " used root ", theirs.root, ", this rank root ", mine.root);
-  if (theirs.dtype != mine.dtype)
-    return str(who, " sent dtype ", dtypeName(static_cast<DType>(theirs.dtype)), ", this rank expects ",
-               dtypeName(static_cast<DType>(mine.dtype)));
-  if (theirs.redop != mine.redop)
-    return str(who, " reduces with ", reduceOpName(static_cast<ReduceOp>(theirs.redop)), ", this rank with ",
-               reduceOpName(static_cast<ReduceOp>(mine.redop)));
-  if (theirs.op_bytes && mine.op_bytes && theirs.op_bytes != mine.op_bytes)
-    return str(who, " sent ", theirs.op_bytes, " bytes, this rank expects ", mine.op_bytes);
+  auto fields = [](const ExchangeHeader& h) { return OpFields{h.kind, h.seq, h.root, h.dtype, h.redop, h.op_bytes}; };
+  if (std::string why = describeOpMismatch(fields(mine), fields(theirs), peer); !why.empty()) return why;
+  const std::string who = str(opKindName(static_cast<OpKind>(mine.kind)), " #", mine.seq, ": rank ", peer);
   if (theirs.send_bytes != mine.recv_bytes)
     return str(who, " sent ", theirs.send_bytes, " bytes to this rank, this rank expects ", mine.recv_bytes);
   if (theirs.recv_bytes != mine.send_bytes)

@@ -34,6 +34,9 @@ Mailbox::Mailbox(transfer::TransferEngine& engine, transfer::SegmentId id, uint6
   out_signals_.assign(n * ring_, 0);
   out_acks_.assign(n, 0);
   head_payload_.assign(n, nullptr);
+  head_.resize(n);
+  head_valid_.assign(n, 0);
+  credit_fault_.assign(n, 0);
   transports_.assign(n, "");
   tcp_.assign(n, 0);
   pulls_.resize(n);
@@ -90,6 +93,8 @@ void Mailbox::resetPeer(int peer) {
   for (uint64_t s = 0; s < ring_; ++s) out_signals_[peer * ring_ + s] = 0;
   out_acks_[peer] = 0;
   head_payload_[peer] = nullptr;
+  head_valid_[peer] = 0;
+  credit_fault_[peer] = 0;
   transports_[peer] = engine_.openSegment(peer, id_);
   tcp_[peer] = transports_[peer] == "tcp";
   publishPullOk(peer);
@@ -102,10 +107,22 @@ uint64_t Mailbox::unacked(int peer) const {
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   uint64_t acked = __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + ackOffset(peer)),
                                    __ATOMIC_ACQUIRE);
+  if (acked > sent_[peer]) {  // the word is the peer's to write: never trust it past what was sent
+    credit_fault_[peer] = 1;
+    return ring_;
+  }
   return sent_[peer] - acked;
 }
 
 bool Mailbox::canSend(int peer) const { return unacked(peer) < depth_; }
+
+std::string Mailbox::creditFault(int peer) const {
+  if (!credit_fault_[peer]) return "";
+  return str("rank ", peer, " acknowledged ",
+             __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + ackOffset(peer)), __ATOMIC_ACQUIRE),
+             " messages of this rank, which sent it ", sent_[peer], " (a corrupt or forged credit: nothing more is sent "
+             "to it on this mailbox)");
+}
 
 bool Mailbox::canSendControl(int peer) const { return unacked(peer) < ring_; }
 
@@ -196,30 +213,46 @@ void Mailbox::revokePulls(int peer) {
   }
 }
 
-const MsgHeader* Mailbox::peek(int peer) const {
+const MsgHeader* Mailbox::peek(int peer) {
+  if (head_valid_[peer]) return &head_[peer];
   uint64_t want = consumed_[peer] + 1;
   uint64_t slot = want % ring_;
   uint64_t sig = __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + signalOffset(peer, slot)),
                                  __ATOMIC_ACQUIRE);
   if (sig != want) return nullptr;
-  return reinterpret_cast<const MsgHeader*>(base_ + slotOffset(peer, slot));
+  // NOTES: the one read of this header: over shm the sender can rewrite the slot at any time,
+  // so every decision about the message is taken on this copy (ordered after the signal).
+  std::memcpy(&head_[peer], base_ + slotOffset(peer, slot), sizeof(MsgHeader));
+  head_valid_[peer] = 1;
+  return &head_[peer];
 }
 
-const char* Mailbox::payload(int peer, char* landing, std::string* error) {
+const char* Mailbox::payload(int peer, std::string* error, char* landing, uint64_t landing_bytes) {
   if (head_payload_[peer]) return head_payload_[peer];
   const MsgHeader* h = peek(peer);
-  if (!h || !(h->flags & kPull) || !error) return slotPayload(peer);
+  if (!h) {
+    *error = str("no message from rank ", peer);
+    return nullptr;
+  }
+  const bool pulled = h->flags & kPull;
+  if (!pulled || !landing) {
+    if (h->bytes > chunk_) {
+      *error = str("rank ", peer, " sent a ", h->bytes, "-byte message, larger than a mailbox slot (", chunk_,
+                   " bytes)");
+      return nullptr;
+    }
+    if (!pulled) return slotPayload(peer);
+  } else if (h->bytes > landing_bytes) {
+    *error = str("rank ", peer, " sent a ", h->bytes, "-byte message where this rank expects at most ", landing_bytes);
+    return nullptr;
+  }
   const uint64_t want = consumed_[peer] + 1;
   const uint64_t slot = want % ring_;
-  if (!peer_base_[peer]) {
+  if (!peer_base_[peer] || !reads_from_[peer]) {
     *error = str("rank ", peer, " sent a message to be read from its memory, which this rank cannot read");
     return nullptr;
   }
   char* dst = landing ? landing : base_ + slotOffset(peer, slot) + sizeof(MsgHeader);
-  if (!landing && h->bytes > chunk_) {
-    *error = str("rank ", peer, " sent a ", h->bytes, "-byte message larger than a mailbox slot");
-    return nullptr;
-  }
   std::string why = engine_.readFrom(peer, dst, h->pull_addr, h->bytes);
   if (!why.empty()) {
     *error = str("rank ", peer, "'s data could not be read: ", why);
@@ -257,6 +290,7 @@ void Mailbox::release(int peer, void* next_dest, uint64_t next_length) {
   // A landing request for this slot must not outlive its message (slotPayload() claims it).
   slotPayload(peer);
   head_payload_[peer] = nullptr;
+  head_valid_[peer] = 0;
   if (next_dest && next_length && tcp_[peer])
     engine_.expectWrite(id_, slotOffset(peer, (consumed_[peer] + 1 + depth_) % ring_) + sizeof(MsgHeader),
                         next_dest, next_length);

@@ -3,10 +3,12 @@
 #include <immintrin.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include <glog/logging.h>
 
+#include "moelink/collective/message_check.h"
 #include "moelink/common/env.h"
 #include "moelink/common/error.h"
 #include "worker_internal.h"
@@ -24,8 +26,11 @@ constexpr transfer::SegmentId kP2PSegment = 2;
 
 std::string describeTimeout(const char* what, uint64_t seq, milliseconds timeout,
                             const std::vector<int>& waiting_for) {
+  std::vector<int> sorted = waiting_for;  // a rank can be waited on for a message and for credit
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
   std::string ranks;
-  for (int r : waiting_for) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  for (int r : sorted) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
   return str(what, " #", seq, ": Timed out after ", timeout.count(), " ms",
              ranks.empty() ? std::string() : str(" waiting for rank(s) ", ranks));
 }
@@ -91,9 +96,7 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   live_ = active_;
   probed_loss_.assign(world_, 0);
   sends_.resize(world_);
-  bound_.resize(world_);
-  stashing_.assign(world_, nullptr);
-  discarding_.assign(world_, 0);
+  receiver_ = std::make_unique<P2PReceiver>(*p2p_, rank_, world_);
   abort_pending_.assign(world_, 0);
   p2p_sent_.assign(world_, 0);
   lost_.assign(world_, "");
@@ -128,9 +131,7 @@ CollectiveWorker::~CollectiveWorker() {
   for (auto& r : new_recvs_) r->done(why, -1);
   for (auto& q : sends_)
     for (auto& s : q) s->done(why);
-  for (auto& r : posted_) r->done(why, -1);
-  for (auto& r : bound_)
-    if (r) r->done(why, -1);
+  receiver_->failAll(why);
 }
 
 bool CollectiveWorker::isActive(int rank) const {
@@ -220,7 +221,7 @@ void CollectiveWorker::loop() {
         sends_[s->peer].push_back(std::move(s));
       }
       while (!new_recvs_.empty()) {
-        posted_.push_back(std::move(new_recvs_.front()));
+        receiver_->post(std::move(new_recvs_.front()));
         new_recvs_.pop_front();
       }
     }
@@ -253,11 +254,11 @@ void CollectiveWorker::loop() {
       }
     }
     for (int p = 0; p < world_; ++p)
-      if (!sends_[p].empty() || bound_[p] || discarding_[p] || stashing_[p]) busy = true;
-    if (!posted_.empty()) busy = true;
+      if (!sends_[p].empty()) busy = true;
+    if (receiver_->busy()) busy = true;
     if (busy) {
       progressed |= progressSends();
-      progressed |= progressRecvs();
+      progressed |= receiver_->progress(live_);
     }
     if (progressed) {
       idle = 0;
@@ -320,35 +321,13 @@ MsgHeader headerFor(const CollectiveWorker::Collective& op, int sender, uint64_t
 
 }  // namespace
 
-std::string CollectiveWorker::checkHeader(const Collective& op, int p, const MsgHeader& h,
-                                          uint64_t expect) const {
-  // Called for every message, and again while a step waits for its other messages: an
-  // agreeing header only compares (the message is built on a disagreement).
-  const char* kind = opKindName(op.spec.kind);
-  auto who = [&] { return str(kind, " #", op.seq, ": rank ", p); };
-  if (h.op_seq > op.seq)
-    return str(who(), " is already at op #", h.op_seq, " (",
-               opKindName(static_cast<OpKind>(h.kind)),
-               "); the ranks called different sequences of collectives");
-  if (h.flags & kAbort) return str(who(), " aborted this op (it failed there)");
-  if (h.kind != static_cast<uint8_t>(op.spec.kind))
-    return str(who(), " called ", opKindName(static_cast<OpKind>(h.kind)), ", this rank called ", kind);
-  if (h.root != op.spec.root)
-    return str(who(), " used root ", h.root, ", this rank root ", op.spec.root);
-  if (h.dtype != static_cast<uint8_t>(op.spec.dtype))
-    return str(who(), " sent dtype ", dtypeName(static_cast<DType>(h.dtype)), ", this rank expects ",
-               dtypeName(op.spec.dtype));
-  if (h.redop != static_cast<uint8_t>(op.spec.redop))
-    return str(who(), " reduces with ", reduceOpName(static_cast<ReduceOp>(h.redop)),
-               ", this rank with ", reduceOpName(op.spec.redop));
-  if (h.op_bytes && op.spec.op_bytes && h.op_bytes != op.spec.op_bytes)
-    return str(who(), " sent ", h.op_bytes, " bytes, this rank expects ", op.spec.op_bytes);
-  if (h.pair_bytes != op.pair_recv[p])
-    return str(who(), " sent ", h.pair_bytes, " bytes to this rank, this rank expects ",
-               op.pair_recv[p]);
-  if (h.bytes != expect)
-    return str(who(), " sent a ", h.bytes, "-byte piece, this rank expects ", expect);
-  return {};
+ExpectedPiece CollectiveWorker::expectedPiece(const Collective& op, int peer, uint64_t bytes) const {
+  ExpectedPiece want;
+  want.op = {static_cast<uint8_t>(op.spec.kind), op.seq, op.spec.root, static_cast<uint8_t>(op.spec.dtype),
+             static_cast<uint8_t>(op.spec.redop), op.spec.op_bytes};
+  want.pair_bytes = op.pair_recv[peer];
+  want.bytes = bytes;
+  return want;
 }
 
 bool CollectiveWorker::anyPeerLost() {
@@ -404,7 +383,13 @@ bool CollectiveWorker::progressCollective(Collective& op) {
       auto [s, k] = q[op.sendpos[p]];
       if (steps[s].send_after == Step::SendAfter::kPreviousSteps && op.next_step < s) break;
       if (steps[s].send_after == Step::SendAfter::kThisStep && op.next_step <= s) break;
-      if (!coll_->canSend(p)) break;
+      if (!coll_->canSend(p)) {
+        if (std::string fault = coll_->creditFault(p); !fault.empty()) {
+          failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": ", fault));
+          return true;
+        }
+        break;
+      }
       const StepSend& snd = steps[s].sends[k];
       MsgHeader h = headerFor(op, rank_, membership_->epoch());
       h.pair_bytes = op.pair_send[p];
@@ -444,12 +429,12 @@ bool CollectiveWorker::progressCollective(Collective& op) {
         ready = false;
         continue;
       }
-      std::string bad = checkHeader(op, r.peer, *h, r.bytes);
+      std::string bad = checkCollectivePiece(*h, r.peer, expectedPiece(op, r.peer, r.bytes));
       if (!bad.empty()) {
         failCollective(op, bad);
         return true;
       }
-      const char* data = coll_->payload(r.peer, r.landing, &bad);
+      const char* data = coll_->payload(r.peer, &bad, r.landing, r.bytes);
       if (!data) {
         failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": ", bad));
         return true;

@@ -56,25 +56,6 @@ struct CollectiveWorker::SendOp {
   std::vector<transfer::BatchPtr> inflight;
 };
 
-struct CollectiveWorker::RecvOp {
-  int peer = -1;  // < 0: any source
-  char* data = nullptr;
-  uint64_t bytes = 0;
-  int tag = 0;
-  RecvCallback done;
-  Clock::time_point deadline;
-  uint64_t got = 0;
-};
-
-// A send that arrived before a recv matched it (see worker.h).
-struct CollectiveWorker::Stashed {
-  int peer = -1;
-  int tag = 0;
-  uint64_t bytes = 0;  // the whole send's size
-  std::vector<char> data;
-  bool complete = false;
-};
-
 std::string describeTimeout(const char* what, uint64_t seq, std::chrono::milliseconds timeout,
                             const std::vector<int>& waiting_for);
 

@@ -99,7 +99,8 @@ void CollectiveWorker::readmit(const std::vector<int>& ranks, OpCallback done, m
           membership_->reopen(r);
           p2p_sent_[r] = 0;
           lost_[r].clear();
-          abort_pending_[r] = discarding_[r] = 0;
+          abort_pending_[r] = 0;
+          receiver_->resetPeer(r);
           probed_loss_[r] = 0;
         }
         OpSpec s = barrierOp(c);  // every active rank has reset its pairs before anyone goes on

@@ -29,6 +29,12 @@
 //                         sender's mailbox: 2 when dst can read the sender's memory, 1 when
 //                         not, 0 until dst has said (cleared when a new process takes dst's
 //                         rank). Sender and receiver thus agree on which pairs pull.
+//
+// Everything in a segment that peers write is untrusted input: a header is read once, into a
+// private copy (peek), and used only from there; a payload in a slot must fit the slot, a
+// pulled one lands only where the caller said and in the length it said (payload); a credit
+// may not count more messages than were sent (creditFault). The fields that depend on the op
+// are checked by the consumer (message_check.h) before it uses the payload.
 #pragma once
 
 #include <cstdint>
@@ -80,6 +86,9 @@ class Mailbox {
   const std::string& transportTo(int peer) const { return transports_[peer]; }
 
   bool canSend(int peer) const;
+  // Why `peer`'s credit for this rank's messages cannot be right (it acknowledged more
+  // messages than were sent), or "". Such a pair sends nothing more: canSend stays false.
+  std::string creditFault(int peer) const;
   // Whether a control message (an ABORT) can go: it may use the pair's spare slot, so that a
   // failing sender can always say so at once, even with every data slot full.
   bool canSendControl(int peer) const;
@@ -106,12 +115,15 @@ class Mailbox {
   // completes them: their memory may change from now on.
   void revokePulls(int peer = -1);
 
-  // The next message from `peer` if it has arrived, else nullptr.
-  const MsgHeader* peek(int peer) const;
-  // Its payload: in the slot, or where release() asked it to land. A pulled message is read
-  // from the sender's memory into `landing` when given (else into the slot); nullptr when
-  // that fails, with the reason in *error.
-  const char* payload(int peer, char* landing = nullptr, std::string* error = nullptr);
+  // The next message from `peer` if it has arrived, else nullptr: this rank's copy of its
+  // header, taken once when it is first seen (the sender cannot change it afterwards), valid
+  // until release().
+  const MsgHeader* peek(int peer);
+  // Its payload (header.bytes bytes): in the slot, or where release() asked it to land. A
+  // pulled message is read from the sender's memory into `landing` when given (at most
+  // `landing_bytes`), else into the slot. nullptr, with the reason in *error naming the peer,
+  // when the message claims more than the slot (or the landing) holds or the read fails.
+  const char* payload(int peer, std::string* error, char* landing = nullptr, uint64_t landing_bytes = 0);
   // Frees the peeked slot and returns its credit to the sender. The credit lets the
   // sender send the message `depth` places after this one; when
   // `next_dest` is given and the transport receives into memory itself (tcp), that
@@ -125,6 +137,11 @@ class Mailbox {
   void landAhead(int peer, uint64_t ahead, void* dest, uint64_t length);
   // Drops every landing request (after a failed op: later messages go to the slots).
   void clearLandings();
+
+  // Where message `seq` from `src` goes in this rank's segment: its header (the payload follows
+  // it) and its signal word. For tools that write a mailbox by hand (tests, fuzzers).
+  uint64_t headerOffsetOf(int src, uint64_t seq) const { return slotOffset(src, seq % ring_); }
+  uint64_t signalOffsetOf(int src, uint64_t seq) const { return signalOffset(src, seq % ring_); }
 
  private:
   uint64_t signalOffset(int src, uint64_t slot) const { return (src * ring_ + slot) * 8; }
@@ -161,6 +178,9 @@ class Mailbox {
   std::vector<uint64_t> out_signals_;   // [peer][slot]
   std::vector<uint64_t> out_acks_;      // [peer]
   std::vector<const char*> head_payload_;  // [peer]: resolved payload of the head message
+  std::vector<MsgHeader> head_;            // [peer]: the head message's header, as first read
+  std::vector<char> head_valid_;           // [peer]: head_ holds the current head
+  mutable std::vector<char> credit_fault_;  // [peer]: its credit exceeded what was sent
   std::vector<std::string> transports_;
   std::vector<char> tcp_;  // [peer]: reached over tcp (receive redirection applies, acks always wake)
 };

@@ -43,6 +43,8 @@
 
 #include "moelink/collective/algorithms.h"
 #include "moelink/collective/mailbox.h"
+#include "moelink/collective/message_check.h"
+#include "moelink/collective/p2p_receiver.h"
 #include "moelink/collective/membership.h"
 #include "moelink/collective/operation.h"
 #include "moelink/transfer/metadata_store.h"
@@ -79,7 +81,6 @@ struct WorkerOptions {
 // Builds a collective over the participants of the moment (called on the worker thread when
 // the op starts, and again if a membership change reruns it).
 using OpBuilder = std::function<OpSpec(const AlgoContext&)>;
-using RecvCallback = std::function<void(const std::string& error, int source)>;
 
 class CollectiveWorker {
  public:
@@ -130,7 +131,6 @@ class CollectiveWorker {
 
   struct Collective;
   struct SendOp;
-  struct RecvOp;
 
  private:
   void enqueue(std::unique_ptr<Collective> op, OpCallback done, std::chrono::milliseconds timeout);
@@ -138,14 +138,14 @@ class CollectiveWorker {
   bool progressCollective(Collective& op);
   bool progressDrain(Collective& op);
   bool progressSends();
-  bool progressRecvs();
   void failCollective(Collective& op, const std::string& why);
   const MsgHeader* nextFresh(int peer, uint64_t seq);
   // Why `peer` is gone ("" while it is not known to be), refreshed from the engine when it
   // reports a new loss.
   const std::string& lostPeer(int peer);
   bool anyPeerLost();  // one atomic load unless the engine reports a new loss
-  std::string checkHeader(const Collective& op, int peer, const MsgHeader& h, uint64_t expect) const;
+  // What `op` expects of a `bytes`-byte piece from `peer` (message_check.h).
+  ExpectedPiece expectedPiece(const Collective& op, int peer, uint64_t bytes) const;
   // Membership (worker_membership.cpp).
   void waitAdmission();
   bool pollMembership();  // true when something changed
@@ -182,18 +182,13 @@ class CollectiveWorker {
   bool stop_ = false;
   std::deque<std::unique_ptr<Collective>> queue_;   // submitted collectives
   std::deque<std::unique_ptr<SendOp>> new_sends_;
-  std::deque<std::unique_ptr<RecvOp>> new_recvs_;
+  std::deque<std::unique_ptr<P2PReceiver::Recv>> new_recvs_;
   uint64_t next_seq_ = 0;
 
   // Worker thread only.
   std::unique_ptr<Collective> current_;
   std::vector<std::deque<std::unique_ptr<SendOp>>> sends_;  // per peer
-  std::list<std::unique_ptr<RecvOp>> posted_;               // unmatched, in post order
-  std::vector<std::unique_ptr<RecvOp>> bound_;              // per source: receiving
-  struct Stashed;
-  std::list<Stashed> stash_;                                // unmatched sends, arrival order
-  std::vector<Stashed*> stashing_;                          // per source: being stashed
-  std::vector<char> discarding_;                            // per source: skip to LAST
+  std::unique_ptr<P2PReceiver> receiver_;                   // the recv side of send/recv
   std::vector<char> abort_pending_;                         // per peer: owe an ABORT
   std::vector<uint64_t> p2p_sent_;                          // per peer: sends started
   std::vector<std::string> lost_;                           // per peer: why it is gone
