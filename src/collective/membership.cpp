@@ -18,23 +18,37 @@ namespace {
 
 constexpr transfer::SegmentId kBoardSegment = 3;
 
-enum Kind : uint32_t { kReport = 1, kQuery, kResume, kDecide, kOut, kLeave };
+using Kind = BoardMessage::Kind;
+constexpr Kind kReport = BoardMessage::kReport, kQuery = BoardMessage::kQuery, kResume = BoardMessage::kResume,
+               kDecide = BoardMessage::kDecide, kOut = BoardMessage::kOut, kLeave = BoardMessage::kLeave;
 
 }  // namespace
 
-// One board slot: this header, then a bitset of ranks (suspects, or the decided mask).
-struct Membership::Msg {
-  uint64_t version = 0;  // seqlock: odd while the writer is in the middle
-  uint32_t kind = 0;
-  int32_t from = -1;
-  uint64_t target = 0;   // the epoch the round decides
-  uint64_t completed = 0;
-  uint64_t current = 0;
-  uint64_t fail_through = 0;
-  uint32_t restartable = 0;
-  uint32_t pad = 0;
-  uint64_t reserved = 0;
-};
+uint64_t boardSlotBytes(int world) { return sizeof(BoardMessage) + (static_cast<uint64_t>(world) + 63) / 64 * 64; }
+
+std::string decodeBoardMessage(const char* slot, int src, int world, uint64_t epoch, BoardMessage* m,
+                               std::vector<char>* bits) {
+  std::memcpy(m, slot, sizeof *m);
+  if (m->kind < kReport || m->kind > kLeave) return str("unknown message kind ", m->kind);
+  if (m->from != src) return str("a message in rank ", src, "'s slot names rank ", m->from, " as its sender");
+  // Rounds decide the next epoch; a newer one can only come from ranks that applied decisions
+  // this rank has not read yet, one per rank at most.
+  if (m->kind != kLeave && m->target > epoch + static_cast<uint64_t>(world))
+    return str("epoch ", m->target, " is out of reach of this rank's epoch ", epoch);
+  if (m->restartable > 1) return str("restartable field ", m->restartable);
+  const char* b = slot + sizeof *m;
+  const uint64_t bit_bytes = boardSlotBytes(world) - sizeof *m;
+  bits->assign(world, 0);
+  for (uint64_t i = 0; i < bit_bytes; ++i)
+    for (int k = 0; k < 8; ++k) {
+      if (!((static_cast<unsigned char>(b[i]) >> k) & 1)) continue;
+      const uint64_t r = i * 8 + k;
+      if (r >= static_cast<uint64_t>(world)) return str("rank bit ", r, " beyond the group of ", world);
+      (*bits)[r] = 1;
+    }
+  if (m->kind == kDecide && !(*bits)[src]) return str("a decision by rank ", src, " that leaves rank ", src, " out");
+  return "";
+}
 
 MembershipOptions MembershipOptions::fromEnv(bool raise) {
   MembershipOptions o;
@@ -46,8 +60,7 @@ MembershipOptions MembershipOptions::fromEnv(bool raise) {
 
 Membership::Membership(transfer::TransferEngine& engine, MembershipOptions options)
     : engine_(engine), opts_(options), rank_(engine.rank()), world_(engine.worldSize()) {
-  static_assert(sizeof(Msg) == 64, "a board message header is one cache line");
-  slot_bytes_ = sizeof(Msg) + ((world_ + 63) / 64) * 64;  // header + one bit per rank, rounded
+  slot_bytes_ = boardSlotBytes(world_);
   // Two slots per source: [0] reports and queries, [1] decisions (so a decision is never
   // overwritten by the next round's query before it is read).
   board_ = static_cast<char*>(engine_.allocateSegment(kBoardSegment, slot_bytes_ * 2 * world_));
@@ -135,9 +148,12 @@ bool Membership::read(int slot, Msg& m, std::vector<char>& bits) {
   std::atomic_thread_fence(std::memory_order_acquire);
   if (__atomic_load_n(ver, __ATOMIC_ACQUIRE) != v1) return false;  // rewritten meanwhile: next poll
   seen_[slot] = v1;
-  std::memcpy(&m, raw.data(), sizeof m);
-  bits.assign(world_, 0);
-  for (int r = 0; r < world_; ++r) bits[r] = (raw[sizeof m + r / 8] >> (r % 8)) & 1;
+  const int src = slot / 2;
+  if (std::string why = decodeBoardMessage(raw.data(), src, world_, epoch_, &m, &bits); !why.empty()) {
+    LOG(WARNING) << "moelink: rank " << rank_ << " ignores a malformed membership message from rank " << src << ": "
+                 << why;
+    return false;
+  }
   return true;
 }
 
@@ -218,7 +234,7 @@ std::optional<MembershipChange> Membership::poll(const LocalProgress& me, const 
     }
     if (!read(2 * src, m, bits)) continue;
     if (m.kind == kLeave) {
-      left_[src] = std::max<uint64_t>(m.completed, 1);
+      left_[src] = m.completed;  // (0: it left before finishing any op, which counts as not left)
       continue;
     }
     if (m.kind == kResume) {

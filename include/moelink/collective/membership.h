@@ -38,6 +38,33 @@
 
 namespace moelink::collective {
 
+// One slot of a board as its source writes it: this header, then one bit per rank (suspects,
+// or the decided mask), padded to whole cache lines.
+struct BoardMessage {
+  enum Kind : uint32_t { kReport = 1, kQuery, kResume, kDecide, kOut, kLeave };
+  uint64_t version = 0;  // seqlock: odd while the writer is in the middle
+  uint32_t kind = 0;
+  int32_t from = -1;
+  uint64_t target = 0;  // the epoch the round decides
+  uint64_t completed = 0;
+  uint64_t current = 0;
+  uint64_t fail_through = 0;
+  uint32_t restartable = 0;
+  uint32_t pad = 0;
+  uint64_t reserved = 0;
+};
+static_assert(sizeof(BoardMessage) == 64, "a board message header is one cache line");
+
+// Bytes of one board slot in a group of `world` ranks.
+uint64_t boardSlotBytes(int world);
+// Checks and decodes a copy of the slot that rank `src` writes on this rank's board: "" with
+// *m and *bits (one entry per rank) filled, or why it cannot be a message of `src` in a group
+// of `world` ranks whose epoch is `epoch` here (an unknown kind, another sender's name, bits
+// beyond the group, an epoch out of reach, a decision that leaves out its own leader). The
+// caller ignores such a slot: the board holds states, so the sender's next one replaces it.
+std::string decodeBoardMessage(const char* slot, int src, int world, uint64_t epoch, BoardMessage* m,
+                               std::vector<char>* bits);
+
 struct MembershipOptions {
   // MOELINK_FAILURE_PROBE_MS: an op that makes no progress this long probes the peers it
   // waits for over tcp (same-host peers are checked through /proc after 100 ms).
@@ -82,7 +109,8 @@ class Membership {
   // This rank shuts down cleanly after op `completed`: tells the active peers, so that they do
   // not take its exit for a failure while they finish ops it has finished (best effort).
   void announceLeave(uint64_t completed, const std::vector<char>& mask);
-  // The last op that `peer` finished before it left cleanly (0: it has not left).
+  // The last op that `peer` finished before it left cleanly (0: it has not left, or finished
+  // none): its exit is no failure for ops up to this one.
   uint64_t leftAfter(int peer) const { return left_[peer]; }
   // `peer` is dead (as found by the caller; `certain`: its process is known to be gone, so
   // it cannot be on the other side of a partition); starts a round.
@@ -94,9 +122,11 @@ class Membership {
   std::optional<MembershipChange> poll(const LocalProgress& me, const std::vector<char>& mask);
 
  private:
-  struct Msg;
+  using Msg = BoardMessage;
   void send(int to, const Msg& m, const std::vector<char>& bits);
-  bool read(int from, Msg& m, std::vector<char>& bits);
+  // The newest message in board slot `slot` (2 * source + 0 or 1), once; false when there is
+  // none, it is being written, or it is malformed (logged).
+  bool read(int slot, Msg& m, std::vector<char>& bits);
   int leader(const std::vector<char>& mask) const;
   std::string check(int peer);  // probe, remembered per round
 
