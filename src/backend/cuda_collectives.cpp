@@ -23,6 +23,7 @@
 #include "moelink/collective/exchange_kernel.h"
 #include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
+#include "moelink/transfer/records.h"
 
 namespace moelink::backend {
 
@@ -323,7 +324,7 @@ uint64_t CudaCollectivesImpl::restage(const char* opname, bool capturing, uint64
       auto v = b_.store()->get(seq_key + std::to_string(q));
       const std::string text(v.begin(), v.end());
       if (text == "-") continue;
-      const uint64_t theirs = std::stoull(text);
+      const uint64_t theirs = transfer::parseCount(text, seq_key + std::to_string(q));
       start = any ? std::max(start, theirs) : theirs;
       any = true;
     }

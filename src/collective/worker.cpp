@@ -11,6 +11,7 @@
 #include "moelink/collective/message_check.h"
 #include "moelink/common/env.h"
 #include "moelink/common/error.h"
+#include "moelink/transfer/records.h"
 #include "worker_internal.h"
 
 namespace moelink::collective {
@@ -69,11 +70,11 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   } else {
     MOELINK_CHECK(rank_ < initial, "rank ", rank_, " is reserved (the group starts with ranks 0..", initial - 1,
                   "): join it with is_extension=True");
-    transfer::storeBarrier(store, "worker/allocated", initial, opts_.timeout);
+    transfer::storeBarrier(store, "worker/allocated", initial, opts_.timeout, transfer::kRefusedKey);
     coll_->open(active_);
     p2p_->open(active_);
     membership_->open(active_);
-    transfer::storeBarrier(store, "worker/opened", initial, opts_.timeout);
+    transfer::storeBarrier(store, "worker/opened", initial, opts_.timeout, transfer::kRefusedKey);
   }
   // Shared-memory names stay until shutdown: a process that replaces a failed rank opens
   // its peers' segments by name (names of a killed process are reclaimed by the next one).

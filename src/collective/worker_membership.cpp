@@ -8,6 +8,7 @@
 
 #include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
+#include "moelink/transfer/records.h"
 #include "worker_internal.h"
 
 namespace moelink::collective {
@@ -54,10 +55,13 @@ void CollectiveWorker::waitAdmission() {
                   e.what());
   }
   std::istringstream in(rec);
-  uint64_t seq = 0, epoch = 0;
-  std::string bits;
-  in >> seq >> epoch >> bits;
-  MOELINK_CHECK(bits.size() == static_cast<size_t>(world_), "malformed admission record '", rec, "'");
+  std::string seq_text, epoch_text, bits, extra;
+  in >> seq_text >> epoch_text >> bits >> extra;
+  const uint64_t seq = transfer::parseCount(seq_text, "op number of the admission record");
+  const uint64_t epoch = transfer::parseCount(epoch_text, "epoch of the admission record");
+  MOELINK_CHECK(bits.size() == static_cast<size_t>(world_) && extra.empty() &&
+                    bits.find_first_not_of("01") == std::string::npos && bits[rank_] == '1',
+                "malformed admission record '", rec, "' (a mask of ", world_, " ranks that holds this rank)");
   for (int r = 0; r < world_; ++r) {
     active_[r] = bits[r] == '1';
     if (active_[r]) seen_incarnation_[r] = std::max<int64_t>(seen_incarnation_[r], 1);
@@ -76,7 +80,7 @@ bool CollectiveWorker::peerWaiting(int rank) {
   if (rank == rank_ || isActive(rank)) return true;
   const std::string key = str("member/waiting/", rank);
   if (!store_.check(key)) return false;
-  int64_t inc = std::stoll(store_.get(key, opts_.timeout));
+  const int64_t inc = static_cast<int64_t>(transfer::parseCount(store_.get(key, opts_.timeout), key));
   if (inc <= seen_incarnation_[rank]) return false;
   return engine_.probe(rank, membership_->options().probe_timeout, inc).empty();
 }
@@ -90,7 +94,8 @@ void CollectiveWorker::readmit(const std::vector<int>& ranks, OpCallback done, m
         // Worker thread, at this op's start: the pairs with the new processes start afresh.
         std::vector<int64_t> incs;
         for (int r : ranks) {
-          int64_t inc = std::stoll(store_.get(str("member/waiting/", r), opts_.timeout));
+          const std::string key = str("member/waiting/", r);
+          const int64_t inc = static_cast<int64_t>(transfer::parseCount(store_.get(key, opts_.timeout), key));
           incs.push_back(inc);
           coll_->dropPeer(r);
           engine_.forgetPeer(r);

@@ -39,11 +39,42 @@ int64_t InProcessStore::add(const std::string& key, int64_t delta) {
   return v;
 }
 
+std::string InProcessStore::compareSet(const std::string& key, const std::string& expected,
+                                      const std::string& desired) {
+  std::string now;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = kv_.find(key);
+    if (it == kv_.end()) {
+      if (!expected.empty()) return expected;  // as c10d's stores answer for a missing key
+      now = kv_[key] = desired;
+    } else {
+      if (it->second == expected) it->second = desired;
+      now = it->second;
+    }
+  }
+  cv_.notify_all();
+  return now;
+}
+
 void storeBarrier(MetadataStore& store, const std::string& name, int count,
-                  std::chrono::milliseconds timeout) {
+                  std::chrono::milliseconds timeout, const std::string& abort_key) {
   // Each participant adds one; the last one to arrive publishes the release key.
   if (store.add(name + "/arrived", 1) == count) store.set(name + "/released", "1");
-  store.get(name + "/released", timeout);
+  if (abort_key.empty()) {
+    store.get(name + "/released", timeout);
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(200);
+  while (!store.check(name + "/released")) {
+    if (store.check(abort_key)) MOELINK_THROW(store.get(abort_key, timeout));
+    if (std::chrono::steady_clock::now() > deadline)
+      MOELINK_THROW_TIMEOUT("timed out after ", timeout.count(), " ms at '", name, "': ",
+                            store.add(name + "/arrived", 0), " of ", count, " ranks arrived");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
 }
 
 }  // namespace moelink::transfer

@@ -7,11 +7,14 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <set>
 #include <sstream>
+#include <thread>
 
 #include <glog/logging.h>
 
 #include "moelink/common/error.h"
+#include "moelink/transfer/records.h"
 #include "moelink/transfer/shm/process_read.h"
 #include "moelink/transfer/shm/transport.h"
 #include "moelink/transfer/tcp/socket.h"
@@ -124,10 +127,15 @@ std::string pidNamespace() {
   return n > 0 ? std::string(buf, n) : std::string();
 }
 
-std::string endpointRecord(const std::string& host, const std::string& tcp, const uint64_t* read_probe) {
-  int64_t pid = getpid();
-  return str(host, "\n", tcp, "\n", pid, "\n", processStart(pid).first, "\n", pidNamespace(), "\n",
-             reinterpret_cast<uint64_t>(read_probe));
+// The claim tokens of this process's live engines (claimRank): a rank held by this process
+// is free once the engine that holds it is gone.
+struct LiveClaims {
+  std::mutex mu;
+  std::set<std::string> tokens;
+};
+LiveClaims& liveClaims() {
+  static LiveClaims* c = new LiveClaims;  // outlives every engine, static destruction included
+  return *c;
 }
 
 // The value of `rank`'s cross-memory probe word: from the group's secret, so that a reader
@@ -145,20 +153,108 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
   mode_ = modeFromEnv(opts_.transport);
   if (const char* v = std::getenv("MOELINK_SHM_PULL"); v && std::string(v) == "0") opts_.cross_memory_reads = false;
   host_id_ = localHostId();
-  incarnation_ = store_->add(str("engine/incarnation/", opts_.rank), 1);
+  // Nothing is written to the store before the rank is this process's (claimRank): a process
+  // that is refused leaves the group it tried to join as it was.
+  claimRank();
   if (opts_.rank == 0 && !opts_.extension) {
+    store_->set(kGroupKey, std::to_string(opts_.world_size));
     std::random_device rd;
     uint64_t s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
     store_->set("engine/secret", std::to_string(s ? s : 1));
+  } else {
+    checkGroupSize();
   }
-  secret_ = std::stoull(store_->get("engine/secret", opts_.timeout));
+  secret_ = parseCount(store_->get("engine/secret", opts_.timeout), "group secret");
   peer_doorbells_.assign(opts_.world_size, nullptr);
   doorbell_ = static_cast<DoorbellWord*>(allocateSegment(kDoorbellSegment, sizeof(DoorbellWord)));
-  tcp_ = std::make_unique<tcp::TcpTransport>(opts_.rank, secret_, local_, opts_.timeout,
+  tcp_ = std::make_unique<tcp::TcpTransport>(opts_.rank, opts_.world_size, secret_, local_, opts_.timeout,
                                              [this] { ringDoorbell(doorbell_); }, opts_.listen_ip);
   shm_ = std::make_unique<shm::ShmTransport>(host_id_);
   read_probe_ = readProbeValue(secret_, opts_.rank);
-  store_->set(key(opts_.rank, "peer"), endpointRecord(host_id_, tcp_->address(), &read_probe_));
+  PeerInfo me;
+  me.host_id = host_id_;
+  me.tcp_address = tcp_->address();
+  me.pid = getpid();
+  me.start_time = processStart(me.pid).first;
+  me.pid_ns = pidNamespace();
+  me.read_probe = reinterpret_cast<uint64_t>(&read_probe_);
+  store_->set(key(opts_.rank, "peer"), endpointRecord(me));
+}
+
+void TransferEngine::claimRank() {
+  const int rank = opts_.rank;
+  const std::string counter = str("engine/incarnation/", rank);
+  const auto deadline = std::chrono::steady_clock::now() + opts_.timeout;
+  std::random_device rd;
+  const std::string token = str(getpid(), ".", host_id_, ".", rd(), rd());
+  while (true) {
+    const int64_t held = store_->check(counter) ? store_->add(counter, 0) : 0;
+    if (held > 0) {
+      std::string holder = liveHolder(rank, held);
+      if (!holder.empty())
+        MOELINK_THROW("rank ", rank, " of this group is held by ", holder,
+                      "; a process joins a group only as a rank that no live process holds (another job on the "
+                      "same store address, or a rank started twice?). A replacement for a failed rank joins once "
+                      "that rank's process is gone.");
+    }
+    // One process wins each incarnation: the claim key of the next one is set only once.
+    if (store_->compareSet(str("engine/claim/", rank, ".", held + 1), "", token) == token) {
+      {
+        std::lock_guard<std::mutex> g(liveClaims().mu);
+        liveClaims().tokens.insert(token);
+      }
+      claim_token_ = token;
+      incarnation_ = store_->add(counter, 1);
+      MOELINK_CHECK(incarnation_ == held + 1, "rank ", rank, "'s incarnation counter moved from ", held, " to ",
+                    incarnation_, " while this process claimed the rank (a process outside moelink's protocol?)");
+      return;
+    }
+    // Another process claimed it just now: look at that one (alive: refused above).
+    if (std::chrono::steady_clock::now() > deadline)
+      MOELINK_THROW_TIMEOUT("could not claim rank ", rank, " within ", opts_.timeout.count(), " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+std::string TransferEngine::liveHolder(int rank, int64_t incarnation) {
+  // The holder publishes its record right after its claim; one that died in between has none.
+  const std::string k = str("engine/peer/", rank, ".", incarnation);
+  const auto wait = std::min<milliseconds>(opts_.timeout, std::chrono::seconds(5));
+  PeerInfo info;
+  try {
+    info = parseEndpointRecord(store_->get(k, wait), rank);
+  } catch (const TimeoutError&) {
+    return "";
+  }
+  const std::string host = info.host_id.substr(0, info.host_id.find('/'));
+  if (info.host_id == host_id_ && info.pid == getpid() && info.pid_ns == pidNamespace()) {
+    // This process: held while the engine that claimed it lives (an earlier group on the same
+    // store whose engine is gone leaves it free).
+    const std::string claim = str("engine/claim/", rank, ".", incarnation);
+    const std::string token = store_->check(claim) ? store_->get(claim, opts_.timeout) : "";
+    std::lock_guard<std::mutex> g(liveClaims().mu);
+    if (!liveClaims().tokens.count(token)) return "";
+  } else if (!processGone(info, milliseconds(1000), nullptr).empty()) {
+    return "";
+  }
+  return str("pid ", info.pid, " on host ", host, " (incarnation ", incarnation, ", listening at ", info.tcp_address,
+             ")");
+}
+
+void TransferEngine::checkGroupSize() {
+  std::string rec;
+  try {
+    rec = store_->get(kGroupKey, opts_.timeout);
+  } catch (const TimeoutError&) {
+    MOELINK_THROW_TIMEOUT("rank 0 did not create the group within ", opts_.timeout.count(),
+                          " ms (is it running, with world size ", opts_.world_size, " and the same store?)");
+  }
+  const uint64_t size = parseCount(rec, "group size record");
+  if (size == static_cast<uint64_t>(opts_.world_size)) return;
+  const std::string why = str("rank ", opts_.rank, " was started with world size ", opts_.world_size,
+                              ", rank 0 with ", size, ": every rank of a group must be given the same world size");
+  store_->set(kRefusedKey, why);  // the ranks waiting for this one fail with it at once
+  MOELINK_THROW(why);
 }
 
 std::string TransferEngine::key(int rank, const std::string& what, std::optional<milliseconds> wait) {
@@ -192,6 +288,11 @@ std::string TransferEngine::probe(int peer, milliseconds timeout, int64_t incarn
     return str("its endpoint record could not be read from the store within ", timeout.count(), " ms (", e.what(),
                ")");
   }
+  return processGone(info, timeout, certain);
+}
+
+std::string TransferEngine::processGone(const PeerInfo& info, milliseconds timeout, bool* certain) {
+  if (certain) *certain = false;
   if (info.host_id == host_id_ && info.pid > 0 && info.pid_ns == pidNamespace()) {
     if (certain) *certain = true;
     auto [start, state] = processStart(info.pid);
@@ -227,6 +328,10 @@ void TransferEngine::forgetPeer(int peer) {
 }
 
 TransferEngine::~TransferEngine() {
+  {
+    std::lock_guard<std::mutex> g(liveClaims().mu);
+    liveClaims().tokens.erase(claim_token_);
+  }
   tcp_->shutdown();
   std::lock_guard<std::mutex> g(mu_);
   for (auto& [key, seg] : opened_) {
@@ -317,19 +422,7 @@ const PeerInfo& TransferEngine::peerInfo(int peer, std::optional<milliseconds> w
 }
 
 PeerInfo TransferEngine::readPeerInfo(int peer, const std::string& k, std::optional<milliseconds> wait) {
-  std::string rec = store_->get(k, wait.value_or(opts_.timeout));
-  std::vector<std::string> f;
-  std::istringstream in(rec);
-  for (std::string line; std::getline(in, line);) f.push_back(line);
-  MOELINK_CHECK(f.size() >= 2, "malformed endpoint record of rank ", peer);
-  PeerInfo info{peer, f[0], f[1]};
-  if (f.size() >= 5) {
-    info.pid = std::stoll(f[2]);
-    info.start_time = std::stoull(f[3]);
-    info.pid_ns = f[4];
-  }
-  if (f.size() >= 6) info.read_probe = std::stoull(f[5]);
-  return info;
+  return parseEndpointRecord(store_->get(k, wait.value_or(opts_.timeout)), peer);
 }
 
 std::string TransferEngine::openSegment(int peer, SegmentId id) {
@@ -337,7 +430,7 @@ std::string TransferEngine::openSegment(int peer, SegmentId id) {
                 " out of range for world size ", opts_.world_size);
   if (auto* s = findOpened(peer, id)) return s->via ? s->via->name() : "local";
   auto seg = std::make_unique<RemoteSegment>();
-  seg->desc = SegmentDesc::parse(store_->get(str(key(peer, "seg"), "/", id), opts_.timeout));
+  seg->desc = parseSegmentRecord(store_->get(str(key(peer, "seg"), "/", id), opts_.timeout), peer, id);
   if (peer != opts_.rank) {
     const PeerInfo& info = peerInfo(peer);
     if (mode_ != "tcp" && shm_->open(info, *seg)) {

@@ -128,11 +128,12 @@ bool readWithTimeout(int fd, void* p, size_t n, int ms) {
   return true;
 }
 
-// A raw connection that has presented the engine's secret (-1 if the handshake failed).
-int rawAuthenticated(TransferEngine& engine) {
+// A raw connection that has presented the engine's secret, as rank `rank` (-1 if the
+// handshake failed).
+int rawAuthenticated(TransferEngine& engine, int32_t rank = 0, int32_t reserved = 0) {
   namespace w = moelink::transfer::tcp::wire;
   int fd = rawConnect(engine.tcpAddress());
-  w::Hello hello{w::kHelloMagic, engine.secret(), 5, 0};
+  w::Hello hello{w::kHelloMagic, engine.secret(), rank, reserved};
   uint64_t reply = 0;
   if (send(fd, &hello, sizeof hello, 0) != static_cast<ssize_t>(sizeof hello) || !readWithTimeout(fd, &reply, 8, 5000) ||
       reply != w::kHelloMagic) {
@@ -243,6 +244,19 @@ TEST(TcpTransport, RejectedUnacknowledgedWriteBreaksTheConnection) {
   EXPECT_NE(next->error().find("rejected a write"), std::string::npos) << next->error();
   for (char c : small) ASSERT_EQ(c, 0);
   for (char c : big) ASSERT_EQ(c, 0);
+}
+
+// The secret alone does not open a connection: the rank it claims must be one of the group,
+// and the reserved field zero.
+TEST(TcpTransport, HandshakeNamingNoRankOfTheGroupIsRefused) {
+  auto store = std::make_shared<InProcessStore>();
+  TransferEngine engine(store, opts(0, 2, "tcp"));
+  EXPECT_LT(rawAuthenticated(engine, 2), 0);
+  EXPECT_LT(rawAuthenticated(engine, -1), 0);
+  EXPECT_LT(rawAuthenticated(engine, 1, 7), 0);
+  int fd = rawAuthenticated(engine, 1);
+  EXPECT_GE(fd, 0);
+  if (fd >= 0) close(fd);
 }
 
 TEST(TcpTransport, UnauthenticatedConnectionIsClosed) {

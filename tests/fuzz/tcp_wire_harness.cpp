@@ -38,7 +38,7 @@ struct TcpWireHarness::Target {
 
   Target() {
     segs.add(kSegment, segment.data(), kSegmentBytes);
-    transport = std::make_unique<transfer::tcp::TcpTransport>(0, kSecret, segs, std::chrono::milliseconds(1000),
+    transport = std::make_unique<transfer::tcp::TcpTransport>(0, 2, kSecret, segs, std::chrono::milliseconds(1000),
                                                               [] {});
     const std::string a = transport->address();
     const auto colon = a.rfind(':');

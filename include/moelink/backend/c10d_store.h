@@ -24,6 +24,11 @@ class C10dStore : public transfer::MetadataStore {
   }
   int64_t add(const std::string& key, int64_t delta) override { return s_->add(key, delta); }
   bool check(const std::string& key) override { return s_->check({key}); }
+  std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override {
+    auto v = s_->compareSet(key, std::vector<uint8_t>(expected.begin(), expected.end()),
+                            std::vector<uint8_t>(desired.begin(), desired.end()));
+    return std::string(v.begin(), v.end());
+  }
 
  private:
   c10::intrusive_ptr<c10d::Store> s_;

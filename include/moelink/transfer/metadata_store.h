@@ -4,8 +4,10 @@
 //
 // Contract: set() publishes a value (overwriting); get() blocks until the key exists
 // or the timeout expires (then throws TimeoutError); add() atomically adds to an
-// integer counter stored under the key and returns the new value. The backend adapts
-// c10d::Store; tests use InProcessStore (ranks as threads of one process).
+// integer counter stored under the key and returns the new value; compareSet() replaces
+// the value atomically when it is `expected` ("" : the key does not exist) and returns the
+// value the key holds afterwards (c10d's semantics). The backend adapts c10d::Store; tests
+// use InProcessStore (ranks as threads of one process).
 #pragma once
 
 #include <chrono>
@@ -26,6 +28,7 @@ class MetadataStore {
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   // Whether the key exists (does not wait).
   virtual bool check(const std::string& key) = 0;
+  virtual std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) = 0;
 };
 
 // Shared by threads of one process.
@@ -35,6 +38,7 @@ class InProcessStore : public MetadataStore {
   std::string get(const std::string& key, std::chrono::milliseconds timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::string& key) override;
+  std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override;
 
  private:
   std::mutex mu_;
@@ -57,14 +61,19 @@ class PrefixStore : public MetadataStore {
     return base_->add(prefix_ + key, delta);
   }
   bool check(const std::string& key) override { return base_->check(prefix_ + key); }
+  std::string compareSet(const std::string& key, const std::string& expected, const std::string& desired) override {
+    return base_->compareSet(prefix_ + key, expected, desired);
+  }
 
  private:
   std::string prefix_;
   std::shared_ptr<MetadataStore> base_;
 };
 
-// Waits until `count` participants have arrived at barrier `name` (one add each).
+// Waits until `count` participants have arrived at barrier `name` (one add each). Fails at
+// once, with its text, when `abort_key` is set meanwhile (a participant that cannot come says
+// why there), and after `timeout` naming how many arrived.
 void storeBarrier(MetadataStore& store, const std::string& name, int count,
-                  std::chrono::milliseconds timeout);
+                  std::chrono::milliseconds timeout, const std::string& abort_key = "");
 
 }  // namespace moelink::transfer

@@ -2,9 +2,12 @@
 // bytes between them with batches of one-sided WRITE and READ requests.
 //
 // One engine serves one group of `world_size` ranks that share a MetadataStore (in the
-// backend, the group's prefixed c10d::Store). On construction it publishes an endpoint
-// record (host id, tcp listen address) and takes the group's secret from the store
-// (rank 0 creates it); tcp connections must present that secret.
+// backend, the group's prefixed c10d::Store; its records: records.h). On construction it
+// claims its rank, which fails when a live process holds it (the newcomer is refused and the
+// group is left as it was; a replacement for a failed rank finds the old process gone), checks
+// that the group was created with the same world size, publishes an endpoint record (host id,
+// tcp listen address, pid) and takes the group's secret from the store (rank 0 creates it);
+// tcp connections must present that secret.
 //
 // Transport choice per (peer, segment): shm when the peer is on this host and the
 // segment lives in shared memory, else tcp. MOELINK_TRANSPORT=tcp|shm|auto (default auto)
@@ -184,6 +187,15 @@ class TransferEngine {
     bool shared = false;  // mapped from POSIX shm (else calloc'd or caller-owned)
   };
   static void releaseOwned(OwnedSegment& seg);
+  // Takes this process's rank: a new incarnation of it, unless a live process holds it.
+  void claimRank();
+  // Who holds incarnation `incarnation` of `rank` and is alive ("" when gone, or this process).
+  std::string liveHolder(int rank, int64_t incarnation);
+  // Compares this rank's world size with the one the group was created with (fails the group's
+  // waiting ranks too on a difference).
+  void checkGroupSize();
+  // Why the process behind `info` is gone, or "" while it lives (probe()).
+  std::string processGone(const PeerInfo& info, std::chrono::milliseconds timeout, bool* certain);
   // The peer's endpoint record; store reads wait up to `wait` (default: the engine's timeout).
   const PeerInfo& peerInfo(int peer, std::optional<std::chrono::milliseconds> wait = std::nullopt);
   PeerInfo readPeerInfo(int peer, const std::string& key, std::optional<std::chrono::milliseconds> wait = std::nullopt);
@@ -197,6 +209,7 @@ class TransferEngine {
   std::string host_id_;
   uint64_t secret_ = 0;
   int64_t incarnation_ = 1;
+  std::string claim_token_;  // what this engine wrote to claim its incarnation
   LocalSegments local_;
   std::unique_ptr<tcp::TcpTransport> tcp_;
   std::unique_ptr<shm::ShmTransport> shm_;

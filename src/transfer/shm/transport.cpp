@@ -92,6 +92,14 @@ bool ShmTransport::open(const PeerInfo& peer, RemoteSegment& seg) {
   MOELINK_SYSCHECK(fd, "shm_open(", seg.desc.shm_name, ") of rank ", peer.rank,
                    " (was it unlinked before every peer opened it?)");
   size_t map_len = seg.desc.length ? seg.desc.length : 1;
+  // The length comes from the peer's record: a mapping past the object's end would fault on
+  // first touch (SIGBUS), so the object must really be that large.
+  struct stat st;
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < map_len) {
+    ::close(fd);
+    MOELINK_THROW("rank ", peer.rank, "'s segment ", seg.desc.id, " ('", seg.desc.shm_name, "') holds ",
+                  static_cast<uint64_t>(st.st_size), " bytes, its descriptor says ", seg.desc.length);
+  }
   void* p = mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   ::close(fd);
   MOELINK_CHECK(p != MAP_FAILED, "mmap of rank ", peer.rank, "'s segment ", seg.desc.id,

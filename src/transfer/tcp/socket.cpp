@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "moelink/common/error.h"
+#include "moelink/transfer/records.h"
 
 namespace moelink::transfer::tcp {
 
@@ -86,7 +87,9 @@ sockaddr_in parseAddress(const std::string& address) {
   MOELINK_CHECK(colon != std::string::npos, "bad tcp address '", address, "'");
   sockaddr_in a{};
   a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  const uint64_t port = parseCount(address.substr(colon + 1), str("port of tcp address '", address, "'"));
+  MOELINK_CHECK(port >= 1 && port <= 65535, "bad tcp address '", address, "'");
+  a.sin_port = htons(static_cast<uint16_t>(port));
   MOELINK_CHECK(inet_pton(AF_INET, address.substr(0, colon).c_str(), &a.sin_addr) == 1, "bad tcp address '",
                 address, "'");
   return a;

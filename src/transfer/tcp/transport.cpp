@@ -114,9 +114,9 @@ class TcpTransport::Impl {
     std::unordered_map<uint64_t, Pending> pending;  // outbound: by request id
   };
 
-  Impl(int rank, uint64_t secret, LocalSegments& segs, milliseconds timeout,
+  Impl(int rank, int world, uint64_t secret, LocalSegments& segs, milliseconds timeout,
        std::function<void()> ring_local, const std::string& listen_ip)
-      : rank_(rank), secret_(secret), segs_(segs), timeout_(timeout), ring_local_(std::move(ring_local)) {
+      : rank_(rank), world_(world), secret_(secret), segs_(segs), timeout_(timeout), ring_local_(std::move(ring_local)) {
     listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     MOELINK_SYSCHECK(listen_fd_, "socket");
     int one = 1;
@@ -124,15 +124,20 @@ class TcpTransport::Impl {
     sockaddr_in a{};
     a.sin_family = AF_INET;
     // Listen on the address peers are told to use (MOELINK_HOST_IP or the first interface),
-    // not on every interface; all interfaces only when that address is not local.
+    // and on no other interface.
     const std::string ip = listen_ip.empty() ? advertisedIp() : listen_ip;
     a.sin_port = 0;
-    if (inet_pton(AF_INET, ip.c_str(), &a.sin_addr) != 1 ||
-        bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) < 0) {
-      LOG(WARNING) << "moelink tcp: cannot listen on " << ip << " (" << std::strerror(errno)
-                   << "); listening on all interfaces";
-      a.sin_addr.s_addr = htonl(INADDR_ANY);
-      MOELINK_SYSCHECK(bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a), "bind");
+    if (inet_pton(AF_INET, ip.c_str(), &a.sin_addr) != 1) {
+      ::close(listen_fd_);
+      MOELINK_THROW("cannot listen on '", ip, "': not an IPv4 address (MOELINK_HOST_IP, if set, must be one of "
+                    "this host's addresses)");
+    }
+    if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) < 0) {
+      const int e = errno;
+      ::close(listen_fd_);
+      MOELINK_THROW("cannot listen on ", ip, ": ", std::strerror(e),
+                    e == EADDRNOTAVAIL ? " (it is not an address of this host; MOELINK_HOST_IP, if set, must be one)"
+                                       : "");
     }
     MOELINK_SYSCHECK(listen(listen_fd_, 128), "listen");
     socklen_t len = sizeof a;
@@ -477,9 +482,8 @@ class TcpTransport::Impl {
         wire::Hello h;
         std::memcpy(&h, p, sizeof h);
         c.rpos += sizeof h;
-        if (h.magic != wire::kHelloMagic || h.secret != secret_) {
-          logRejection(c.from, str("rejected a connection from ", c.from, " that claimed rank ", h.rank,
-                                   " (bad magic or group secret)"));
+        if (std::string why = wire::checkHello(h, secret_, world_); !why.empty()) {
+          logRejection(c.from, str("rejected a connection from ", c.from, ": ", why));
           closeConn(c, "bad handshake", false);
           return false;
         }
@@ -741,6 +745,7 @@ class TcpTransport::Impl {
   }
 
   int rank_;
+  int world_;
   uint64_t secret_;
   LocalSegments& segs_;
   milliseconds timeout_;
@@ -772,9 +777,16 @@ class TcpTransport::Impl {
   std::function<void()> ring_local_;
 };
 
-TcpTransport::TcpTransport(int rank, uint64_t secret, LocalSegments& segments,
+TcpTransport::TcpTransport(int rank, int world_size, uint64_t secret, LocalSegments& segments,
                            milliseconds connect_timeout, std::function<void()> ring_local, const std::string& ip)
-    : impl_(std::make_unique<Impl>(rank, secret, segments, connect_timeout, std::move(ring_local), ip)) {}
+    : impl_(std::make_unique<Impl>(rank, world_size, secret, segments, connect_timeout, std::move(ring_local), ip)) {}
+
+std::string wire::checkHello(const Hello& h, uint64_t secret, int world_size) {
+  if (h.magic != kHelloMagic || h.secret != secret) return str("it claimed rank ", h.rank, " (bad magic or group secret)");
+  if (h.rank < 0 || h.rank >= world_size) return str("it claimed rank ", h.rank, ", outside the group of ", world_size);
+  if (h.reserved != 0) return str("it claimed rank ", h.rank, " with a non-zero reserved field");
+  return "";
+}
 
 TcpTransport::~TcpTransport() = default;
 

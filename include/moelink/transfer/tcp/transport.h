@@ -30,8 +30,9 @@ class TcpTransport : public Transport {
   // `ring_local` rings this process's doorbell: called after applying a peer's write
   // flagged notify, and after this side's requests complete or fail.
   // `ip`: the address to listen on and advertise ("": MOELINK_HOST_IP, or the first interface;
-  // see advertisedIp()).
-  TcpTransport(int rank, uint64_t secret, LocalSegments& segments,
+  // see advertisedIp()); one that is not an address of this host is an error (nothing
+  // listens on other interfaces instead). Handshakes must name a rank below `world_size`.
+  TcpTransport(int rank, int world_size, uint64_t secret, LocalSegments& segments,
                std::chrono::milliseconds connect_timeout, std::function<void()> ring_local,
                const std::string& ip = "");
   ~TcpTransport() override;
@@ -66,6 +67,9 @@ struct Hello {
   int32_t rank;
   int32_t reserved;
 };
+// "" when `h` opens a connection of this group (its magic and secret, a rank of the group, the
+// reserved field zero), else why not.
+std::string checkHello(const Hello& h, uint64_t secret, int world_size);
 enum FrameType : uint32_t { kWrite = 1, kRead = 2, kWriteAck = 3, kReadData = 4 };
 enum FrameStatus : uint32_t { kOk = 0, kOutOfBounds = 1 };
 // kNoAck (writes): acknowledged only when rejected; the sender counts it complete once sent,
