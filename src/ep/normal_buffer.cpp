@@ -191,6 +191,9 @@ void NormalBuffer::checkHealthy() {
   if (code != 0) {
     const int peer = report_->error_rank;
     broken_ = true;
+    TORCH_CHECK(code != 6, "moelink normal mode: rank ", peer, " sent token counts that cannot be right (negative, or "
+                "more than 2^30 rows in all): a corrupt or mismatched peer; nothing was placed by them and the buffer "
+                "is unusable");
     TORCH_CHECK(false, "moelink normal mode: a kernel gave up waiting on rank ", peer, " for ", errorWhat(code),
                 " (timeout_us / MOELINK_EP_TIMEOUT_US); its results are incomplete and the buffer is unusable");
   }

@@ -366,7 +366,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
           if (v == 0) atomicExch(a.c.active + s, 0);  // timed out: masked
         }
         resetSignal(count);  // ready for the round after next
-        s_n[s] = v ? -v - 1 : 0;
+        int n = v ? -v - 1 : 0;
+        // NOTES: a peer wrote this count: one outside [0, max_tokens] would lay this expert's
+        // rows out past its region, so such a source is masked as one that timed out.
+        if (n < 0 || n > L.max_tokens) {
+          atomicExch(a.c.active + s, 0);
+          n = 0;
+        }
+        s_n[s] = n;
       }
       __syncthreads();
       if (tid == 0) {

@@ -131,7 +131,15 @@ __global__ void __launch_bounds__(kThreads, 1) notifyKernel(NotifyArgs a) {
       int acc = 0;
       for (int c = 0; c < C; ++c) {
         a.recv_channel_prefix[s * (C + 1) + c] = acc;
-        acc += ldVolatile(area + s * L.notify_ints + c);
+        // NOTES: a peer wrote this count: a negative one, or one that would take the row
+        // numbering past 2^30, is refused (error 6, raised on the host) and counts as nothing,
+        // so that no row is placed outside the outputs sized from these counts.
+        int v = ldVolatile(area + s * L.notify_ints + c);
+        if (v < 0 || static_cast<int64_t>(rows) + acc + v > (1 << 30)) {
+          reportError(a.report, 6, s);
+          v = 0;
+        }
+        acc += v;
       }
       a.recv_channel_prefix[s * (C + 1) + C] = acc;
       a.rank_prefix[s] = rows += acc;
