@@ -93,6 +93,10 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def_property_readonly("timeout", &EpBackend::timeout)
       .def_property_readonly("store", &EpBackend::store);
 
+  m.def("_shutdown_all", &EpBackend::shutdownAll, py::call_guard<py::gil_scoped_release>(),
+        "Shuts down every 'ep' backend of this process (moelink's atexit hook: no worker thread outlives the "
+        "interpreter).");
+
   m.def(
       "failed_ranks",
       [](const c10::intrusive_ptr<c10d::Work>& work) { return EpBackend::lostRanksOf(work); },

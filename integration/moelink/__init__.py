@@ -42,6 +42,8 @@ CUDA tensors (read at a group's first CUDA op; see the README's "CUDA tensors"):
 
 from __future__ import annotations
 
+import atexit
+
 import torch
 import torch.distributed as dist
 
@@ -137,6 +139,12 @@ def _register() -> None:
 
 
 _register()
+
+# At interpreter exit, before Python starts tearing itself down: stop every group's worker
+# threads (as destroy_process_group would), so that none of them completes an op, and with it
+# runs a Python callback or drops a Python object, once the interpreter is half gone. Groups
+# are unusable after this; a script that destroys its groups itself is not affected.
+atexit.register(_C._shutdown_all)
 
 
 def get_backend(group=None) -> "_C.EpBackend":

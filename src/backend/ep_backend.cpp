@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <set>
 #include <condition_variable>
 
 #include <c10/util/Exception.h>
@@ -336,6 +337,20 @@ static std::string localOnlyListener(const c10::intrusive_ptr<c10d::Store>& stor
 
 // ---- the backend ----
 
+namespace {
+
+// The backends of this process that have not been destroyed (EpBackend::shutdownAll).
+struct LiveBackends {
+  std::mutex mu;
+  std::set<EpBackend*> all;
+};
+LiveBackends& liveBackends() {
+  static auto* b = new LiveBackends;  // never destroyed: backends may outlive static destruction
+  return *b;
+}
+
+}  // namespace
+
 EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                      milliseconds timeout, Options options)
     : c10d::Backend(rank, size),
@@ -359,11 +374,27 @@ EpBackend::EpBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int
   } catch (const moelink::Error& e) {
     TORCH_CHECK(false, "moelink: could not set up backend 'ep' (rank ", rank, " of ", size, "): ", e.what());
   }
+  std::lock_guard<std::mutex> g(liveBackends().mu);
+  liveBackends().all.insert(this);
 }
 
-EpBackend::~EpBackend() { shutdown(); }
+EpBackend::~EpBackend() {
+  {
+    std::lock_guard<std::mutex> g(liveBackends().mu);
+    liveBackends().all.erase(this);
+  }
+  shutdown();
+}
+
+void EpBackend::shutdownAll() {
+  // NOTES: under the registry's lock, so that a backend being destroyed meanwhile waits in its
+  // destructor (still whole) until this is done with it.
+  std::lock_guard<std::mutex> g(liveBackends().mu);
+  for (EpBackend* b : liveBackends().all) b->shutdown();
+}
 
 void EpBackend::shutdown() {
+  std::lock_guard<std::mutex> once(shutdown_mu_);
   // The worker first: it fails what has not finished, which also releases GPU streams that
   // wait for host-staged ops; then the CUDA unit drains its streams; the engine last.
   worker_.reset();

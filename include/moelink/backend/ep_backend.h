@@ -132,6 +132,10 @@ class EpBackend : public c10d::Backend {
                                                int tag) override;
 
   void shutdown() override;
+  // Shuts down every backend of this process that is not destroyed yet: run at interpreter
+  // exit (integration's atexit hook), so that no worker thread is left to complete an op, and
+  // so touch Python, once the interpreter is being torn down.
+  static void shutdownAll();
 
 #if MOELINK_C10D_SHRINK
   // torch.distributed.shrink_group (ep_backend_shrink.cpp): the ranks that stay build a new
@@ -197,6 +201,7 @@ class EpBackend : public c10d::Backend {
   std::shared_ptr<transfer::MetadataStore> store_;
   std::unique_ptr<transfer::TransferEngine> engine_;
   std::unique_ptr<collective::CollectiveWorker> worker_;
+  std::mutex shutdown_mu_;  // shutdown() may come from c10d, the destructor and shutdownAll at once
   mutable std::mutex cuda_mu_;
   std::unique_ptr<CudaCollectives> cuda_;
 };
