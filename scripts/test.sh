@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ tests (GoogleTest through ctest, then again under ASan + UBSan,
 # scripts/sanitize.sh, and the engine's and worker's under TSan, scripts/tsan.sh), the Python
-# tests (pytest, multi-process groups over backend "ep"), then the tcp wire fuzzer for a bounded
-# time (scripts/fuzz.sh).
+# tests (pytest, multi-process groups over backend "ep"), then the fuzzers (the tcp wire, and the
+# messages peers write into a rank's memory) for a bounded time each (scripts/fuzz.sh).
 # Installs and builds first. GPU tests skip cleanly without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,6 @@ echo "[moelink test] Python tests"
 export PYTHONPATH="$(pwd)/integration${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -m pytest tests/python -q "$@"
 if [ "${MOELINK_SKIP_FUZZ:-0}" != 1 ]; then
-  echo "[moelink test] tcp wire fuzzer, ${MOELINK_FUZZ_SECONDS:-60} s"
+  echo "[moelink test] fuzzers, ${MOELINK_FUZZ_SECONDS:-60} s each"
   bash scripts/fuzz.sh "${MOELINK_FUZZ_SECONDS:-60}"
 fi
