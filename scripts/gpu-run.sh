@@ -1,48 +1,153 @@
 #!/usr/bin/env bash
-# GPU-machine batch: builds into build-dev, then runs the named stages, writing logs and plots
-# to $OUT (default ./gpu-out). Stages: gtest gtestall test proxy ibgda quick bench4 bench2
-# benchnotma benchp benchi ctest cudatest cudabench cudasmall cudabenchhost elastic elasticgpu normal benchnormal.
-# cudabench: 8 KiB-1 GiB beside NCCL; cudasmall: 8-256 KiB, latency, host issue time and time per op replayed in a CUDA graph beside NCCL; both on `GPUS` ranks
-# (default 2; GPUS=1: without peers).
-# MOELINK_TEST_SHARE_GPU=1 runs the 2-GPU tests (elasticgpu, normal) on one GPU. Env: ITERS, TRACE=1 (phase breakdown), BT/TT/PT (timeouts, s),
-# NK (a pytest -k filter for the normal stage).
+# The GPU machine's batch: builds into build-dev, then runs the named stages in order, each under
+# its own timeout with its whole output in $OUT/<stage>.log (OUT defaults to ./gpu-out; plots go
+# there too), and prints what each printed last. Ends with "N stages passed, M failed (...)" and
+# exits non-zero when a stage failed (its exit status is in the summary; 124: timed out). An
+# unknown stage name is an error before anything is built.
+#
+#   bash scripts/gpu-run.sh cudatest normal      # stages from the table below
+#   bash scripts/gpu-run.sh all4                 # every 4-GPU test and benchmark
+#   bash scripts/gpu-run.sh list                 # the table
+#
+# Env: GPUS (ranks of cudabench/cudasmall/benchnormal, default 2), ITERS (benchmark iterations),
+# TRACE=1 (phase breakdown in bench4), NK (a pytest -k filter for the normal stage), EPT (EP
+# timeout in us for the EP tests), STAGE_TIMEOUT (seconds, overrides every stage's own).
+# MOELINK_TEST_SHARE_GPU=1 runs the multi-GPU tests as processes sharing one GPU.
 # On the lent GPU machine (no apt), `.devdeps/unpack.sh` (from ../shared/tools/device-deps.sh)
-# provides glog, gflags, GTest and rdma-core headers; elsewhere they come from scripts/install.sh.
-[ -f .devdeps/unpack.sh ] && source .devdeps/unpack.sh
-OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-(python3 -c "import pytest" 2>/dev/null || pip install -q --no-index .devdeps/wheels/*.whl) >/dev/null 2>&1
-T0=$(date +%s)
-st() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
-st build
-cmake -S . -B build-dev -G Ninja -DPython3_EXECUTABLE=$(which python3) > $OUT/cmake.log 2>&1 || { tail -30 $OUT/cmake.log; exit 1; }
-ninja -C build-dev > $OUT/build.log 2>&1 || { grep -E "error" -A5 $OUT/build.log | head -60; exit 1; }
-export PYTHONPATH=$PWD/integration
+# provides glog, gflags, GTest and rdma-core headers; elsewhere scripts/install.sh does.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# name | timeout (s) | what it runs
+STAGES="
+gtest         | 150 | the IBGDA C++ tests (WQE encoders on GPU threads, the emulated NIC)
+gtestall      | 300 | every C++ test
+ctest         | 600 | every C++ test through ctest
+test          | 500 | EP buffer low-latency tests (tests/python/test_ep_buffer.py, IBGDA cases excluded)
+ibgda         | 300 | EP buffer over the emulated IBGDA NIC
+proxy         | 300 | EP buffer over the CPU proxy (virtual hosts)
+normal        | 500 | EP normal mode on the GPU (tests/python/test_ep_normal_gpu.py)
+cudatest      | 400 | CUDA collectives (tests/python/test_cuda_collectives.py), both routes
+elastic       | 500 | elastic membership (tests/python/test_elastic.py)
+elasticgpu    | 400 | elastic membership, the GPU cases
+exitgpu       | 300 | early exit with CUDA ops in flight keeps the script's status (test_exit_status.py)
+all           | 900 | every Python test
+quick         | 150 | the quickstart under torchrun, 4 ranks
+bench2        | 200 | EP low-latency benchmark, 2 GPUs
+bench4        | 200 | EP low-latency benchmark, 4 GPUs
+benchnotma    | 200 | EP low-latency benchmark, 4 GPUs, warp stores instead of TMA
+benchp        | 200 | EP low-latency benchmark, 4 GPUs as 2 virtual hosts (CPU proxy)
+benchi        | 200 | EP low-latency benchmark, 4 GPUs as 2 virtual hosts (emulated IBGDA)
+benchnormal   | 400 | EP normal-mode benchmark beside DeepEP v1 (when .devdeps/deepep is there)
+cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
+cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
+cudabenchhost | 400 | CUDA collectives over the host route (virtual hosts of 1) beside NCCL
+"
+# all4: every 4-GPU test and benchmark in one call.
+ALL4="gtestall test ibgda proxy normal cudatest elastic exitgpu quick bench4 benchp benchi benchnormal cudabench cudasmall"
+
+declare -A TIMEOUT WHAT
+ORDER=()
+trim() { local v="$1"; v="${v#"${v%%[![:space:]]*}"}"; echo "${v%"${v##*[![:space:]]}"}"; }
+while IFS='|' read -r name secs what; do
+  name=$(trim "$name")
+  [ -n "$name" ] || continue
+  TIMEOUT[$name]=$(trim "$secs")
+  WHAT[$name]=$(trim "$what")
+  ORDER+=("$name")
+done <<< "$STAGES"
+
+if [ $# -eq 0 ] || [ "$1" = list ]; then
+  for n in "${ORDER[@]}"; do printf "%-14s %4ss  %s\n" "$n" "${TIMEOUT[$n]}" "${WHAT[$n]}"; done
+  echo "all4           (every 4-GPU test and benchmark: $ALL4)"
+  exit 0
+fi
+REQUESTED=()
 for s in "$@"; do
-  case $s in
-    gtest) st gtest; timeout 120 ./build-dev/tests/cpp/moelink_cpp_tests --gtest_filter='Ibgda*' 2>&1 | tail -6 ;;
-    bench4) st bench4; timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters ${ITERS:-200} ${TRACE:+--trace} --out $OUT/ep4.png 2>&1 | tail -40 ;;
-    benchnotma) st benchnotma; MOELINK_EP_TMA=0 timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters ${ITERS:-200} ${TRACE:+--trace} --out $OUT/ep4-warpstores.png 2>&1 | tail -40 ;;
-    bench2) st bench2; timeout ${BT:-150} python3 examples/bench/ep.py --gpus 2 --iters ${ITERS:-200} --out $OUT/ep2.png 2>&1 | tail -12 ;;
-    benchp) st benchproxy; MOELINK_EP_RANKS_PER_HOST=2 timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters 50 --out $OUT/ep4proxy.png 2>&1 | tail -12 ;;
-    test) st test; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${TT:-400} python3 -m pytest -q test_ep_buffer.py -k 'not ibgda' > $OUT/test.log 2>&1; grep -E "Error|assert|passed|failed|FAILED" $OUT/test.log | grep -v "^frame" | head -30) ;;
-    ibgda) st ibgda; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${IT:-300} python3 -m pytest -q test_ep_buffer.py -k ibgda > $OUT/ibgda.log 2>&1; grep -E "Error|error|assert|passed|failed" $OUT/ibgda.log | grep -v "^frame" | head -30) ;;
-    benchi) st benchibgda; MOELINK_EP_RANKS_PER_HOST=2 MOELINK_EP_IBGDA=emulate timeout ${BT:-150} python3 examples/bench/ep.py --gpus 4 --iters 20 --out $OUT/ep4ibgda.png 2>&1 | tail -12 ;;
-    proxy) st proxy; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${PT:-300} python3 -m pytest -q test_ep_buffer.py -k proxy > $OUT/proxy.log 2>&1; grep -E "Error|error|assert|passed|failed" $OUT/proxy.log | grep -v "^frame" | head -30) ;;
-    all) st all-tests; (cd tests/python && timeout ${AT:-500} python3 -m pytest -q . 2>&1 | tail -15) ;;
-    gtestall) st gtestall; timeout 150 ./build-dev/tests/cpp/moelink_cpp_tests > $OUT/gtest.log 2>&1; tail -4 $OUT/gtest.log; grep -E "FAILED|SKIPPED" $OUT/gtest.log | head ;;
-    quick) st quickstart; timeout 120 torchrun --nproc-per-node 4 examples/quickstart.py 2>&1 | grep -v "^W1\|OMP_NUM\|\*\*\*\*" | tail -12 ;;
-    cudatest) st cudatest; (cd tests/python && timeout ${CT:-300} python3 -m pytest -q -rf test_cuda_collectives.py > $OUT/cudatest.log 2>&1; grep -E "^FAILED|passed|failed" $OUT/cudatest.log | head -40) ;;
-    cudabench) st cudabench; timeout ${BT:-300} python3 examples/bench/collectives.py --device cuda --gpus ${GPUS:-2} --iters ${ITERS:-20} --min-bytes 8192 --max-bytes $((1 << 30)) --out $OUT/cuda2.png 2>&1 | tail -60 ;;
-    cudasmall) st cudasmall; timeout ${BT:-300} python3 examples/bench/collectives.py --device cuda --gpus ${GPUS:-2} --issue --graph --iters ${ITERS:-20} --min-bytes 8192 --max-bytes 262144 --out $OUT/cudasmall.png 2>&1 | grep -v -i warn | tail -82 ;;
-    cudabenchhost) st cudabenchhost; MOELINK_RANKS_PER_HOST=1 timeout ${BT:-300} python3 examples/bench/collectives.py --device cuda --gpus 2 --iters ${ITERS:-10} --min-bytes 8192 --max-bytes $((256 << 20)) --ops all_reduce,all_gather --out $OUT/cuda2host.png 2>&1 | tail -30 ;;
-    elastic) st elastic; (cd tests/python && timeout ${ET:-400} python3 -m pytest -q -rs -rf test_elastic.py > $OUT/elastic.log 2>&1; grep -E "^FAILED|^SKIPPED|passed|failed|Error:" $OUT/elastic.log | grep -v "^frame" | head -30) ;;
-    elasticgpu) st elasticgpu; (cd tests/python && timeout ${ET:-300} python3 -m pytest -q -rs -rf test_elastic.py -k gpu > $OUT/elasticgpu.log 2>&1; grep -E "^FAILED|^SKIPPED|passed|failed|Error" $OUT/elasticgpu.log | grep -v "^frame" | head -30) ;;
-    normal) st normal; (cd tests/python && MOELINK_EP_TIMEOUT_US=${EPT:-5000000} timeout ${NT:-400} python3 -m pytest -q -rf test_ep_normal_gpu.py ${NK:+-k "$NK"} --durations=5 > $OUT/normal.log 2>&1; grep -E "^FAILED|passed|failed|Error" $OUT/normal.log | grep -v "^frame" | head -30) ;;
-    benchnormal) st benchnormal; ([ -f .devdeps/deepep/build.sh ] && bash .devdeps/deepep/build.sh && export PYTHONPATH=$PWD/.devdeps/deepep:$PYTHONPATH
-      timeout ${BT:-300} python3 examples/bench/ep_normal.py --gpus ${GPUS:-2} --deepep ${NBARGS:-} --out $OUT/ep_normal.png > $OUT/ep_normal.log 2>&1
-      grep -vE "^[WI][0-9]|^\[rank|warn" $OUT/ep_normal.log | tail -40) ;;
-    ctest) st ctest; ctest --test-dir build-dev -j 8 2>&1 | tail -5 ;;
-  esac
+  if [ "$s" = all4 ]; then
+    REQUESTED+=($ALL4)
+  elif [ -n "${TIMEOUT[$s]+x}" ]; then
+    REQUESTED+=("$s")
+  else
+    echo "gpu-run: unknown stage '$s' (bash scripts/gpu-run.sh list)" >&2
+    exit 2
+  fi
 done
-st done
+
+[ -f .devdeps/unpack.sh ] && source .devdeps/unpack.sh
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD/integration${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import pytest" 2>/dev/null || pip install -q --no-index .devdeps/wheels/*.whl > /dev/null 2>&1 || true
+T0=$(date +%s)
+say() { echo "=== [$(($(date +%s) - T0))s] $*"; }
+
+# One function per stage: it runs in the repository root with its output going to the stage's log.
+PYTEST="python3 -m pytest -q -rf -rs"
+ep_env() { export MOELINK_EP_TIMEOUT_US=${EPT:-5000000}; }
+stage_gtest() { ./build-dev/tests/cpp/moelink_cpp_tests --gtest_filter='Ibgda*'; }
+stage_gtestall() { ./build-dev/tests/cpp/moelink_cpp_tests; }
+stage_ctest() { ctest --test-dir build-dev -j 8 --output-on-failure; }
+stage_test() { ep_env; cd tests/python && $PYTEST test_ep_buffer.py -k 'not ibgda'; }
+stage_ibgda() { ep_env; cd tests/python && $PYTEST test_ep_buffer.py -k ibgda; }
+stage_proxy() { ep_env; cd tests/python && $PYTEST test_ep_buffer.py -k proxy; }
+stage_normal() { ep_env; cd tests/python && $PYTEST test_ep_normal_gpu.py ${NK:+-k "$NK"} --durations=5; }
+stage_cudatest() { cd tests/python && $PYTEST test_cuda_collectives.py; }
+stage_elastic() { cd tests/python && $PYTEST test_elastic.py; }
+stage_elasticgpu() { cd tests/python && $PYTEST test_elastic.py -k gpu; }
+stage_exitgpu() { cd tests/python && $PYTEST test_exit_status.py -k cuda; }
+stage_all() { cd tests/python && $PYTEST .; }
+stage_quick() { torchrun --nproc-per-node 4 examples/quickstart.py; }
+bench_ep() { python3 examples/bench/ep.py --iters "${ITERS:-200}" "$@"; }
+stage_bench2() { bench_ep --gpus 2 --out "$OUT/ep2.png"; }
+stage_bench4() { bench_ep --gpus 4 ${TRACE:+--trace} --out "$OUT/ep4.png"; }
+stage_benchnotma() { MOELINK_EP_TMA=0 bench_ep --gpus 4 --out "$OUT/ep4-warpstores.png"; }
+stage_benchp() { MOELINK_EP_RANKS_PER_HOST=2 bench_ep --gpus 4 --out "$OUT/ep4proxy.png"; }
+stage_benchi() { MOELINK_EP_RANKS_PER_HOST=2 MOELINK_EP_IBGDA=emulate bench_ep --gpus 4 --out "$OUT/ep4ibgda.png"; }
+stage_benchnormal() {
+  local deepep=""
+  if [ -f .devdeps/deepep/build.sh ]; then
+    bash .devdeps/deepep/build.sh
+    export PYTHONPATH=$PWD/.devdeps/deepep:$PYTHONPATH
+    deepep=--deepep
+  fi
+  python3 examples/bench/ep_normal.py --gpus "${GPUS:-2}" $deepep ${NBARGS:-} --out "$OUT/ep_normal.png"
+}
+bench_cuda() { python3 examples/bench/collectives.py --device cuda --iters "${ITERS:-20}" "$@"; }
+stage_cudabench() { bench_cuda --gpus "${GPUS:-2}" --min-bytes 8192 --max-bytes $((1 << 30)) --out "$OUT/cuda${GPUS:-2}.png"; }
+stage_cudasmall() { bench_cuda --gpus "${GPUS:-2}" --issue --graph --min-bytes 8192 --max-bytes 262144 --out "$OUT/cudasmall${GPUS:-2}.png"; }
+stage_cudabenchhost() {
+  MOELINK_RANKS_PER_HOST=1 bench_cuda --gpus 2 --min-bytes 8192 --max-bytes $((256 << 20)) --ops all_reduce,all_gather \
+    --out "$OUT/cuda2host.png"
+}
+
+say build
+if ! { cmake -S . -B build-dev -G Ninja -DPython3_EXECUTABLE="$(command -v python3)" > "$OUT/cmake.log" 2>&1 &&
+       ninja -C build-dev > "$OUT/build.log" 2>&1; }; then
+  tail -30 "$OUT/cmake.log"; grep -E "error" -A5 "$OUT/build.log" | head -60 || tail -30 "$OUT/build.log"
+  echo "gpu-run: the build failed; 0 stages passed, ${#REQUESTED[@]} not run"
+  exit 1
+fi
+
+PASSED=() FAILED=()
+for s in "${REQUESTED[@]}"; do
+  say "$s: ${WHAT[$s]}"
+  log="$OUT/$s.log"
+  set +e
+  ( set -e; timeout "${STAGE_TIMEOUT:-${TIMEOUT[$s]}}" bash -c "$(declare -f); $(declare -p PYTEST OUT); stage_$s" ) > "$log" 2>&1
+  rc=$?
+  set -e
+  # What the stage said last, without per-rank glog lines and stack frames.
+  grep -vE "^[WI][0-9]{4} |^frame #|^\[rank[0-9]+\]:|Warning|warn\(" "$log" | tail -n 30 || true
+  if [ $rc -eq 0 ]; then
+    PASSED+=("$s")
+    echo "--- $s: passed"
+  else
+    FAILED+=("$s(exit $rc)")
+    echo "--- $s: FAILED with exit status $rc (log: $log)"
+  fi
+done
+say done
+echo "gpu-run: ${#PASSED[@]} stages passed, ${#FAILED[@]} failed${FAILED[*]:+ (${FAILED[*]})}"
+[ ${#FAILED[@]} -eq 0 ]
