@@ -10,7 +10,7 @@
 #include "moelink/backend/ep_backend.h"
 #include "moelink/ep/ibgda/probe.h"
 #ifdef MOELINK_WITH_CUDA
-#include "moelink/ep/ep_buffer.h"
+#include "moelink/ep/low_latency_buffer.h"
 #include "moelink/ep/normal_buffer.h"
 #endif
 
@@ -120,7 +120,7 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
 
 #ifdef MOELINK_WITH_CUDA
   using moelink::ep::DispatchOutputs;
-  using moelink::ep::EpBuffer;
+  using moelink::ep::LowLatencyBuffer;
   m.attr("HAS_CUDA") = true;
   py::class_<DispatchOutputs>(m, "DispatchOutputs")
       .def_readonly("recv_x", &DispatchOutputs::recv_x)
@@ -130,27 +130,27 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def_readonly("src_slot", &DispatchOutputs::src_slot)
       .def_readonly("layout_range", &DispatchOutputs::layout_range)
       .def_readonly("half", &DispatchOutputs::half);
-  py::class_<EpBuffer, std::shared_ptr<EpBuffer>>(m, "EpBuffer")
+  py::class_<LowLatencyBuffer, std::shared_ptr<LowLatencyBuffer>>(m, "LowLatencyBuffer")
       .def(py::init<const c10::intrusive_ptr<c10d::Store>&, int, int, const std::string&, int64_t, int64_t,
                     int64_t, const std::vector<int64_t>&>(),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("key"), py::arg("max_tokens"),
            py::arg("hidden"), py::arg("num_experts"), py::arg("active") = std::vector<int64_t>{},
            py::call_guard<py::gil_scoped_release>())
-      .def("nonce", &EpBuffer::nonce)
-      .def("pairs_hash", &EpBuffer::pairsHash)
-      .def("settle", &EpBuffer::settle, py::call_guard<py::gil_scoped_release>())
-      .def("update_members", &EpBuffer::updateMembers, py::arg("mask"), py::arg("nonces"), py::arg("generation"),
+      .def("nonce", &LowLatencyBuffer::nonce)
+      .def("pairs_hash", &LowLatencyBuffer::pairsHash)
+      .def("settle", &LowLatencyBuffer::settle, py::call_guard<py::gil_scoped_release>())
+      .def("update_members", &LowLatencyBuffer::updateMembers, py::arg("mask"), py::arg("nonces"), py::arg("generation"),
            py::call_guard<py::gil_scoped_release>())
-      .def_static("size_hint", &EpBuffer::sizeHint)
-      .def("dispatch", &EpBuffer::dispatch)
-      .def("dispatch_recv", &EpBuffer::dispatchRecv)
-      .def("combine", &EpBuffer::combine)
-      .def("combine_recv", &EpBuffer::combineRecv)
-      .def("transport_of", &EpBuffer::transportOf)
-      .def("proxy_transport_of", &EpBuffer::proxyTransportOf)
-      .def("active_ranks", &EpBuffer::activeRanks)
-      .def("set_trace", &EpBuffer::setTrace)
-      .def("num_sms", &EpBuffer::numSms);
+      .def_static("size_hint", &LowLatencyBuffer::sizeHint)
+      .def("dispatch", &LowLatencyBuffer::dispatch)
+      .def("dispatch_recv", &LowLatencyBuffer::dispatchRecv)
+      .def("combine", &LowLatencyBuffer::combine)
+      .def("combine_recv", &LowLatencyBuffer::combineRecv)
+      .def("transport_of", &LowLatencyBuffer::transportOf)
+      .def("proxy_transport_of", &LowLatencyBuffer::proxyTransportOf)
+      .def("active_ranks", &LowLatencyBuffer::activeRanks)
+      .def("set_trace", &LowLatencyBuffer::setTrace)
+      .def("num_sms", &LowLatencyBuffer::numSms);
   using moelink::ep::NormalBuffer;
   using moelink::ep::NormalDispatchResult;
   using moelink::ep::NormalShape;

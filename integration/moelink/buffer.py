@@ -140,13 +140,13 @@ class Buffer:
     def get_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                              num_experts: int) -> int:
         """Bytes of GPU memory a Buffer of these sizes allocates on each rank."""
-        return _C.EpBuffer.size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        return _C.LowLatencyBuffer.size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def _gpu(self):
         if self._impl is None:
             if not getattr(_C, "HAS_CUDA", False):
                 raise RuntimeError("moelink was built without CUDA (no nvcc at build time): CUDA tensors need it")
-            self._impl = _C.EpBuffer(self._backend.store, self.rank, self.num_ranks, self._key,
+            self._impl = _C.LowLatencyBuffer(self._backend.store, self.rank, self.num_ranks, self._key,
                                      self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts,
                                      list(self._backend.active_mask()))
         return self._impl
@@ -286,7 +286,7 @@ class Buffer:
                                  f"{self.hidden}] tensor, got {x.dtype} {tuple(x.shape)}")
             if topk_weights.shape != topk_idx.shape:
                 raise ValueError("moelink combine: topk_weights must be shaped like topk_idx")
-            if tuple(topk_idx.shape) != (state.num_tokens, state.num_topk):  # EpBuffer::combine checks the GPU path
+            if tuple(topk_idx.shape) != (state.num_tokens, state.num_topk):  # LowLatencyBuffer::combine checks the GPU path
                 raise ValueError(f"moelink combine: topk_idx must be the dispatch's [{state.num_tokens}, "
                                  f"{state.num_topk}] routing (the handle's), got {tuple(topk_idx.shape)}")
             result = host_ep.combine(self.group, self.num_ranks, self.hidden, x, topk_idx, topk_weights, state, out)

@@ -1,56 +1,24 @@
-// The collectives of EpBackend: validate, stage, build the op, enqueue.
+// The collectives of EpBackend: each call is validated here, on the caller's thread, then
+// handed to the unit of its tensors' device (collectives.h) with the checked arguments.
 #include <algorithm>
 #include <condition_variable>
 #include <mutex>
-#include <numeric>
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 
-#include "cuda_collectives.h"
-#include "ep_work.h"
+#include "moelink/backend/collectives.h"
 #include "moelink/backend/ep_backend.h"
+#include "moelink/backend/work.h"
 #include "moelink/collective/algorithms.h"
 #include "moelink/collective/worker.h"
 
 namespace moelink::backend {
 
-using c10d::OpType;
-using collective::DType;
-namespace algo = collective;
-
-namespace {
-
-c10::intrusive_ptr<EpWork> makeWork(int rank, OpType type, const char* title,
-                                    std::vector<at::Tensor> outputs) {
-  return c10::make_intrusive<EpWork>(rank, type, title, std::move(outputs));
+template <typename CallOptions>
+Call EpBackend::callOf(const CallOptions& opts) const {
+  return {timeoutOf(opts.timeout), opts.asyncOp};
 }
-
-// Flat contiguous buffer of the given tensors' values, in order.
-at::Tensor concat(EpWork& w, const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> flat;
-  flat.reserve(ts.size());
-  for (const auto& t : ts) flat.push_back(t.reshape({-1}));
-  at::Tensor buf = ts.empty() ? at::empty({0}) : at::cat(flat);
-  w.keep(buf);
-  return buf;
-}
-
-// Copies consecutive slices of `flat` into `outs` on success.
-void scatterBack(EpWork& w, const at::Tensor& flat, const std::vector<at::Tensor>& outs) {
-  w.keep(flat);
-  w.onSuccess([flat, outs]() mutable {
-    int64_t off = 0;
-    for (auto& o : outs) {
-      o.copy_(flat.narrow(0, off, o.numel()).view(o.sizes()));
-      off += o.numel();
-    }
-  });
-}
-
-char* ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
-
-}  // namespace
 
 c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                     const c10d::BroadcastOptions& opts) {
@@ -58,14 +26,8 @@ c10::intrusive_ptr<c10d::Work> EpBackend::broadcast(std::vector<at::Tensor>& ten
   checkSingle(tensors, "broadcast");
   checkRoot(opts.rootRank, size_, "broadcast");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink broadcast: rootTensor must be 0");
-  if (DevicePlacement("broadcast").add(tensors).cuda()) return cuda().broadcast(tensors[0], static_cast<int>(opts.rootRank), callOf(opts));
-  auto w = makeWork(rank_, OpType::BROADCAST, "ep:broadcast", tensors);
-  at::Tensor buf = inplaceBuffer(*w, tensors[0]);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::broadcastOp(c, ptr(buf), nbytes(buf), static_cast<int>(opts.rootRank));
-    spec.dtype = toDType(buf.scalar_type());
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return on(DevicePlacement("broadcast").add(tensors)).broadcast(tensors[0], static_cast<int>(opts.rootRank),
+                                                                 callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -74,15 +36,9 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce(std::vector<at::Tensor>& ten
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) return allreduceSparse(tensors, opts);
   checkSingle(tensors, "allreduce");
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce");
-  const bool on_cuda = DevicePlacement("allreduce").add(tensors).cuda();
+  Collectives& unit = on(DevicePlacement("allreduce").add(tensors));
   preMultiplyInPlace(opts.reduceOp, tensors[0]);  // PREMUL_SUM: the tensor is the output too
-  if (on_cuda) return cuda().allreduce(tensors, op, callOf(opts));
-  auto w = makeWork(rank_, OpType::ALLREDUCE, "ep:all_reduce", tensors);
-  at::Tensor buf = inplaceBuffer(*w, tensors[0]);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::allreduceOp(c, ptr(buf), buf.numel(), toDType(buf.scalar_type()), op);
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return unit.allreduce(tensors, op, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
@@ -94,16 +50,9 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduce_coalesced(
     checkSameDtype(t, tensors[0], "allreduce_coalesced");
   }
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "allreduce_coalesced");
-  const bool on_cuda = DevicePlacement("allreduce_coalesced").add(tensors).cuda();
+  Collectives& unit = on(DevicePlacement("allreduce_coalesced").add(tensors));
   for (auto& t : tensors) preMultiplyInPlace(opts.reduceOp, t);
-  if (on_cuda) return cuda().allreduce(tensors, op, callOf(opts));
-  auto w = makeWork(rank_, OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced", tensors);
-  at::Tensor flat = concat(*w, tensors);
-  scatterBack(*w, flat, tensors);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::allreduceOp(c, ptr(flat), flat.numel(), toDType(flat.scalar_type()), op);
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return unit.allreduce(tensors, op, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -113,21 +62,14 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce(std::vector<at::Tensor>& tensor
   checkRoot(opts.rootRank, size_, "reduce");
   TORCH_CHECK_VALUE(opts.rootTensor == 0, "moelink reduce: rootTensor must be 0");
   auto op = toReduceOp(opts.reduceOp, tensors[0].scalar_type(), "reduce");
-  const bool on_cuda = DevicePlacement("reduce").add(tensors).cuda();
+  Collectives& unit = on(DevicePlacement("reduce").add(tensors));
   // PREMUL_SUM: the root's tensor receives the result; the others' stay as they were.
-  std::vector<at::Tensor> in = tensors;
+  at::Tensor in = tensors[0];
   if (rank_ == opts.rootRank)
-    preMultiplyInPlace(opts.reduceOp, in[0]);
+    preMultiplyInPlace(opts.reduceOp, in);
   else
-    in[0] = preMultiplied(opts.reduceOp, tensors[0]);
-  if (on_cuda) return cuda().reduce(in[0], op, static_cast<int>(opts.rootRank), callOf(opts));
-  auto w = makeWork(rank_, OpType::REDUCE, "ep:reduce", in);
-  at::Tensor buf = inplaceBuffer(*w, in[0]);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::reduceOp(c, ptr(buf), ptr(buf), buf.numel(), toDType(buf.scalar_type()),
-                             op, static_cast<int>(opts.rootRank));
-    return spec;
-  }, timeoutOf(opts.timeout));
+    in = preMultiplied(opts.reduceOp, tensors[0]);
+  return unit.reduce(in, op, static_cast<int>(opts.rootRank), callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -137,16 +79,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather(std::vector<std::vector<at::
   checkSingle(inputs, "allgather");
   TORCH_CHECK_VALUE(outputs.size() == 1, "moelink allgather: expects one output list per process");
   checkList(outputs[0], inputs[0], size_, "allgather", "the output list");
-  if (DevicePlacement("allgather").add(outputs).add(inputs).cuda()) return cuda().allgather(outputs[0], inputs[0], callOf(opts));
-  auto w = makeWork(rank_, OpType::ALLGATHER, "ep:all_gather", outputs[0]);
-  at::Tensor in = inputBuffer(*w, inputs[0]);
-  at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-  scatterBack(*w, flat, outputs[0]);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::allgatherOp(c, ptr(in), ptr(flat), nbytes(in));
-    spec.dtype = toDType(in.scalar_type());
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return on(DevicePlacement("allgather").add(outputs).add(inputs)).allgather(outputs[0], inputs[0], callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -158,15 +91,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_allgather_base(at::Tensor& output, at
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "moelink all_gather_into_tensor: output has ",
                     output.numel(), " elements, expected ", input.numel() * size_, " (input ",
                     input.numel(), " x group size ", size_, ")");
-  if (DevicePlacement("all_gather_into_tensor").add(output).add(input).cuda()) return cuda().allgather(output, input, callOf(opts));
-  auto w = makeWork(rank_, OpType::_ALLGATHER_BASE, "ep:_all_gather_base", {output});
-  at::Tensor in = inputBuffer(*w, input);
-  at::Tensor out = outputBuffer(*w, output);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::allgatherOp(c, ptr(in), ptr(out), nbytes(in));
-    spec.dtype = toDType(in.scalar_type());
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return on(DevicePlacement("all_gather_into_tensor").add(output).add(input)).allgather(output, input, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
@@ -183,26 +108,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_into_tensor_coalesced(
     TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, "moelink ", name, ": output ", i,
                       " has ", outputs[i].numel(), " elements, expected ", inputs[i].numel() * size_);
   }
-  if (DevicePlacement("allgather_into_tensor_coalesced").add(outputs).add(inputs).cuda()) return cuda().allgatherCoalesced(outputs, inputs, callOf(opts));
-  auto w = makeWork(rank_, OpType::COALESCED, "ep:allgather_into_tensor_coalesced", outputs);
-  at::Tensor in = concat(*w, inputs);
-  at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-  w->keep(flat);
-  // flat is [rank][input 0 | input 1 | ...]; output i gathers every rank's input i.
-  w->onSuccess([flat, outputs, inputs, size = size_]() mutable {
-    int64_t per_rank = flat.numel() / size, off = 0;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      int64_t n = inputs[i].numel();
-      at::Tensor src = flat.view({size, per_rank}).narrow(1, off, n);
-      outputs[i].copy_(src.reshape(outputs[i].sizes()));
-      off += n;
-    }
-  });
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::allgatherOp(c, ptr(in), ptr(flat), nbytes(in));
-    spec.dtype = toDType(in.scalar_type());
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return on(DevicePlacement(name).add(outputs).add(inputs)).allgatherCoalesced(outputs, inputs, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -213,7 +119,6 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_coalesced(std::vector<std::v
   TORCH_CHECK_VALUE(!inputs.empty(), "moelink ", name, ": no input tensors");
   TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "moelink ", name,
                     ": needs one output list per rank (", size_, "), got ", outputs.size());
-  std::vector<at::Tensor> all_out;
   for (const auto& t : inputs) {
     checkTensor(t, name);
     checkSameDtype(t, inputs[0], name);
@@ -226,45 +131,9 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allgather_coalesced(std::vector<std::v
       checkSameDtype(outputs[r][j], inputs[0], name);
       TORCH_CHECK_VALUE(outputs[r][j].numel() == inputs[j].numel(), "moelink ", name, ": output ", r, "/", j,
                         " has ", outputs[r][j].numel(), " elements, input ", j, " has ", inputs[j].numel());
-      all_out.push_back(outputs[r][j]);
     }
   }
-  // outputs[r][j] <- flat[r][input j]: one all-gather of the concatenated inputs.
-  auto place = [outputs, inputs, size = size_](const at::Tensor& flat) mutable {
-    const int64_t per_rank = flat.numel() / size;
-    for (int r = 0; r < size; ++r) {
-      int64_t off = 0;
-      for (size_t j = 0; j < inputs.size(); ++j) {
-        const int64_t n = inputs[j].numel();
-        outputs[r][j].copy_(flat.narrow(0, r * per_rank + off, n).view(outputs[r][j].sizes()));
-        off += n;
-      }
-    }
-  };
-  if (DevicePlacement(name).add(outputs).add(inputs).cuda()) {
-    int64_t total = 0;
-    for (const auto& t : inputs) total += t.numel();
-    std::vector<at::Tensor> flat_in{at::cat([&] {
-      std::vector<at::Tensor> v;
-      for (const auto& t : inputs) v.push_back(t.reshape({-1}));
-      return v;
-    }())};
-    at::Tensor flat = at::empty({total * size_}, inputs[0].options());
-    auto work = cuda().allgather(flat, flat_in[0], callOf(opts));
-    work->wait();  // the current stream waits for the op; the copies below follow it
-    place(flat);
-    return work;
-  }
-  auto w = makeWork(rank_, OpType::ALLGATHER_COALESCED, "ep:all_gather_coalesced", all_out);
-  at::Tensor in = concat(*w, inputs);
-  at::Tensor flat = at::empty({in.numel() * size_}, in.options());
-  w->keep(flat);
-  w->onSuccess([flat, place]() mutable { place(flat); });
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::allgatherOp(c, ptr(in), ptr(flat), nbytes(in));
-    spec.dtype = toDType(in.scalar_type());
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return on(DevicePlacement(name).add(outputs).add(inputs)).allgatherLists(outputs, inputs, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::gather_into_tensor(at::Tensor& output, at::Tensor& input,
@@ -303,19 +172,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::gather(std::vector<std::vector<at::Ten
     TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()),
                       "moelink gather: only the root (rank ", root, ") takes an output list");
   }
-  if (DevicePlacement("gather").add(outputs).add(inputs).cuda()) return cuda().gather(outs, inputs[0], root, callOf(opts));
-  auto w = makeWork(rank_, OpType::GATHER, "ep:gather", outs);
-  at::Tensor in = inputBuffer(*w, inputs[0]);
-  at::Tensor flat;
-  if (rank_ == root) {
-    flat = at::empty({in.numel() * size_}, in.options());
-    scatterBack(*w, flat, outs);
-  }
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::gatherOp(c, ptr(in), flat.defined() ? ptr(flat) : nullptr, nbytes(in), root);
-    spec.dtype = toDType(in.scalar_type());
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return on(DevicePlacement("gather").add(outputs).add(inputs)).gather(outs, inputs[0], root, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -332,18 +189,8 @@ c10::intrusive_ptr<c10d::Work> EpBackend::scatter(std::vector<at::Tensor>& outpu
     TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()),
                       "moelink scatter: only the root (rank ", root, ") takes an input list");
   }
-  if (DevicePlacement("scatter").add(outputs).add(inputs).cuda())
-    return cuda().scatter(outputs[0], rank_ == root ? inputs[0] : std::vector<at::Tensor>{}, root,
-                          callOf(opts));
-  auto w = makeWork(rank_, OpType::SCATTER, "ep:scatter", outputs);
-  at::Tensor in;
-  if (rank_ == root) in = concat(*w, inputs[0]);
-  at::Tensor out = outputBuffer(*w, outputs[0]);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::scatterOp(c, in.defined() ? ptr(in) : nullptr, ptr(out), nbytes(out), root);
-    spec.dtype = toDType(out.scalar_type());
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return on(DevicePlacement("scatter").add(outputs).add(inputs))
+      .scatter(outputs[0], rank_ == root ? inputs[0] : std::vector<at::Tensor>{}, root, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -354,18 +201,10 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter(std::vector<at::Tensor>
   TORCH_CHECK_VALUE(inputs.size() == 1, "moelink reduce_scatter: expects one input list per process");
   checkList(inputs[0], outputs[0], size_, "reduce_scatter", "the input list");
   auto op = toReduceOp(opts.reduceOp, outputs[0].scalar_type(), "reduce_scatter");
-  const bool on_cuda = DevicePlacement("reduce_scatter").add(outputs).add(inputs).cuda();
+  Collectives& unit = on(DevicePlacement("reduce_scatter").add(outputs).add(inputs));
   std::vector<at::Tensor> ins;
   for (const auto& t : inputs[0]) ins.push_back(preMultiplied(opts.reduceOp, t));  // PREMUL_SUM
-  if (on_cuda) return cuda().reduceScatter(outputs[0], ins, op, callOf(opts));
-  auto w = makeWork(rank_, OpType::REDUCE_SCATTER, "ep:reduce_scatter", outputs);
-  at::Tensor in = concat(*w, ins);
-  at::Tensor out = outputBuffer(*w, outputs[0]);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::reduceScatterOp(c, ptr(in), ptr(out), out.numel(),
-                                    toDType(out.scalar_type()), op);
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return unit.reduceScatter(outputs[0], ins, op, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -379,17 +218,9 @@ c10::intrusive_ptr<c10d::Work> EpBackend::_reduce_scatter_base(at::Tensor& outpu
                     " elements, expected ", output.numel() * size_, " (output ", output.numel(),
                     " x group size ", size_, ")");
   auto op = toReduceOp(opts.reduceOp, output.scalar_type(), name);
-  const bool on_cuda = DevicePlacement("reduce_scatter_tensor").add(output).add(input).cuda();
+  Collectives& unit = on(DevicePlacement(name).add(output).add(input));
   at::Tensor scaled = preMultiplied(opts.reduceOp, input);  // PREMUL_SUM
-  if (on_cuda) return cuda().reduceScatter(output, scaled, op, callOf(opts));
-  auto w = makeWork(rank_, OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", {output});
-  at::Tensor in = inputBuffer(*w, scaled);
-  at::Tensor out = outputBuffer(*w, output);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::reduceScatterOp(c, ptr(in), ptr(out), out.numel(),
-                                    toDType(out.scalar_type()), op);
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return unit.reduceScatter(output, scaled, op, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
@@ -407,27 +238,10 @@ c10::intrusive_ptr<c10d::Work> EpBackend::reduce_scatter_tensor_coalesced(
                       " has ", inputs[i].numel(), " elements, expected ", outputs[i].numel() * size_);
   }
   auto op = toReduceOp(opts.reduceOp, inputs[0].scalar_type(), name);
-  const bool on_cuda = DevicePlacement("reduce_scatter_tensor_coalesced").add(outputs).add(inputs).cuda();
+  Collectives& unit = on(DevicePlacement(name).add(outputs).add(inputs));
   std::vector<at::Tensor> scaled;
   for (const auto& t : inputs) scaled.push_back(preMultiplied(opts.reduceOp, t));  // PREMUL_SUM
-  if (on_cuda) return cuda().reduceScatterCoalesced(outputs, scaled, op, callOf(opts));
-  auto w = makeWork(rank_, OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced", outputs);
-  // Block layout [rank][output 0 | output 1 | ...] built from each input's rank slices.
-  std::vector<at::Tensor> pieces;
-  for (int r = 0; r < size_; ++r)
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      int64_t n = outputs[i].numel();
-      pieces.push_back(scaled[i].reshape({-1}).narrow(0, r * n, n));
-    }
-  at::Tensor in = at::cat(pieces);
-  w->keep(in);
-  int64_t total = in.numel() / size_;
-  at::Tensor out = at::empty({total}, in.options());
-  scatterBack(*w, out, outputs);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::reduceScatterOp(c, ptr(in), ptr(out), total, toDType(in.scalar_type()), op);
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return unit.reduceScatterCoalesced(outputs, scaled, op, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -443,17 +257,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall_base(at::Tensor& output, at::
   // In place (input and output share memory): data received would overwrite data not yet sent,
   // so the op sends from a copy.
   at::Tensor src = at::get_overlap_status(output, input) == at::MemOverlapStatus::No ? input : input.clone();
-  if (DevicePlacement("all_to_all_single").add(output).add(src).cuda())
-    return cuda().alltoall(output, src, l, callOf(opts));
-  auto w = makeWork(rank_, OpType::ALLTOALL_BASE, "ep:all_to_all", {output});
-  at::Tensor in = inputBuffer(*w, src);
-  at::Tensor out = outputBuffer(*w, output);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::alltoallOp(c, ptr(in), l.send_off, l.send_bytes, ptr(out), l.recv_off,
-                               l.recv_bytes);
-    spec.dtype = toDType(in.scalar_type());
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return on(DevicePlacement(name).add(output).add(src)).alltoall(output, src, l, callOf(opts));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -472,19 +276,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::alltoall(std::vector<at::Tensor>& outp
   TORCH_CHECK_VALUE(inputs[rank_].numel() == outputs[rank_].numel(), "moelink ", name,
                     ": this rank's own input and output differ in size");
   PairLayout l = alltoallLayout(inputs, outputs);
-  if (DevicePlacement("all_to_all").add(outputs).add(inputs).cuda())
-    return cuda().alltoall(outputs, inputs, l, callOf(opts));
-  auto w = makeWork(rank_, OpType::ALLTOALL, "ep:all_to_all", outputs);
-  at::Tensor in = concat(*w, inputs);
-  const uint64_t ro = l.recv_off.back() + l.recv_bytes.back();
-  at::Tensor flat = at::empty({static_cast<int64_t>(ro / inputs[0].element_size())}, inputs[0].options());
-  scatterBack(*w, flat, outputs);
-  return enqueue(w, [=](const algo::AlgoContext& c) {
-    auto spec = algo::alltoallOp(c, ptr(in), l.send_off, l.send_bytes, ptr(flat), l.recv_off,
-                               l.recv_bytes);
-    spec.dtype = toDType(in.scalar_type());
-    return spec;
-  }, timeoutOf(opts.timeout));
+  return on(DevicePlacement(name).add(outputs).add(inputs)).alltoall(outputs, inputs, l, callOf(opts));
 }
 
 void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
@@ -559,41 +351,28 @@ void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all
 
 c10::intrusive_ptr<c10d::Work> EpBackend::barrier(const c10d::BarrierOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
-  auto w = makeWork(rank_, OpType::BARRIER, "ep:barrier", {});
-  return enqueue(w, [](const algo::AlgoContext& c) { return algo::barrierOp(c); }, timeoutOf(opts.timeout));
+  auto w = c10::make_intrusive<EpWork>(rank_, c10d::OpType::BARRIER, "ep:barrier", std::vector<at::Tensor>{});
+  return submitToWorker(worker(), w, [](const collective::AlgoContext& c) { return collective::barrierOp(c); },
+                        timeoutOf(opts.timeout));
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   checkSingle(tensors, "send");
   TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "moelink send: invalid destination rank ", dst,
                     " (group of ", size_, ", this rank ", rank_, ")");
-  if (DevicePlacement("send").add(tensors).cuda()) return cuda().send(tensors[0], dst, tag, CudaCall{timeout_});
-  auto w = makeWork(rank_, OpType::SEND, "ep:send", tensors);
-  at::Tensor in = inputBuffer(*w, tensors[0]);
-  worker().send(dst, ptr(in), nbytes(in), tag, [w](const std::string& err) { w->complete(err); }, timeout_);
-  return w;
+  return on(DevicePlacement("send").add(tensors)).send(tensors[0], dst, tag, Call{timeout_});
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   checkSingle(tensors, "recv");
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "moelink recv: invalid source rank ", src,
                     " (group of ", size_, ", this rank ", rank_, ")");
-  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors[0], src, tag, CudaCall{timeout_});
-  auto w = makeWork(rank_, OpType::RECV, "ep:recv", tensors);
-  at::Tensor out = outputBuffer(*w, tensors[0]);
-  worker().recv(src, ptr(out), nbytes(out), tag,
-                [w](const std::string& err, int from) { w->complete(err, from); }, timeout_);
-  return w;
+  return on(DevicePlacement("recv").add(tensors)).recv(tensors[0], src, tag, Call{timeout_});
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   checkSingle(tensors, "recv");
-  if (DevicePlacement("recv").add(tensors).cuda()) return cuda().recv(tensors[0], -1, tag, CudaCall{timeout_});
-  auto w = makeWork(rank_, OpType::RECVANYSOURCE, "ep:recvAnySource", tensors);
-  at::Tensor out = outputBuffer(*w, tensors[0]);
-  worker().recv(-1, ptr(out), nbytes(out), tag,
-                [w](const std::string& err, int from) { w->complete(err, from); }, timeout_);
-  return w;
+  return on(DevicePlacement("recv").add(tensors)).recv(tensors[0], -1, tag, Call{timeout_});
 }
 
 }  // namespace moelink::backend

@@ -6,7 +6,8 @@
 // and the call returns once the result is back on the caller's current stream.
 #include <ATen/ATen.h>
 
-#include "ep_work.h"
+#include "moelink/backend/tensor_checks.h"
+#include "moelink/backend/work.h"
 #include "moelink/backend/ep_backend.h"
 #include "moelink/collective/algorithms.h"
 
@@ -56,7 +57,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduceSparse(std::vector<at::Tensor
                                         std::vector<at::Tensor>{});
   mw->keep(meta);
   mw->keep(metas);
-  enqueue(mw, [=](const collective::AlgoContext& c) {
+  submitToWorker(worker(), mw, [=](const collective::AlgoContext& c) {
     return collective::allgatherOp(c, data(meta), data(metas), nbytes(meta));
   }, timeout)->wait();
   const int64_t width = meta.numel();
@@ -105,7 +106,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduceSparse(std::vector<at::Tensor
     *sum = at::sparse_coo_tensor(at::cat(all_idx, 1), at::cat(all_val, 0), sizes).coalesce();
     if (!on_cuda) target.copy_(*sum);
   });
-  auto work = enqueue(w, [=](const collective::AlgoContext& c) {
+  auto work = submitToWorker(worker(), w, [=](const collective::AlgoContext& c) {
     return collective::allgatherOp(c, data(send), data(recv), nbytes(send));
   }, timeout);
   if (!on_cuda) return work;

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -37,14 +38,10 @@ struct AlgoContext;
 
 namespace moelink::backend {
 
-class EpWork;
-class CudaCollectives;
-// How the caller issued an op on CUDA tensors: its timeout, and whether it is asynchronous
-// (c10d's Options::asyncOp; false: the caller waits for the work at once).
-struct CudaCall {
-  std::chrono::milliseconds timeout;
-  bool async = true;
-};
+class Collectives;
+class DevicePlacement;
+struct Call;
+struct GroupContext;
 
 // Membership options (moelink.EpOptions): on a peer's failure, complete the op in flight
 // over the survivors ("continue") or fail it everywhere ("raise"); `extension`: this
@@ -178,20 +175,16 @@ class EpBackend : public c10d::Backend {
   collective::CollectiveWorker& worker() const;
 
  private:
-  // The CUDA unit, created by the first op on CUDA tensors.
-  CudaCollectives& cuda();
+  // The unit of a call's device (collectives.h), made at the group's first op on that device
+  // (the CPU one with the group).
+  Collectives& on(const DevicePlacement& placement);
+  GroupContext groupContext() const;
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
   // ep_backend_sparse.cpp
   c10::intrusive_ptr<c10d::Work> allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
-  // What the CUDA unit needs of a call's c10d options.
-  template <typename Options>
-  CudaCall callOf(const Options& opts) const {
-    return {timeoutOf(opts.timeout), opts.asyncOp};
-  }
-  // Hands `spec` to the worker; `work` is completed with the worker's outcome.
-  c10::intrusive_ptr<c10d::Work> enqueue(
-      c10::intrusive_ptr<EpWork> work, std::function<collective::OpSpec(const collective::AlgoContext&)> build,
-      std::chrono::milliseconds timeout);
+  // What a unit needs of a call's c10d options (its timeout, whether it is asynchronous).
+  template <typename CallOptions>
+  Call callOf(const CallOptions& opts) const;
 
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> seq_collective_{0};
@@ -202,8 +195,8 @@ class EpBackend : public c10d::Backend {
   std::unique_ptr<transfer::TransferEngine> engine_;
   std::unique_ptr<collective::CollectiveWorker> worker_;
   std::mutex shutdown_mu_;  // shutdown() may come from c10d, the destructor and shutdownAll at once
-  mutable std::mutex cuda_mu_;
-  std::unique_ptr<CudaCollectives> cuda_;
+  mutable std::mutex units_mu_;
+  std::map<c10::DeviceType, std::unique_ptr<Collectives>> units_;
 };
 
 }  // namespace moelink::backend

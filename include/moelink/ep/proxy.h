@@ -4,7 +4,7 @@
 //
 // The GPU kernels write a proxy peer's messages into this rank's outbox (pinned host
 // memory mapped into the GPU) and post requests into a ring in mapped host memory (see
-// kernels.h: ProxyRing). A proxy thread turns each request into a transfer-engine WRITE
+// low_latency_kernels.h: ProxyRing). A proxy thread turns each request into a transfer-engine WRITE
 // into the peer's inbox segment: data from the outbox, or an 8-byte signal (a count or a
 // flag). Requests to one peer are applied in ring order, and the engine applies an
 // 8-byte write as one release store after the data before it, so the receiving GPU,
@@ -14,7 +14,7 @@
 // their proxies write it with a memcpy; reachable over tcp otherwise), registered with
 // CUDA as mapped memory. Its shared-memory name stays while the process lives (a readmitted
 // rank's new process opens it by name; the names of a process that died are reclaimed by the
-// next one to create a region). Layouts (per buffer half) are in ep_buffer.cpp. No torch here.
+// next one to create a region). Layouts (per buffer half) are in low_latency_buffer.cpp. No torch here.
 #pragma once
 
 #include <atomic>
@@ -26,7 +26,7 @@
 #include <thread>
 #include <vector>
 
-#include "moelink/ep/kernels.h"
+#include "moelink/ep/low_latency_kernels.h"
 
 namespace moelink::transfer {
 class TransferEngine;

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "moelink/common/device_sync.cuh"
-#include "moelink/ep/kernels.h"
+#include "moelink/ep/low_latency_kernels.h"
 
 namespace moelink::ep::kernels {
 

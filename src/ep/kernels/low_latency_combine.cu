@@ -20,7 +20,7 @@
 // rounded to bf16 once before the token's rank adds them (in fp32).
 #include <cuda_bf16.h>
 
-#include "moelink/ep/kernels.h"
+#include "moelink/ep/low_latency_kernels.h"
 #include "launch.h"
 #include "sync.cuh"
 

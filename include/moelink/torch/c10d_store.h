@@ -1,4 +1,5 @@
-// The transfer engine's MetadataStore over a c10d::Store (the group's prefixed store).
+// The transfer engine's MetadataStore over a c10d::Store (the group's prefixed store), for the
+// torch-facing units that run an engine (the backend, the EP buffer's CPU proxy).
 #pragma once
 
 #include <chrono>
@@ -9,7 +10,7 @@
 
 #include "moelink/transfer/metadata_store.h"
 
-namespace moelink::backend {
+namespace moelink {
 
 class C10dStore : public transfer::MetadataStore {
  public:
@@ -34,4 +35,4 @@ class C10dStore : public transfer::MetadataStore {
   c10::intrusive_ptr<c10d::Store> s_;
 };
 
-}  // namespace moelink::backend
+}  // namespace moelink

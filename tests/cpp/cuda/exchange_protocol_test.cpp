@@ -15,9 +15,10 @@
 
 #include <gtest/gtest.h>
 
-#include "moelink/collective/exchange.h"
+#include "moelink/cuda/exchange.h"
 
 using namespace moelink::collective;
+using namespace moelink::cuda;
 
 namespace {
 

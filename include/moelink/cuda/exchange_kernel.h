@@ -14,9 +14,9 @@
 
 #include <cstdint>
 
-#include "moelink/collective/exchange.h"
+#include "moelink/cuda/exchange.h"
 
-namespace moelink::collective {
+namespace moelink::cuda {
 
 struct ExchangeLaunch {
   // `blocks` cut every round into pieces (ExchangeTuning::blocks, the same on every rank);
@@ -44,4 +44,4 @@ struct ExchangeLaunch {
 void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, ExchangeLaunch& l);
 cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream);
 
-}  // namespace moelink::collective
+}  // namespace moelink::cuda

@@ -23,10 +23,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "moelink/collective/exchange_kernel.h"
+#include "moelink/cuda/exchange_kernel.h"
 #include "moelink/common/device_sync.cuh"
 
-namespace moelink::collective {
+namespace moelink::cuda {
 
 namespace {
 
@@ -538,4 +538,4 @@ cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace moelink::collective
+}  // namespace moelink::cuda

@@ -30,7 +30,12 @@
 #define MOELINK_HOST_DEVICE
 #endif
 
-namespace moelink::collective {
+namespace moelink::cuda {
+
+// The collective layer's vocabulary, which the plans share.
+using collective::DType;
+using collective::OpKind;
+using collective::ReduceOp;
 
 constexpr int kExchangeMaxRanks = 8;    // in-host groups larger than this are host-staged
 constexpr int kExchangeMaxBlocks = 64;  // upper bound of MOELINK_CUDA_BLOCKS
@@ -189,4 +194,4 @@ std::string describeMismatch(const ExchangeHeader& mine, const ExchangeHeader& t
 // The error text for a failed status.
 std::string describeStatus(const ExchangeStatus& s, uint64_t timeout_ms);
 
-}  // namespace moelink::collective
+}  // namespace moelink::cuda

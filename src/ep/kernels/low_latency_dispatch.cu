@@ -17,7 +17,7 @@
 
 #include <atomic>
 
-#include "moelink/ep/kernels.h"
+#include "moelink/ep/low_latency_kernels.h"
 #include "launch.h"
 #include "sync.cuh"
 

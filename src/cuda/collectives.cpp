@@ -1,9 +1,10 @@
-// The CUDA unit of EpBackend (see cuda_collectives.h). Every op is put on its stream by run()
+// The CUDA unit of backend "ep" (see collectives.h). Every op is put on its stream by run()
 // (the caller's for a synchronous group op, else the group's communication stream): the op's
 // GPU-side preparation (contiguous copies, flattened lists) is shared by both routes, and its
 // data movement is one flat collective, which flat() runs as exchange kernels (in-host) or as
 // a worker op over pinned copies (host-staged, hostFlat()).
-#include "cuda_collectives.h"
+#include "moelink/backend/collectives.h"
+#include "moelink/cuda/collectives.h"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -17,24 +18,28 @@
 
 #include <glog/logging.h>
 
-#include "cuda_runtime.h"
-#include "moelink/backend/ep_backend.h"
 #include "moelink/collective/algorithms.h"
-#include "moelink/collective/exchange_kernel.h"
 #include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
+#include "moelink/cuda/exchange_kernel.h"
 #include "moelink/transfer/records.h"
+#include "staging.h"
+#include "work.h"
 
-namespace moelink::backend {
+namespace moelink::cuda {
 
 namespace {
 
+using backend::Call;
+using backend::Collectives;
+using backend::GroupContext;
+using backend::nbytes;
+using backend::PairLayout;
+using backend::toDType;
 using c10d::OpType;
-using collective::Exchange;
-using Work = CudaCollectives::Work;
-using Tensors = CudaCollectives::Tensors;
-using Timeout = CudaCollectives::Timeout;
-using ReduceOp = collective::ReduceOp;
+using Work = Collectives::Work;
+using Tensors = Collectives::Tensors;
+using Timeout = std::chrono::milliseconds;
 namespace algo = collective;
 
 constexpr size_t kSlots = 1024;  // ops in flight per group (status and ticket rings)
@@ -77,10 +82,10 @@ Tensors joined(const Tensors& a, const Tensors& b) {
   return all;
 }
 
-class CudaCollectivesImpl final : public CudaCollectives {
+class CudaCollectives final : public Collectives {
  public:
-  explicit CudaCollectivesImpl(EpBackend& b) : b_(b), rank_(b.getRank()), size_(b.getSize()) {}
-  ~CudaCollectivesImpl() override;
+  explicit CudaCollectives(const GroupContext& g) : g_(g), rank_(g.rank), size_(g.size) {}
+  ~CudaCollectives() override;
 
   std::string path() const override {
     std::lock_guard<std::mutex> g(mu_);
@@ -93,6 +98,7 @@ class CudaCollectivesImpl final : public CudaCollectives {
   Work allgather(at::Tensor& output, at::Tensor& input, const Call& call) override;
   Work allgather(Tensors& outputs, at::Tensor& input, const Call& call) override;
   Work allgatherCoalesced(Tensors& outputs, Tensors& inputs, const Call& call) override;
+  Work allgatherLists(std::vector<Tensors>& outputs, Tensors& inputs, const Call& call) override;
   Work gather(Tensors& outputs, at::Tensor& input, int root, const Call& call) override;
   Work scatter(at::Tensor& output, const Tensors& inputs, int root, const Call& call) override;
   Work reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp op, const Call& call) override;
@@ -149,15 +155,15 @@ class CudaCollectivesImpl final : public CudaCollectives {
   std::function<void(const std::string&, int)> doneCallback(Op& op, uint32_t ticket);
   void allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop);
 
-  EpBackend& b_;
+  GroupContext g_;
   const int rank_, size_;
   mutable std::mutex mu_;  // binding
   std::mutex submit_mu_;   // putting an op on its stream
   int device_ = -1;
-  collective::ExchangeTuning tuning_;
+  ExchangeTuning tuning_;
   std::optional<c10::cuda::CUDAStream> comm_, recv_;
   std::unique_ptr<ExchangeStaging> staging_;
-  std::unique_ptr<MappedArray<collective::ExchangeStatus>> status_;  // kSlots + a sink for captured ops
+  std::unique_ptr<MappedArray<ExchangeStatus>> status_;  // kSlots + a sink for captured ops
   std::unique_ptr<MappedArray<uint32_t>> ready_, done_;
   std::unique_ptr<MappedArray<uint32_t>> abort_;  // [0]: raised on a membership change; kernels give up
   std::atomic<uint32_t*> abort_word_{nullptr};    // abort_'s word (the membership listener raises it)
@@ -194,7 +200,7 @@ class CudaCollectivesImpl final : public CudaCollectives {
   void drainGroupOps();
 };
 
-CudaCollectivesImpl::~CudaCollectivesImpl() {
+CudaCollectives::~CudaCollectives() {
   if (device_ < 0) return;
   c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device_));
   // Kernels still waiting on peers give up, so that the streams drain.
@@ -208,7 +214,7 @@ CudaCollectivesImpl::~CudaCollectivesImpl() {
   cudaEventDestroy(start_);
 }
 
-void CudaCollectivesImpl::bind(int device, const char* opname) {
+void CudaCollectives::bind(int device, const char* opname) {
   std::lock_guard<std::mutex> g(mu_);
   if (device_ >= 0) {
     TORCH_CHECK_VALUE(device == device_, "moelink ", opname, ": this rank's CUDA collectives run on cuda:", device_,
@@ -225,13 +231,13 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   TORCH_CHECK_VALUE(cs == cudaStreamCaptureStatusNone, "moelink ", opname, ": the first CUDA op of a group sets up "
                     "its GPU buffers and cannot be captured; run one CUDA collective on this group before capturing");
   try {
-    tuning_ = collective::ExchangeTuning::fromEnv();
+    tuning_ = ExchangeTuning::fromEnv();
   } catch (const moelink::Error& e) {
     TORCH_CHECK_VALUE(false, "moelink: ", e.what());
   }
   comm_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, static_cast<c10::DeviceIndex>(device));
   recv_ = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device));
-  status_ = std::make_unique<MappedArray<collective::ExchangeStatus>>(kSlots + 1);
+  status_ = std::make_unique<MappedArray<ExchangeStatus>>(kSlots + 1);
   ready_ = std::make_unique<MappedArray<uint32_t>>(kSlots);
   done_ = std::make_unique<MappedArray<uint32_t>>(kSlots);
   abort_ = std::make_unique<MappedArray<uint32_t>>(1);
@@ -239,7 +245,7 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   std::atomic<bool>* changed = &changed_;
   std::atomic<uint32_t*>* abort_word = &abort_word_;
   // The worker outlives no CUDA unit of its group (shutdown destroys the worker first).
-  b_.worker().onChange([abort_word, changed] {
+  g_.worker->onChange([abort_word, changed] {
     changed->store(true, std::memory_order_release);
     __atomic_store_n(abort_word->load(), 1u, __ATOMIC_RELEASE);
   });
@@ -250,16 +256,16 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   const char* rph_env = std::getenv("MOELINK_RANKS_PER_HOST");
   const int rph = rph_env && *rph_env ? std::atoi(rph_env) : 0;
   TORCH_CHECK_VALUE(rph >= 0, "moelink: MOELINK_RANKS_PER_HOST must be a positive integer, got ", rph_env);
-  bool one_host = size_ <= collective::kExchangeMaxRanks && (rph == 0 || rph >= size_);
-  for (int q = 0; q < size_ && one_host; ++q) one_host = b_.hostIdOf(q) == b_.hostIdOf(rank_);
+  bool one_host = size_ <= kExchangeMaxRanks && (rph == 0 || rph >= size_);
+  for (int q = 0; q < size_ && one_host; ++q) one_host = g_.host_of(q) == g_.host_of(rank_);
   capable_ = one_host;
   // The group's first areas, with every rank at its first CUDA op; after a membership change,
   // restage() sets them up at the next op, with the ranks active then.
   bool all_active = true;
-  for (int q = 0; q < size_; ++q) all_active = all_active && b_.worker().isActive(q);
-  if (one_host && all_active && b_.worker().epoch() == 0) {
+  for (int q = 0; q < size_; ++q) all_active = all_active && g_.worker->isActive(q);
+  if (one_host && all_active && g_.worker->epoch() == 0) {
     std::string why;
-    staging_ = ExchangeStaging::open(b_.store(), rank_, size_, tuning_, &why);
+    staging_ = ExchangeStaging::open(g_.store, rank_, size_, tuning_, &why);
     if (!staging_) LOG(WARNING) << "moelink: CUDA collectives go through host memory: " << why;
     staged_ = true;
     for (int q = 0; q < size_; ++q) members_.push_back(q);
@@ -267,7 +273,7 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
   } else if (one_host) {
     changed_ = true;
   }
-  collective::CollectiveWorker* worker = &b_.worker();
+  collective::CollectiveWorker* worker = g_.worker;
   completer_ = std::make_unique<Completer>(device, kSlots, [worker] { worker->watchPeers(); });
   events_ = std::make_shared<EventPool>(device);
   cudaCheck(cudaEventCreateWithFlags(&start_, cudaEventDisableTiming), "cudaEventCreate");
@@ -276,8 +282,8 @@ void CudaCollectivesImpl::bind(int device, const char* opname) {
           << (staging_ ? "nvlink" : "host");
 }
 
-uint64_t CudaCollectivesImpl::restage(const char* opname, bool capturing, uint64_t seq) {
-  collective::CollectiveWorker& w = b_.worker();
+uint64_t CudaCollectives::restage(const char* opname, bool capturing, uint64_t seq) {
+  collective::CollectiveWorker& w = *g_.worker;
   for (;;) {
     const uint64_t epoch = w.epoch();
     if (staged_ && epoch == staged_epoch_) {
@@ -312,16 +318,16 @@ uint64_t CudaCollectivesImpl::restage(const char* opname, bool capturing, uint64
     const std::string tag = std::string("e").append(std::to_string(epoch));
     const std::string seq_key = "moelink_cuda/" + tag + "/seq/";
     const std::string mine = staged_ ? std::to_string(seq) : "-";
-    b_.store()->set(seq_key + std::to_string(rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
+    g_.store->set(seq_key + std::to_string(rank_), std::vector<uint8_t>(mine.begin(), mine.end()));
     auto moved = [&w, epoch] { return w.epoch() != epoch; };
     std::string why;
-    staging_ = ExchangeStaging::open(b_.store(), rank_, size_, tuning_, &why, tag, members, moved);
+    staging_ = ExchangeStaging::open(g_.store, rank_, size_, tuning_, &why, tag, members, moved);
     if (!staging_ && moved()) continue;  // another change while setting up: over again
     uint64_t start = seq;
     bool any = false;
     for (int q : members) {
-      if (!b_.store()->check({seq_key + std::to_string(q)})) continue;  // (a failed set-up)
-      auto v = b_.store()->get(seq_key + std::to_string(q));
+      if (!g_.store->check({seq_key + std::to_string(q)})) continue;  // (a failed set-up)
+      auto v = g_.store->get(seq_key + std::to_string(q));
       const std::string text(v.begin(), v.end());
       if (text == "-") continue;
       const uint64_t theirs = transfer::parseCount(text, seq_key + std::to_string(q));
@@ -356,7 +362,7 @@ uint64_t CudaCollectivesImpl::restage(const char* opname, bool capturing, uint64
 }
 
 template <typename Body>
-Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& used, Route route, const Call& call,
+Work CudaCollectives::run(const Kind& k, Tensors outputs, const Tensors& used, Route route, const Call& call,
                               Body&& body) {
   int device = -1;
   for (const auto& t : used)
@@ -450,12 +456,12 @@ Work CudaCollectivesImpl::run(const Kind& k, Tensors outputs, const Tensors& use
   return op.work;
 }
 
-void CudaCollectivesImpl::drainGroupOps() {
+void CudaCollectives::drainGroupOps() {
   cudaCheck(cudaStreamSynchronize(comm_->stream()), "cudaStreamSynchronize");
   if (latest_.end && latest_.capture == 0) cudaCheck(cudaEventSynchronize(latest_.end->get()), "cudaEventSynchronize");
 }
 
-void CudaCollectivesImpl::exchange(Op& op, const Exchange& full, const void* in, void* out) {
+void CudaCollectives::exchange(Op& op, const Exchange& full, const void* in, void* out) {
   // Over the active ranks after a membership change: the group's plan restricted to them
   // (plans built for the sub-group already, the two-shot halves, pass as they are), with
   // zeros where an inactive rank's data would land.
@@ -464,12 +470,12 @@ void CudaCollectivesImpl::exchange(Op& op, const Exchange& full, const void* in,
   if (full.root >= 0)
     TORCH_CHECK_VALUE(std::binary_search(members_.begin(), members_.end(), full.root), "moelink: root rank ",
                       full.root, " is not active in the group (it left; moelink.recover_ranks readmits it)");
-  const Exchange x = restrict ? collective::restrictExchange(full, members_) : full;
+  const Exchange x = restrict ? restrictExchange(full, members_) : full;
   if (restrict)
-    for (auto [off, len] : collective::droppedRanges(full, members_))
+    for (auto [off, len] : droppedRanges(full, members_))
       cudaCheck(cudaMemsetAsync(static_cast<char*>(out) + off, 0, len, op.stream->stream()), "cudaMemsetAsync");
-  collective::ExchangeLaunch l;
-  collective::describeLaunch(x, me_, tuning_, l);
+  ExchangeLaunch l;
+  describeLaunch(x, me_, tuning_, l);
   l.in = static_cast<const char*>(in);
   l.out = static_cast<char*>(out);
   for (int j = 0; j < n; ++j) l.staging[j] = staging_->area(members_[j]);
@@ -480,29 +486,29 @@ void CudaCollectivesImpl::exchange(Op& op, const Exchange& full, const void* in,
   op.work->status = op.captured ? nullptr : status_->host(op.slot);
   if (op.captured) captured_since_stage_ = true;
   if (n < size_) op.work->peers = members_;
-  cudaCheck(collective::launchExchange(l, op.stream->stream()), "launching the exchange kernel");
+  cudaCheck(launchExchange(l, op.stream->stream()), "launching the exchange kernel");
 }
 
-uint32_t CudaCollectivesImpl::nextTicket() {
+uint32_t CudaCollectives::nextTicket() {
   return ++ticket_ ? ticket_ : ++ticket_;  // never 0 (the words start at 0)
 }
 
-uint32_t CudaCollectivesImpl::raiseReady(Op& op) {
+uint32_t CudaCollectives::raiseReady(Op& op) {
   const uint32_t ticket = nextTicket();
   StreamMemOps::write(op.stream->stream(), ready_->dev(op.slot), ticket);
   return ticket;
 }
 
-std::function<bool()> CudaCollectivesImpl::readyGate(const Op& op, uint32_t ticket) const {
+std::function<bool()> CudaCollectives::readyGate(const Op& op, uint32_t ticket) const {
   uint32_t* word = ready_->host(op.slot);
   return [word, ticket] { return *reinterpret_cast<volatile uint32_t*>(word) == ticket; };
 }
 
-std::function<void(const std::string&, int)> CudaCollectivesImpl::doneCallback(Op& op, uint32_t ticket) {
+std::function<void(const std::string&, int)> CudaCollectives::doneCallback(Op& op, uint32_t ticket) {
   auto outcome = std::make_shared<HostOutcome>();
   op.work->host = outcome;
   uint32_t* done = done_->host(op.slot);
-  collective::CollectiveWorker* worker = &b_.worker();
+  collective::CollectiveWorker* worker = g_.worker;
   return [outcome, done, ticket, worker](const std::string& err, int source) {
     outcome->lost = worker->opLost();  // worker thread, inside the op's completion
     outcome->set(err, source);
@@ -510,7 +516,7 @@ std::function<void(const std::string&, int)> CudaCollectivesImpl::doneCallback(O
   };
 }
 
-void CudaCollectivesImpl::hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host) {
+void CudaCollectives::hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host) {
   at::Tensor pin_in, pin_out;
   if (in.defined()) {
     pin_in = pinnedLike(in);
@@ -528,7 +534,7 @@ void CudaCollectivesImpl::hostFlat(Op& op, const at::Tensor& in, const at::Tenso
   auto gate = readyGate(op, ticket);
   auto done = doneCallback(op, ticket);
   // Built when the worker starts it (and again if a membership change reruns it).
-  b_.worker().submit(
+  g_.worker->submit(
       collective::OpBuilder([host, pi, po, dtype, gate](const algo::AlgoContext& c) {
         collective::OpSpec spec = host(c, pi, po);
         if (spec.dtype == collective::DType::kBytes) spec.dtype = dtype;
@@ -540,7 +546,7 @@ void CudaCollectivesImpl::hostFlat(Op& op, const at::Tensor& in, const at::Tenso
   if (out.defined()) out.copy_(pin_out, /*non_blocking=*/true);
 }
 
-void CudaCollectivesImpl::flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out,
+void CudaCollectives::flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out,
                                const HostSpec& host) {
   if (inHost())
     exchange(op, x, ptr(in), ptr(out));
@@ -548,7 +554,7 @@ void CudaCollectivesImpl::flat(Op& op, const Exchange& x, const at::Tensor& in, 
     hostFlat(op, in, out, host);
 }
 
-void CudaCollectivesImpl::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop) {
+void CudaCollectives::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop) {
   const auto t = toDType(buf.scalar_type());
   const uint64_t count = static_cast<uint64_t>(buf.numel());
   if (!inHost()) {
@@ -559,28 +565,28 @@ void CudaCollectivesImpl::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp 
     // Over the active ranks (all of them unless the membership changed).
     const int n = static_cast<int>(members_.size());
     if (tuning_.oneShot(n, nbytes(buf))) {
-      exchange(op, collective::exchangeAllreduceOneShot(n, me_, count, t, rop), ptr(buf), ptr(buf));
+      exchange(op, exchangeAllreduceOneShot(n, me_, count, t, rop), ptr(buf), ptr(buf));
     } else {
-      auto blocks = collective::allreduceBlocks(n, count, t);
-      exchange(op, collective::exchangeAllreduceScatter(n, me_, count, t, rop), ptr(buf),
+      auto blocks = allreduceBlocks(n, count, t);
+      exchange(op, exchangeAllreduceScatter(n, me_, count, t, rop), ptr(buf),
                ptr(buf) + blocks[me_].first * collective::elementSize(t));
-      exchange(op, collective::exchangeAllreduceGather(n, me_, count, t), ptr(buf), ptr(buf));
+      exchange(op, exchangeAllreduceGather(n, me_, count, t), ptr(buf), ptr(buf));
     }
   }
 }
 
 // ---- the collectives ----
 
-Work CudaCollectivesImpl::broadcast(at::Tensor& t, int root, const Call& call) {
+Work CudaCollectives::broadcast(at::Tensor& t, int root, const Call& call) {
   return run({"broadcast", OpType::BROADCAST, "ep:broadcast"}, {t}, {t}, Route::kGroup, call, [&](Op& op) {
     at::Tensor buf = t.contiguous();
-    flat(op, collective::exchangeBroadcast(size_, rank_, nbytes(buf), root), buf, buf,
+    flat(op, exchangeBroadcast(size_, rank_, nbytes(buf), root), buf, buf,
          [=](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, nbytes(buf), root); });
     settle(t, buf);
   });
 }
 
-Work CudaCollectivesImpl::allreduce(Tensors& ts, ReduceOp rop, const Call& call) {
+Work CudaCollectives::allreduce(Tensors& ts, ReduceOp rop, const Call& call) {
   const bool one = ts.size() == 1;
   Kind k = one ? Kind{"allreduce", OpType::ALLREDUCE, "ep:all_reduce"}
                : Kind{"allreduce_coalesced", OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced"};
@@ -594,33 +600,33 @@ Work CudaCollectivesImpl::allreduce(Tensors& ts, ReduceOp rop, const Call& call)
   });
 }
 
-Work CudaCollectivesImpl::reduce(at::Tensor& t, ReduceOp rop, int root, const Call& call) {
+Work CudaCollectives::reduce(at::Tensor& t, ReduceOp rop, int root, const Call& call) {
   return run({"reduce", OpType::REDUCE, "ep:reduce"}, {t}, {t}, Route::kGroup, call, [&](Op& op) {
     at::Tensor buf = t.contiguous();
     const auto dt = toDType(buf.scalar_type());
     const uint64_t count = static_cast<uint64_t>(buf.numel());
-    flat(op, collective::exchangeReduce(size_, rank_, count, dt, rop, root), buf, buf,
+    flat(op, exchangeReduce(size_, rank_, count, dt, rop, root), buf, buf,
          [=](const algo::AlgoContext& c, char* in, char*) { return algo::reduceOp(c, in, in, count, dt, rop, root); });
     settle(t, buf);
   });
 }
 
-Work CudaCollectivesImpl::allgather(at::Tensor& output, at::Tensor& input, const Call& call) {
+Work CudaCollectives::allgather(at::Tensor& output, at::Tensor& input, const Call& call) {
   Kind k{"all_gather_into_tensor", OpType::_ALLGATHER_BASE, "ep:_all_gather_base"};
   return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
-    flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
+    flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
     settle(output, out);
   });
 }
 
-Work CudaCollectivesImpl::allgather(Tensors& outputs, at::Tensor& input, const Call& call) {
+Work CudaCollectives::allgather(Tensors& outputs, at::Tensor& input, const Call& call) {
   return run({"allgather", OpType::ALLGATHER, "ep:all_gather"}, outputs, joined(outputs, {input}), Route::kGroup,
              call, [&](Op& op) {
                at::Tensor in = input.contiguous();
                at::Tensor out = at::empty({in.numel() * size_}, in.options());
-               flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
+               flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
                     [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::allgatherOp(c, i, o, nbytes(in));
                     });
@@ -628,12 +634,12 @@ Work CudaCollectivesImpl::allgather(Tensors& outputs, at::Tensor& input, const C
              });
 }
 
-Work CudaCollectivesImpl::allgatherCoalesced(Tensors& outputs, Tensors& inputs, const Call& call) {
+Work CudaCollectives::allgatherCoalesced(Tensors& outputs, Tensors& inputs, const Call& call) {
   Kind k{"allgather_into_tensor_coalesced", OpType::COALESCED, "ep:allgather_into_tensor_coalesced"};
   return run(k, outputs, joined(outputs, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = flatten(inputs);
     at::Tensor out = at::empty({in.numel() * size_}, in.options());
-    flat(op, collective::exchangeAllgather(size_, rank_, nbytes(in)), in, out,
+    flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
     // out is [rank][input 0 | input 1 | ...]; output i gathers every rank's input i.
     int64_t off = 0;
@@ -645,12 +651,31 @@ Work CudaCollectivesImpl::allgatherCoalesced(Tensors& outputs, Tensors& inputs, 
   });
 }
 
-Work CudaCollectivesImpl::gather(Tensors& outputs, at::Tensor& input, int root, const Call& call) {
+// outputs[r][j] <- rank r's inputs[j]: one all-gather of the concatenated inputs, then copies
+// on the caller's current stream behind it.
+Work CudaCollectives::allgatherLists(std::vector<Tensors>& outputs, Tensors& inputs, const Call& call) {
+  at::Tensor in = flatten(inputs);
+  at::Tensor out = at::empty({in.numel() * size_}, in.options());
+  Work work = allgather(out, in, call);
+  work->wait();  // the current stream waits for the op; the copies below follow it
+  const int64_t per_rank = in.numel();
+  for (int r = 0; r < size_; ++r) {
+    int64_t off = 0;
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      const int64_t n = inputs[j].numel();
+      outputs[r][j].copy_(out.narrow(0, r * per_rank + off, n).view(outputs[r][j].sizes()));
+      off += n;
+    }
+  }
+  return work;
+}
+
+Work CudaCollectives::gather(Tensors& outputs, at::Tensor& input, int root, const Call& call) {
   return run({"gather", OpType::GATHER, "ep:gather"}, outputs, joined(outputs, {input}), Route::kGroup, call,
              [&](Op& op) {
                at::Tensor in = input.contiguous();
                at::Tensor out = rank_ == root ? at::empty({in.numel() * size_}, in.options()) : at::Tensor();
-               flat(op, collective::exchangeGather(size_, rank_, nbytes(in), root), in, out,
+               flat(op, exchangeGather(size_, rank_, nbytes(in), root), in, out,
                     [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::gatherOp(c, i, o, nbytes(in), root);
                     });
@@ -658,12 +683,12 @@ Work CudaCollectivesImpl::gather(Tensors& outputs, at::Tensor& input, int root, 
              });
 }
 
-Work CudaCollectivesImpl::scatter(at::Tensor& output, const Tensors& inputs, int root, const Call& call) {
+Work CudaCollectives::scatter(at::Tensor& output, const Tensors& inputs, int root, const Call& call) {
   return run({"scatter", OpType::SCATTER, "ep:scatter"}, {output}, joined({output}, inputs), Route::kGroup, call,
              [&](Op& op) {
                at::Tensor in = rank_ == root ? flatten(inputs) : at::Tensor();
                at::Tensor out = contiguousOut(output);
-               flat(op, collective::exchangeScatter(size_, rank_, nbytes(out), root), in, out,
+               flat(op, exchangeScatter(size_, rank_, nbytes(out), root), in, out,
                     [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::scatterOp(c, i, o, nbytes(out), root);
                     });
@@ -671,31 +696,31 @@ Work CudaCollectivesImpl::scatter(at::Tensor& output, const Tensors& inputs, int
              });
 }
 
-Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp rop, const Call& call) {
+Work CudaCollectives::reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp rop, const Call& call) {
   Kind k{"reduce_scatter_tensor", OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base"};
   return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
-    flat(op, collective::exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
+    flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
     settle(output, out);
   });
 }
 
-Work CudaCollectivesImpl::reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp rop, const Call& call) {
+Work CudaCollectives::reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp rop, const Call& call) {
   Kind k{"reduce_scatter", OpType::REDUCE_SCATTER, "ep:reduce_scatter"};
   return run(k, {output}, joined({output}, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = flatten(inputs), out = contiguousOut(output);
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
-    flat(op, collective::exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
+    flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
     settle(output, out);
   });
 }
 
-Work CudaCollectivesImpl::reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp rop, const Call& call) {
+Work CudaCollectives::reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp rop, const Call& call) {
   Kind k{"reduce_scatter_tensor_coalesced", OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced"};
   return run(k, outputs, joined(outputs, inputs), Route::kGroup, call, [&](Op& op) {
     // Block layout [rank][output 0 | output 1 | ...] built from each input's rank slices.
@@ -709,17 +734,17 @@ Work CudaCollectivesImpl::reduceScatterCoalesced(Tensors& outputs, Tensors& inpu
     at::Tensor out = at::empty({in.numel() / size_}, in.options());
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
-    flat(op, collective::exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
+    flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
     unflatten(out, outputs);
   });
 }
 
-Work CudaCollectivesImpl::alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& l, const Call& call) {
+Work CudaCollectives::alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& l, const Call& call) {
   Kind k{"all_to_all_single", OpType::ALLTOALL_BASE, "ep:all_to_all"};
   return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
-    flat(op, collective::exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes), in, out,
+    flat(op, exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) {
            return algo::alltoallOp(c, i, l.send_off, l.send_bytes, o, l.recv_off, l.recv_bytes);
          });
@@ -727,14 +752,14 @@ Work CudaCollectivesImpl::alltoall(at::Tensor& output, at::Tensor& input, const 
   });
 }
 
-Work CudaCollectivesImpl::alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& l, const Call& call) {
+Work CudaCollectives::alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& l, const Call& call) {
   return run({"all_to_all", OpType::ALLTOALL, "ep:all_to_all"}, outputs, joined(outputs, inputs), Route::kGroup,
              call, [&](Op& op) {
                at::Tensor in = flatten(inputs);
                const uint64_t total = l.recv_off.back() + l.recv_bytes.back();
                at::Tensor out = at::empty({static_cast<int64_t>(total / in.element_size())}, in.options());
                flat(op,
-                    collective::exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes),
+                    exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes),
                     in, out, [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::alltoallOp(c, i, l.send_off, l.send_bytes, o, l.recv_off, l.recv_bytes);
                     });
@@ -744,34 +769,34 @@ Work CudaCollectivesImpl::alltoall(Tensors& outputs, Tensors& inputs, const Pair
 
 // ---- point to point: host-staged in every group ----
 
-Work CudaCollectivesImpl::send(at::Tensor& t, int dst, int tag, const Call& call) {
+Work CudaCollectives::send(at::Tensor& t, int dst, int tag, const Call& call) {
   return run({"send", OpType::SEND, "ep:send"}, {t}, {t}, Route::kHost, call, [&](Op& op) {
     at::Tensor pin = pinnedLike(t);
     pin.copy_(t, /*non_blocking=*/true);
     op.work->keep(pin);
     const uint32_t ticket = raiseReady(op);
     auto done = doneCallback(op, ticket);
-    b_.worker().send(dst, ptr(pin), nbytes(pin), tag, [done](const std::string& err) { done(err, -1); },
+    g_.worker->send(dst, ptr(pin), nbytes(pin), tag, [done](const std::string& err) { done(err, -1); },
                      call.timeout, readyGate(op, ticket));
   });
 }
 
-Work CudaCollectivesImpl::recv(at::Tensor& t, int src, int tag, const Call& call) {
+Work CudaCollectives::recv(at::Tensor& t, int src, int tag, const Call& call) {
   Kind k = src < 0 ? Kind{"recv", OpType::RECVANYSOURCE, "ep:recvAnySource"} : Kind{"recv", OpType::RECV, "ep:recv"};
   return run(k, {t}, {t}, Route::kHostRecv, call, [&](Op& op) {
     at::Tensor pin = pinnedLike(t);
     op.work->keep(pin);
     const uint32_t ticket = nextTicket();
-    b_.worker().recv(src, ptr(pin), nbytes(pin), tag, doneCallback(op, ticket), call.timeout);
+    g_.worker->recv(src, ptr(pin), nbytes(pin), tag, doneCallback(op, ticket), call.timeout);
     StreamMemOps::wait(op.stream->stream(), done_->dev(op.slot), ticket);
     t.copy_(pin, /*non_blocking=*/true);
   });
 }
 
+const bool registered = backend::registerCollectives(c10::DeviceType::CUDA, [](const GroupContext& g) {
+  return std::make_unique<CudaCollectives>(g);
+});
+
 }  // namespace
 
-std::unique_ptr<CudaCollectives> makeCudaCollectives(EpBackend& backend) {
-  return std::make_unique<CudaCollectivesImpl>(backend);
-}
-
-}  // namespace moelink::backend
+}  // namespace moelink::cuda

@@ -1,4 +1,4 @@
-#include "moelink/ep/ep_buffer.h"
+#include "moelink/ep/low_latency_buffer.h"
 
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,7 +14,7 @@
 
 #include <unistd.h>
 
-#include "moelink/backend/c10d_store.h"
+#include "moelink/torch/c10d_store.h"
 #include "moelink/ep/ibgda/nic.h"
 #include "moelink/ep/ibgda/probe.h"
 #include "moelink/ep/proxy.h"
@@ -126,7 +126,7 @@ void setCombineReceive(kernels::CombineArgs& a, const at::Tensor& topk_idx, cons
 
 // What the emulated NIC needs to carry a WRITE: every IBGDA peer's CUDA IPC mapping and the
 // address range and key it published.
-struct EpBuffer::EmulatedRemotes {
+struct LowLatencyBuffer::EmulatedRemotes {
   struct Peer {
     char* map = nullptr;
     uint64_t base = 0, bytes = 0;
@@ -142,13 +142,13 @@ struct EpBuffer::EmulatedRemotes {
   }
 };
 
-int64_t EpBuffer::sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts) {
+int64_t LowLatencyBuffer::sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts) {
   return static_cast<int64_t>(EpLayout::make(static_cast<int>(num_ranks), static_cast<int>(num_experts),
                                              static_cast<int>(max_tokens), static_cast<int>(hidden))
                                   .totalBytes());
 }
 
-EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& key,
+LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& key,
                    int64_t max_tokens, int64_t hidden, int64_t num_experts, const std::vector<int64_t>& active)
     : rank_(rank), size_(size), store_(store), key_(key) {
   TORCH_CHECK_VALUE(active.empty() || static_cast<int>(active.size()) == size, "moelink Buffer: the active mask has ",
@@ -335,7 +335,7 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
     const int sources = static_cast<int>(mine_peers.size());
     const uint64_t inbox = 2 * InboxLayout(layout_, sources).half;
     const uint64_t outbox = 2 * sources * outboxWindow(layout_);
-    auto ms = std::make_shared<transfer::PrefixStore>(key + "/proxy/", std::make_shared<backend::C10dStore>(store));
+    auto ms = std::make_shared<transfer::PrefixStore>(key + "/proxy/", std::make_shared<C10dStore>(store));
     try {
       proxy_ = std::make_unique<EpProxy>(ms, rank, size, mine_peers, inbox, outbox,
                                          std::chrono::duration_cast<std::chrono::milliseconds>(store->getTimeout()),
@@ -362,7 +362,7 @@ EpBuffer::EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   }
 }
 
-void EpBuffer::prepareIbgda(const std::vector<std::vector<bool>>& ibgda) {
+void LowLatencyBuffer::prepareIbgda(const std::vector<std::vector<bool>>& ibgda) {
   for (int r = 0; r < size_; ++r)
     if (ibgda[rank_][r]) ibgda_peers_.push_back(r);
   const int n = static_cast<int>(ibgda_peers_.size());
@@ -382,7 +382,7 @@ void EpBuffer::prepareIbgda(const std::vector<std::vector<bool>>& ibgda) {
               std::vector<uint8_t>(reinterpret_cast<const uint8_t*>(rec), reinterpret_cast<const uint8_t*>(rec) + sizeof rec));
 }
 
-void EpBuffer::connectIbgda(const std::vector<int>& peers, int64_t generation) {
+void LowLatencyBuffer::connectIbgda(const std::vector<int>& peers, int64_t generation) {
   // One record per ordered pair of processes and call: a new process never reads the address
   // its predecessor was given, and a later call never reads an earlier one's.
   const auto qpKey = [&](int from, int to) {
@@ -410,7 +410,7 @@ void EpBuffer::connectIbgda(const std::vector<int>& peers, int64_t generation) {
   }
 }
 
-void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const std::vector<std::vector<bool>>& ibgda) {
+void LowLatencyBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const std::vector<std::vector<bool>>& ibgda) {
   const EpLayout& L = layout_;
   std::vector<kernels::PeerRoute> routes(2 * size_);
   const InboxLayout in_me(L, countOf(proxy[rank_]));
@@ -460,7 +460,7 @@ void EpBuffer::buildRoutes(const std::vector<std::vector<bool>>& proxy, const st
             "routes copy");
 }
 
-EpBuffer::IpcRecord EpBuffer::ipcRecord(int r) const {
+LowLatencyBuffer::IpcRecord LowLatencyBuffer::ipcRecord(int r) const {
   auto b = store_->get(key_ + "/ipc/" + std::to_string(r));
   TORCH_CHECK(b.size() == sizeof(cudaIpcMemHandle_t) + sizeof(uint64_t), "moelink Buffer: bad IPC record from rank ", r);
   IpcRecord rec;
@@ -469,18 +469,18 @@ EpBuffer::IpcRecord EpBuffer::ipcRecord(int r) const {
   return rec;
 }
 
-void EpBuffer::maskUnconnected(const std::vector<int>& ranks) {
+void LowLatencyBuffer::maskUnconnected(const std::vector<int>& ranks) {
   at::Tensor keep = active_.cpu();
   for (int r : ranks)
     if (!connected_[r]) keep[r].fill_(0);
   active_.copy_(keep);
 }
 
-std::string EpBuffer::pathTo(int r) const {
+std::string LowLatencyBuffer::pathTo(int r) const {
   return proxy_pairs_[rank_][r] ? "proxy" : ibgda_pairs_[rank_][r] ? "ibgda" : "nvlink";
 }
 
-void EpBuffer::mapPeer(int r, uint64_t expect) {
+void LowLatencyBuffer::mapPeer(int r, uint64_t expect) {
   const IpcRecord rec = ipcRecord(r);
   TORCH_CHECK(expect == 0 || rec.nonce == expect, "moelink Buffer.update_members: rank ", r,
               " published another buffer than the one it reports (did every rank create its Buffers in the same "
@@ -491,7 +491,7 @@ void EpBuffer::mapPeer(int r, uint64_t expect) {
   peer_nonce_[r] = rec.nonce;
 }
 
-void EpBuffer::settle() {
+void LowLatencyBuffer::settle() {
   c10::cuda::CUDAGuard guard(device_);
   cudaCheck(cudaDeviceSynchronize(), "update_members: the rounds in flight");
   TORCH_CHECK(!proxy_ || proxy_->settle(), "moelink Buffer.update_members: the CPU proxy did not deliver what the "
@@ -509,7 +509,7 @@ void EpBuffer::settle() {
   cudaCheck(cudaDeviceSynchronize(), "update_members: masking the IBGDA peers");
 }
 
-void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces,
+void LowLatencyBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector<int64_t>& nonces,
                              int64_t generation) {
   TORCH_CHECK_VALUE(static_cast<int>(mask.size()) == size_ && static_cast<int>(nonces.size()) == size_,
                     "moelink Buffer.update_members: the mask and the identities need ", size_, " entries each");
@@ -574,7 +574,7 @@ void EpBuffer::updateMembers(const std::vector<int64_t>& mask, const std::vector
 // and with selective signaling they ask for no completion; destroying the queue pairs now
 // could cut them (the peers would then time out and mask this rank). Reads back where the
 // kernels left each queue pair and has the NIC complete everything posted on it.
-void EpBuffer::drainIbgda() noexcept {
+void LowLatencyBuffer::drainIbgda() noexcept {
   const int n = static_cast<int>(ibgda_peers_.size());
   if (!nic_ || n == 0 || qps_dev_ == nullptr || qp_counters_ == nullptr) return;
   std::vector<ibgda::QueuePair> qps(n);
@@ -601,7 +601,7 @@ void EpBuffer::drainIbgda() noexcept {
   }
 }
 
-EpBuffer::~EpBuffer() {
+LowLatencyBuffer::~LowLatencyBuffer() {
   cudaDeviceSynchronize();
   drainIbgda();
   proxy_.reset();
@@ -616,12 +616,12 @@ EpBuffer::~EpBuffer() {
   cudaFree(buffer_);
 }
 
-std::string EpBuffer::transportOf(int rank) const {
+std::string LowLatencyBuffer::transportOf(int rank) const {
   TORCH_CHECK_VALUE(rank >= 0 && rank < size_, "moelink Buffer: rank ", rank, " outside the group of ", size_);
   return transports_[rank];
 }
 
-void EpBuffer::setTrace(const std::optional<at::Tensor>& trace) {
+void LowLatencyBuffer::setTrace(const std::optional<at::Tensor>& trace) {
   if (!trace.has_value()) {
     trace_ = at::Tensor();
     return;
@@ -633,12 +633,12 @@ void EpBuffer::setTrace(const std::optional<at::Tensor>& trace) {
   trace_ = *trace;
 }
 
-std::string EpBuffer::proxyTransportOf(int rank) const {
+std::string LowLatencyBuffer::proxyTransportOf(int rank) const {
   TORCH_CHECK_VALUE(rank >= 0 && rank < size_, "moelink Buffer: rank ", rank, " outside the group of ", size_);
   return transports_[rank] == "proxy" ? proxy_->transportTo(rank) : std::string();
 }
 
-kernels::Common EpBuffer::common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active,
+kernels::Common LowLatencyBuffer::common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active,
                                  int phases) const {
   kernels::Common c;
   c.layout = layout_;
@@ -664,7 +664,7 @@ kernels::Common EpBuffer::common(int half, int64_t timeout_us, const std::option
   return c;
 }
 
-DispatchOutputs EpBuffer::dispatch(const at::Tensor& x, const at::Tensor& topk_idx, bool use_fp8, bool round_scale,
+DispatchOutputs LowLatencyBuffer::dispatch(const at::Tensor& x, const at::Tensor& topk_idx, bool use_fp8, bool round_scale,
                                    int64_t timeout_us, const std::optional<at::Tensor>& active, bool launch_recv) {
   const EpLayout& L = layout_;
   TORCH_CHECK_VALUE(x.is_cuda() && x.device().index() == device_, "moelink dispatch: x must be on cuda:", device_);
@@ -709,7 +709,7 @@ DispatchOutputs EpBuffer::dispatch(const at::Tensor& x, const at::Tensor& topk_i
   return out;
 }
 
-void EpBuffer::dispatchRecv(DispatchOutputs& out, bool use_fp8, int64_t timeout_us,
+void LowLatencyBuffer::dispatchRecv(DispatchOutputs& out, bool use_fp8, int64_t timeout_us,
                             const std::optional<at::Tensor>& active) {
   c10::cuda::CUDAGuard guard(device_);
   kernels::DispatchArgs a;
@@ -721,7 +721,7 @@ void EpBuffer::dispatchRecv(DispatchOutputs& out, bool use_fp8, int64_t timeout_
   kernels::dispatch(a, c10::cuda::getCurrentCUDAStream(device_).stream());
 }
 
-at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
+at::Tensor LowLatencyBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights,
                              const DispatchOutputs& h, const std::optional<at::Tensor>& out, int64_t timeout_us,
                              const std::optional<at::Tensor>& active, bool launch_recv) {
   const EpLayout& L = layout_;
@@ -763,7 +763,7 @@ at::Tensor EpBuffer::combine(const at::Tensor& x, const at::Tensor& topk_idx, co
   return result;
 }
 
-void EpBuffer::combineRecv(const at::Tensor& topk_idx, const at::Tensor& topk_weights, const DispatchOutputs& h,
+void LowLatencyBuffer::combineRecv(const at::Tensor& topk_idx, const at::Tensor& topk_weights, const DispatchOutputs& h,
                            at::Tensor& out, int64_t timeout_us, const std::optional<at::Tensor>& active) {
   c10::cuda::CUDAGuard guard(device_);
   kernels::CombineArgs a;

@@ -1,4 +1,4 @@
-#include "moelink/collective/exchange.h"
+#include "moelink/cuda/exchange.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -7,7 +7,9 @@
 #include "moelink/collective/message_check.h"
 #include "moelink/common/error.h"
 
-namespace moelink::collective {
+namespace moelink::cuda {
+
+using namespace collective;
 
 namespace {
 
@@ -310,4 +312,4 @@ std::string describeStatus(const ExchangeStatus& s, uint64_t timeout_ms) {
   return str("unknown exchange status ", s.code);
 }
 
-}  // namespace moelink::collective
+}  // namespace moelink::cuda

@@ -1,4 +1,4 @@
-// The in-host GPU collectives' plans (collective/exchange.h), run on the CPU: a model of the
+// The in-host GPU collectives' plans (cuda/exchange.h), run on the CPU: a model of the
 // exchange kernel moves the bytes of every (source, destination) pair round by round and
 // piece by piece, exactly as the kernel splits them, and each builder's result is checked
 // against the collective it stands for. Plus the piece split, the layout and the mismatch
@@ -10,11 +10,12 @@
 
 #include <gtest/gtest.h>
 
-#include "moelink/collective/exchange.h"
+#include "moelink/cuda/exchange.h"
 #include "moelink/collective/reduce.h"
 #include "moelink/common/error.h"
 
 using namespace moelink::collective;
+using namespace moelink::cuda;
 
 namespace {
 

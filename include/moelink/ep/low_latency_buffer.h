@@ -1,4 +1,4 @@
-// EpBuffer: the tensor-facing entry of the EP buffer (this file and ep_buffer.cpp are the
+// LowLatencyBuffer: the tensor-facing entry of the EP buffer (this file and ep_buffer.cpp are the
 // only EP code that sees torch). Validates every argument before any launch, owns the GPU
 // buffer and the peers' mappings, and launches the kernels of kernels.h on the current
 // stream. Collective: every rank of the group constructs it with the same arguments.
@@ -21,7 +21,7 @@
 #include <cuda_runtime_api.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "moelink/ep/kernels.h"
+#include "moelink/ep/low_latency_kernels.h"
 #include "moelink/ep/layout.h"
 
 namespace moelink::ep {
@@ -42,12 +42,12 @@ struct DispatchOutputs {
   int64_t num_tokens = 0, num_topk = 0;  // the routing's shape (combine must match it)
 };
 
-class EpBuffer {
+class LowLatencyBuffer {
  public:
   // `active`: the group's mask (1 = active; empty: every rank).
-  EpBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& key,
+  LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& key,
            int64_t max_tokens, int64_t hidden, int64_t num_experts, const std::vector<int64_t>& active = {});
-  ~EpBuffer();
+  ~LowLatencyBuffer();
 
   static int64_t sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts);
 
