@@ -8,6 +8,8 @@
 #include <torch/version.h>
 
 #include "moelink/backend/ep_backend.h"
+#include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/ep/ibgda/probe.h"
 #ifdef MOELINK_WITH_CUDA
 #include "moelink/ep/low_latency_buffer.h"
@@ -92,6 +94,53 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
            "memory), or '' before the group's first CUDA op.")
       .def_property_readonly("timeout", &EpBackend::timeout)
       .def_property_readonly("store", &EpBackend::store);
+
+  m.def(
+      "setting",
+      [](const std::string& name) -> py::object {
+        using moelink::settings::Kind;
+        for (const auto& s : moelink::settings::all()) {
+          if (name != s.name) continue;
+          try {
+            switch (s.kind) {
+              case Kind::kFlag: return py::bool_(moelink::settings::flag(s.name));
+              case Kind::kNumber: {
+                auto v = moelink::settings::numberIfSet(s.name);
+                if (v) return py::int_(*v);
+                return *s.default_text ? py::object(py::none()) : py::object(py::int_(s.number));
+              }
+              default: return py::str(moelink::settings::text(s.name));
+            }
+          } catch (const moelink::Error& e) {
+            throw py::value_error(e.what());
+          }
+        }
+        throw py::key_error(name + " is not a moelink setting");
+      },
+      py::arg("name"),
+      "The value of a MOELINK_* setting as the library reads it (None: unset, a default that depends on the group); "
+      "raises ValueError for a value that does not fit.");
+  m.def(
+      "settings_table",
+      [] {
+        using moelink::settings::Kind;
+        py::list out;
+        for (const auto& s : moelink::settings::all()) {
+          py::dict d;
+          d["name"] = s.name;
+          d["area"] = s.area;
+          d["kind"] = s.kind == Kind::kNumber ? "number" : s.kind == Kind::kFlag ? "flag" : s.kind == Kind::kChoice ? "choice" : "text";
+          d["default"] = py::int_(s.number);
+          d["min"] = py::int_(s.min);
+          d["max"] = py::int_(s.max);
+          d["choices"] = s.choices;
+          d["default_text"] = s.default_text;
+          d["doc"] = s.doc;
+          out.append(d);
+        }
+        return out;
+      },
+      "Every MOELINK_* setting as declared (name, area, kind, default, range or choices, meaning).");
 
   m.def("_shutdown_all", &EpBackend::shutdownAll, py::call_guard<py::gil_scoped_release>(),
         "Shuts down every 'ep' backend of this process (moelink's atexit hook: no worker thread outlives the "

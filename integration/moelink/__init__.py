@@ -6,38 +6,15 @@
     import moelink  # noqa: F401
     dist.init_process_group(backend="ep")
 
-Environment variables (read when a group is created):
-
-- ``MOELINK_TRANSPORT``: ``auto`` (default: shared memory between ranks on one host,
-  tcp otherwise), ``tcp`` or ``shm``.
-- ``MOELINK_HOST_IP``: the address peers use to reach this rank over tcp, and the only one
-  its listener binds (default: the first non-loopback IPv4 address; 127.0.0.1 under
-  ``MOELINK_TRANSPORT=shm``, where every peer is on this host).
-- ``MOELINK_HOST_ID``: overrides the same-host test (default: hostname + boot id).
-- ``MOELINK_CHUNK_BYTES`` (default 524288): mailbox slot size; large ops are pipelined
-  through slots of this size.
-- ``MOELINK_MAILBOX_DEPTH`` (default 4): slots per peer pair.
-- ``MOELINK_CHAIN_BROADCAST_BYTES`` (default 1 MiB in groups that use tcp, else off): above,
-  broadcast is a pipelined chain from the root.
-- ``MOELINK_ALLREDUCE_SMALL_BYTES`` (default 65536): at or below, allreduce sends every
-  rank's data to every rank (one round); above, reduce-scatter + allgather.
-- ``MOELINK_WORKER_SPIN`` (default 256, or 0 when the host has fewer cores than local
-  ranks): busy-wait iterations before the worker sleeps on its doorbell.
-- ``MOELINK_FAILURE_PROBE_MS`` (default 2000): an op that has waited this long on a peer on
-  another host checks that peer's listener (same-host peers are checked through /proc after
-  100 ms); ``MOELINK_FAILURE_PROBE_TIMEOUT_MS`` (default 1000) bounds that check.
+Settings: the ``MOELINK_*`` environment variables, read when a group (or an EP buffer) is
+created; ``python3 -m moelink.settings`` lists them (the README's tables), and
+``moelink.settings.value(name)`` gives one as the library reads it.
 
 Elastic membership: see ``EpOptions``, ``get_active_ranks``, ``get_peer_state``,
 ``recover_ranks`` and ``failed_ranks`` (and the README's "Elastic membership").
 
-CUDA tensors (read at a group's first CUDA op; see the README's "CUDA tensors"):
-
-- ``MOELINK_CUDA_BLOCKS`` (default 64, blocks per role), ``MOELINK_CUDA_SPLIT`` (default 1: separate
-  pushing and consuming blocks in ops of more than one round), ``MOELINK_CUDA_ROUND_BYTES`` (default 8 MiB),
-  ``MOELINK_CUDA_ONESHOT_BYTES`` (default 1 MiB): the in-host exchange kernel's shape; the same
-  on every rank.
-- ``MOELINK_RANKS_PER_HOST``: virtual hosts of this many ranks; a group they split takes the
-  host-staged route. ``get_backend(group).cuda_path()`` says which route a group took.
+CUDA tensors: see the README's "CUDA tensors"; ``get_backend(group).cuda_path()`` says which
+route a group took.
 """
 
 from __future__ import annotations

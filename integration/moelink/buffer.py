@@ -70,7 +70,6 @@ be captured in a CUDA graph and replayed.
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Callable, Optional
 
 import torch
@@ -392,9 +391,9 @@ class Buffer:
         if self._kernels_usable(device):
             same = [r for r in range(self.num_ranks) if self._impl.transport_of(r) in ("local", "nvlink")]
         else:
-            env = os.environ.get("MOELINK_EP_RANKS_PER_HOST", "").strip()
-            if env.isdigit() and int(env) > 0:
-                same = [r for r in range(self.num_ranks) if r // int(env) == self.rank // int(env)]
+            per_host = _C.setting("MOELINK_EP_RANKS_PER_HOST")
+            if per_host:
+                same = [r for r in range(self.num_ranks) if r // per_host == self.rank // per_host]
             else:
                 same = [r for r in range(self.num_ranks) if self._backend.transport_of(r) in ("local", "shm")]
         return two_hop.hosts_of(self.rank, self.num_ranks, same)

@@ -32,7 +32,6 @@ Used when every rank is active, the group's ranks form hosts of L consecutive ra
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -55,7 +54,9 @@ def hosts_of(rank: int, world: int, same_host: List[int]) -> int:
 
 
 def enabled() -> bool:
-    return os.environ.get("MOELINK_EP_TWO_HOP", "1").strip() != "0"
+    from . import _C
+
+    return _C.setting("MOELINK_EP_TWO_HOP")
 
 
 @dataclass

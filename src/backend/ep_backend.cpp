@@ -14,6 +14,7 @@
 #include "moelink/torch/c10d_store.h"
 #include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/transfer/transfer_engine.h"
 
 namespace moelink::backend {
@@ -26,8 +27,8 @@ using namespace std::chrono;
 // set. Then the listener (probes, and tcp between ranks if shm is ruled out) binds 127.0.0.1
 // and no port is open to the network. "" otherwise (the usual address).
 static std::string localOnlyListener(const c10::intrusive_ptr<c10d::Store>& store) {
-  if (const char* ip = std::getenv("MOELINK_HOST_IP"); ip && *ip) return "";
-  if (const char* t = std::getenv("MOELINK_TRANSPORT"); t && *t && std::string(t) != "auto") return "";
+  if (!settings::text("MOELINK_HOST_IP").empty()) return "";
+  if (settings::text("MOELINK_TRANSPORT") != "auto") return "";
   c10::intrusive_ptr<c10d::Store> s = store;
   while (auto* p = dynamic_cast<c10d::PrefixStore*>(s.get())) s = p->getUnderlyingStore();
   auto* tcp = dynamic_cast<c10d::TCPStore*>(s.get());

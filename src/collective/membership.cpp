@@ -6,7 +6,7 @@
 
 #include <glog/logging.h>
 
-#include "moelink/common/env.h"
+#include "moelink/common/settings.h"
 #include "moelink/common/error.h"
 
 namespace moelink::collective {
@@ -52,8 +52,8 @@ std::string decodeBoardMessage(const char* slot, int src, int world, uint64_t ep
 
 MembershipOptions MembershipOptions::fromEnv(bool raise) {
   MembershipOptions o;
-  o.probe_after = milliseconds(envNumber("MOELINK_FAILURE_PROBE_MS", 2000));
-  o.probe_timeout = milliseconds(envNumber("MOELINK_FAILURE_PROBE_TIMEOUT_MS", 1000));
+  o.probe_after = milliseconds(settings::number("MOELINK_FAILURE_PROBE_MS"));
+  o.probe_timeout = milliseconds(settings::number("MOELINK_FAILURE_PROBE_TIMEOUT_MS"));
   o.raise = raise;
   return o;
 }

@@ -9,7 +9,7 @@
 #include <glog/logging.h>
 
 #include "moelink/collective/message_check.h"
-#include "moelink/common/env.h"
+#include "moelink/common/settings.h"
 #include "moelink/common/error.h"
 #include "moelink/transfer/records.h"
 #include "worker_internal.h"
@@ -38,18 +38,13 @@ std::string describeTimeout(const char* what, uint64_t seq, milliseconds timeout
 
 WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
   WorkerOptions o;
-  o.chunk_bytes = envNumber("MOELINK_CHUNK_BYTES", o.chunk_bytes);
-  o.depth = static_cast<int>(envNumber("MOELINK_MAILBOX_DEPTH", static_cast<uint64_t>(o.depth)));
-  o.allreduce_small_bytes = envNumber("MOELINK_ALLREDUCE_SMALL_BYTES", o.allreduce_small_bytes);
-  o.pull_min_bytes = envNumber("MOELINK_PULL_MIN_BYTES", o.pull_min_bytes);
-  o.pull_chunk_bytes = envNumber("MOELINK_PULL_CHUNK_BYTES", o.pull_chunk_bytes);
-  MOELINK_CHECK(o.pull_chunk_bytes >= 64, "MOELINK_PULL_CHUNK_BYTES must be at least 64");
-  if (const char* v = std::getenv("MOELINK_CHAIN_BROADCAST_BYTES"); v && *v)
-    o.chain_broadcast_bytes = static_cast<int64_t>(envNumber("MOELINK_CHAIN_BROADCAST_BYTES", 0));
-  if (const char* v = std::getenv("MOELINK_RING_ALLREDUCE_BYTES"); v && *v)
-    o.ring_allreduce_bytes = static_cast<int64_t>(envNumber("MOELINK_RING_ALLREDUCE_BYTES", 0));
-  MOELINK_CHECK(o.chunk_bytes >= 64, "MOELINK_CHUNK_BYTES must be at least 64");
-  MOELINK_CHECK(o.depth >= 1 && o.depth <= 64, "MOELINK_MAILBOX_DEPTH must be 1..64");
+  o.chunk_bytes = settings::number("MOELINK_CHUNK_BYTES");
+  o.depth = static_cast<int>(settings::number("MOELINK_MAILBOX_DEPTH"));
+  o.allreduce_small_bytes = settings::number("MOELINK_ALLREDUCE_SMALL_BYTES");
+  o.pull_min_bytes = settings::number("MOELINK_PULL_MIN_BYTES");
+  o.pull_chunk_bytes = settings::number("MOELINK_PULL_CHUNK_BYTES");
+  if (auto v = settings::numberIfSet("MOELINK_CHAIN_BROADCAST_BYTES")) o.chain_broadcast_bytes = static_cast<int64_t>(*v);
+  if (auto v = settings::numberIfSet("MOELINK_RING_ALLREDUCE_BYTES")) o.ring_allreduce_bytes = static_cast<int64_t>(*v);
   o.timeout = timeout;
   return o;
 }
@@ -107,7 +102,7 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   // the ranks use between them: forced tcp on one host shares its cores just the same).
   cpu_set_t cpus;
   int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  spin_ = static_cast<int>(envNumber("MOELINK_WORKER_SPIN", ncpu >= local_ranks ? 256 : 0));
+  spin_ = static_cast<int>(settings::numberIfSet("MOELINK_WORKER_SPIN").value_or(ncpu >= local_ranks ? 256 : 0));
   thread_ = std::thread([this] { loop(); });
 }
 

@@ -21,6 +21,7 @@
 #include "moelink/collective/algorithms.h"
 #include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/cuda/exchange_kernel.h"
 #include "moelink/transfer/records.h"
 #include "staging.h"
@@ -253,9 +254,12 @@ void CudaCollectives::bind(int device, const char* opname) {
   // of n ranks, as for the EP buffer) and every rank maps every peer's staging area.
   // MOELINK_RANKS_PER_HOST: group ranks [0, n), [n, 2n), ... into virtual hosts, so that the
   // host-staged route runs on one machine.
-  const char* rph_env = std::getenv("MOELINK_RANKS_PER_HOST");
-  const int rph = rph_env && *rph_env ? std::atoi(rph_env) : 0;
-  TORCH_CHECK_VALUE(rph >= 0, "moelink: MOELINK_RANKS_PER_HOST must be a positive integer, got ", rph_env);
+  int rph = 0;
+  try {
+    rph = static_cast<int>(settings::number("MOELINK_RANKS_PER_HOST"));
+  } catch (const moelink::Error& e) {
+    TORCH_CHECK_VALUE(false, "moelink: ", e.what());
+  }
   bool one_host = size_ <= kExchangeMaxRanks && (rph == 0 || rph >= size_);
   for (int q = 0; q < size_ && one_host; ++q) one_host = g_.host_of(q) == g_.host_of(rank_);
   capable_ = one_host;

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "moelink/common/env.h"
+#include "moelink/common/settings.h"
 #include "moelink/collective/message_check.h"
 #include "moelink/common/error.h"
 
@@ -206,16 +206,12 @@ std::vector<std::pair<uint64_t, uint64_t>> droppedRanges(const Exchange& x, cons
 
 ExchangeTuning ExchangeTuning::fromEnv() {
   ExchangeTuning t;
-  t.round_bytes = envNumber("MOELINK_CUDA_ROUND_BYTES", t.round_bytes);
-  t.blocks = static_cast<int>(envNumber("MOELINK_CUDA_BLOCKS", static_cast<uint64_t>(t.blocks)));
-  t.one_shot_bytes = envNumber("MOELINK_CUDA_ONESHOT_BYTES", t.one_shot_bytes);
-  const uint64_t split = envNumber("MOELINK_CUDA_SPLIT", t.split ? 1 : 0);
-  MOELINK_CHECK(split <= 1, "MOELINK_CUDA_SPLIT must be 0 or 1, got ", split);
-  t.split = split == 1;
-  MOELINK_CHECK(t.round_bytes >= (64u << 10) && t.round_bytes % 16 == 0,
-                "MOELINK_CUDA_ROUND_BYTES must be a multiple of 16 of at least 65536, got ", t.round_bytes);
-  MOELINK_CHECK(t.blocks >= 1 && t.blocks <= kExchangeMaxBlocks, "MOELINK_CUDA_BLOCKS must be 1..",
-                kExchangeMaxBlocks, ", got ", t.blocks);
+  t.round_bytes = settings::number("MOELINK_CUDA_ROUND_BYTES");
+  t.blocks = static_cast<int>(settings::number("MOELINK_CUDA_BLOCKS"));
+  t.one_shot_bytes = settings::number("MOELINK_CUDA_ONESHOT_BYTES");
+  t.split = settings::flag("MOELINK_CUDA_SPLIT");
+  MOELINK_CHECK(t.round_bytes % 16 == 0, "MOELINK_CUDA_ROUND_BYTES must be a multiple of 16, got ", t.round_bytes);
+  static_assert(kExchangeMaxBlocks == 64, "MOELINK_CUDA_BLOCKS' range in settings.cpp is 1..kExchangeMaxBlocks");
   return t;
 }
 

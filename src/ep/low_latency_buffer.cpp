@@ -14,6 +14,8 @@
 
 #include <unistd.h>
 
+#include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/torch/c10d_store.h"
 #include "moelink/ep/ibgda/nic.h"
 #include "moelink/ep/ibgda/probe.h"
@@ -164,17 +166,19 @@ LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store,
   } catch (const std::exception& e) {
     TORCH_CHECK_VALUE(false, "moelink Buffer: ", e.what());
   }
-  // MOELINK_EP_TIMEOUT_US: how long a receiver waits for a source before masking it out
-  // when the call passes timeout_us=-1 (default 30 s; 0 waits without limit).
-  const char* env = std::getenv("MOELINK_EP_TIMEOUT_US");
-  default_timeout_us_ = env && *env ? std::atoll(env) : 30000000;
-  // Dispatch messages to NVLink peers go as bulk copies (TMA), measured faster than warp
-  // stores (docs/PERF.md). MOELINK_EP_TMA=0 selects the warp stores.
-  const char* tma_env = std::getenv("MOELINK_EP_TMA");
-  use_tma_ = !(tma_env && *tma_env && std::atoi(tma_env) == 0);
-  const char* rph_env = std::getenv("MOELINK_EP_RANKS_PER_HOST");
-  const int rph = rph_env && *rph_env ? std::atoi(rph_env) : 0;
-  TORCH_CHECK_VALUE(rph >= 0, "moelink Buffer: MOELINK_EP_RANKS_PER_HOST must be a positive integer, got ", rph_env);
+  std::string ib_mode;
+  int rph = 0;
+  try {
+    // How long a receiver waits for a source before masking it out when the call passes
+    // timeout_us=-1; dispatch messages to NVLink peers go as bulk copies (TMA), measured faster
+    // than warp stores (docs/PERF.md), unless MOELINK_EP_TMA=0.
+    default_timeout_us_ = static_cast<int64_t>(settings::number("MOELINK_EP_TIMEOUT_US"));
+    use_tma_ = settings::flag("MOELINK_EP_TMA");
+    rph = static_cast<int>(settings::number("MOELINK_EP_RANKS_PER_HOST"));
+    ib_mode = settings::text("MOELINK_EP_IBGDA");
+  } catch (const moelink::Error& e) {
+    TORCH_CHECK_VALUE(false, "moelink Buffer: ", e.what());
+  }
   ranks_per_host_ = rph;
   cudaCheck(cudaGetDevice(&device_), "cudaGetDevice");
   try {
@@ -221,12 +225,8 @@ LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store,
   for (int a = 0; a < size; ++a)
     for (int b = 0; b < size; ++b)
       proxy[a][b] = a != b && on[a] && on[b] && (hosts[a] != hosts[b] || (rph > 0 && a / rph != b / rph));
-  // MOELINK_EP_IBGDA: auto (default: the mlx5 NIC when there is one), off, or emulate (the
-  // emulated NIC, for testing the GPU side of IBGDA on one host).
-  const char* ib_env = std::getenv("MOELINK_EP_IBGDA");
-  const std::string ib_mode = ib_env && *ib_env ? ib_env : "auto";
-  TORCH_CHECK_VALUE(ib_mode == "auto" || ib_mode == "off" || ib_mode == "emulate",
-                    "moelink Buffer: MOELINK_EP_IBGDA must be auto, off or emulate, got ", ib_mode);
+  // MOELINK_EP_IBGDA: auto (the mlx5 NIC when there is one), off, or emulate (the emulated
+  // NIC, for testing the GPU side of IBGDA on one host).
   bool cross = false;
   for (int r = 0; r < size; ++r) cross = cross || proxy[rank][r];
   std::string ib_why = ib_mode == "off" ? "MOELINK_EP_IBGDA=off" : "";

@@ -1,5 +1,8 @@
 #include "moelink/ep/normal_buffer.h"
 
+#include "moelink/common/error.h"
+#include "moelink/common/settings.h"
+
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
@@ -47,8 +50,11 @@ NormalBuffer::NormalBuffer(const c10::intrusive_ptr<c10d::Store>& store, int ran
   TORCH_CHECK_VALUE(size >= 1 && size <= normal::kMaxRanks, "moelink normal mode: the NVLink path serves up to ",
                     normal::kMaxRanks, " ranks, the group has ", size);
   TORCH_CHECK_VALUE(bytes > 0, "moelink normal mode: buffer bytes must be positive");
-  const char* env = std::getenv("MOELINK_EP_TIMEOUT_US");
-  default_timeout_us_ = env && *env ? std::atoll(env) : 30000000;
+  try {
+    default_timeout_us_ = static_cast<int64_t>(settings::number("MOELINK_EP_TIMEOUT_US"));
+  } catch (const moelink::Error& e) {
+    TORCH_CHECK_VALUE(false, "moelink normal mode: ", e.what());
+  }
   cudaCheck(cudaGetDevice(&device_), "cudaGetDevice");
   bytes_ = align(static_cast<uint64_t>(bytes), 2u << 20);
   try {

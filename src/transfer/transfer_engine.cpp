@@ -14,6 +14,7 @@
 #include <glog/logging.h>
 
 #include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/transfer/records.h"
 #include "moelink/transfer/shm/process_read.h"
 #include "moelink/transfer/shm/transport.h"
@@ -79,7 +80,7 @@ void LocalSegments::clearExpectations(SegmentId id) {
 }
 
 std::string localHostId() {
-  if (const char* id = std::getenv("MOELINK_HOST_ID"); id && *id) return id;
+  if (std::string id = settings::text("MOELINK_HOST_ID"); !id.empty()) return id;
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
   std::string boot;
@@ -91,14 +92,8 @@ std::string localHostId() {
 namespace {
 
 std::string modeFromEnv(const std::string& given) {
-  std::string m = given;
-  if (m.empty()) {
-    // MOELINK_TRANSPORT: auto (default), tcp or shm.
-    const char* env = std::getenv("MOELINK_TRANSPORT");
-    m = env && *env ? env : "auto";
-  }
-  MOELINK_CHECK(m == "auto" || m == "tcp" || m == "shm",
-                "MOELINK_TRANSPORT must be auto, tcp or shm, got '", m, "'");
+  const std::string m = given.empty() ? settings::text("MOELINK_TRANSPORT") : given;
+  MOELINK_CHECK(m == "auto" || m == "tcp" || m == "shm", "the transport must be auto, tcp or shm, got '", m, "'");
   return m;
 }
 
@@ -151,7 +146,8 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
   MOELINK_CHECK(opts_.world_size >= 1 && opts_.rank >= 0 && opts_.rank < opts_.world_size,
                 "bad rank ", opts_.rank, " for world size ", opts_.world_size);
   mode_ = modeFromEnv(opts_.transport);
-  if (const char* v = std::getenv("MOELINK_SHM_PULL"); v && std::string(v) == "0") opts_.cross_memory_reads = false;
+  if (!settings::flag("MOELINK_SHM_PULL")) opts_.cross_memory_reads = false;
+  settings::warnUnknown();
   host_id_ = localHostId();
   // Nothing is written to the store before the rank is this process's (claimRank): a process
   // that is refused leaves the group it tried to join as it was.

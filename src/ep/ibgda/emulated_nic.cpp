@@ -29,6 +29,7 @@
 #include <thread>
 
 #include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/ep/ibgda/nic.h"
 
 namespace moelink::ep::ibgda {
@@ -99,9 +100,9 @@ class EmulatedNic final : public Nic {
     cudaFreeHost(bounce_);
     // Failures are what a NIC would report in its CQEs; say them on stderr too (and everything
     // with MOELINK_EP_IBGDA_TRACE set), since the kernels only drop posts and time out.
-    const char* trace = std::getenv("MOELINK_EP_IBGDA_TRACE");
+    const bool trace = settings::flag("MOELINK_EP_IBGDA_TRACE");
     for (auto& q : qps_)
-      if (q->failed || !q->why.empty() || (trace && *trace))
+      if (q->failed || !q->why.empty() || trace)
         std::fprintf(stderr,
                      "moelink emulated NIC (rank %u): queue pair to rank %d: %llu WQEs executed, "
                      "%llu CQEs%s%s\n",

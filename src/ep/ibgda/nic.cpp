@@ -5,6 +5,7 @@
 #include <string>
 
 #include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/ep/ibgda/nic.h"
 #include "moelink/ep/ibgda/probe.h"
 
@@ -109,10 +110,20 @@ std::unique_ptr<Nic> openVerbsNic(int cuda_device, std::string* why_not) {
     *why_not = path + " lacks the moelink_ibgda_* entry points";
     return nullptr;
   }
-  const char* want = std::getenv("MOELINK_IBGDA_DEVICE");
+  std::string want;
+  int gid_index = -1;
+  try {
+    want = settings::text("MOELINK_IBGDA_DEVICE");
+    if (auto g = settings::numberIfSet("MOELINK_IBGDA_GID_INDEX")) gid_index = static_cast<int>(*g);
+  } catch (const moelink::Error& e) {
+    dlclose(p.handle);
+    *why_not = e.what();
+    return nullptr;
+  }
   void* ctx = nullptr;
   char name[128] = {0}, err[512] = {0};
-  if (p.open(want && *want ? want : nullptr, cuda_device, &ctx, name, sizeof name, err, sizeof err) != 0) {
+  if (p.open(want.empty() ? nullptr : want.c_str(), gid_index, cuda_device, &ctx, name, sizeof name, err, sizeof err) !=
+      0) {
     dlclose(p.handle);
     *why_not = err;
     return nullptr;

@@ -1,5 +1,7 @@
 #include "moelink/ep/ibgda/probe.h"
 
+#include "moelink/common/settings.h"
+
 #include <dlfcn.h>
 #include <sys/stat.h>
 
@@ -30,8 +32,7 @@ std::string join(const std::vector<std::string>& v) {
 }  // namespace
 
 std::string pluginPath() {
-  const char* env = std::getenv("MOELINK_IBGDA_PLUGIN");
-  if (env && *env) return env;
+  if (std::string env = settings::text("MOELINK_IBGDA_PLUGIN"); !env.empty()) return env;
   Dl_info info;
   if (dladdr(reinterpret_cast<void*>(&pluginPath), &info) == 0 || info.dli_fname == nullptr) return "moelink_ibgda.so";
   std::string self = info.dli_fname;

@@ -124,11 +124,10 @@ bool activePort(ibv_context* ctx, uint8_t port, ibv_port_attr* attr) {
   return ibv_query_port(ctx, port, attr) == 0 && attr->state == IBV_PORT_ACTIVE;
 }
 
-// RoCE: the GID to address from (MOELINK_IBGDA_GID_INDEX, else a RoCE v2 GID, an
-// IPv4-mapped one first). Returns the index or -1.
-int pickGid(ibv_context* ctx, uint8_t port, int table_len) {
-  const char* env = std::getenv("MOELINK_IBGDA_GID_INDEX");
-  if (env && *env) return std::atoi(env);
+// RoCE: the GID to address from (`wanted` >= 0: MOELINK_IBGDA_GID_INDEX, read by the loader;
+// else a RoCE v2 GID, an IPv4-mapped one first). Returns the index or -1.
+int pickGid(ibv_context* ctx, uint8_t port, int table_len, int wanted) {
+  if (wanted >= 0) return wanted;
   int v2 = -1;
   for (int i = 0; i < table_len; ++i) {
     ibv_gid_entry e{};
@@ -234,8 +233,9 @@ uint64_t* mapDoorbell(Ctx* c, void* reg, char* err, size_t errlen) {
 
 extern "C" {
 
-__attribute__((visibility("default"))) int moelink_ibgda_open(const char* want, int cuda_device, void** out,
-                                                              char* name, size_t namelen, char* err, size_t errlen) {
+__attribute__((visibility("default"))) int moelink_ibgda_open(const char* want, int gid_index, int cuda_device,
+                                                              void** out, char* name, size_t namelen, char* err,
+                                                              size_t errlen) {
   std::string want_dev, want_port;
   if (want) {
     want_dev = want;
@@ -285,7 +285,7 @@ __attribute__((visibility("default"))) int moelink_ibgda_open(const char* want, 
     return -1;
   }
   if (c->port_attr.link_layer == IBV_LINK_LAYER_ETHERNET) {
-    c->gid_index = pickGid(c->ctx, c->port, c->port_attr.gid_tbl_len);
+    c->gid_index = pickGid(c->ctx, c->port, c->port_attr.gid_tbl_len, gid_index);
     if (c->gid_index < 0 || ibv_query_gid(c->ctx, c->port, c->gid_index, &c->gid) != 0) {
       fail(err, errlen, "%s: no usable RoCE v2 GID (set MOELINK_IBGDA_GID_INDEX)", name);
       closeCtx(c);

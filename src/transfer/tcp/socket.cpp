@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/transfer/records.h"
 
 namespace moelink::transfer::tcp {
@@ -21,10 +22,10 @@ namespace moelink::transfer::tcp {
 using namespace std::chrono;
 
 std::string advertisedIp() {
-  if (const char* ip = std::getenv("MOELINK_HOST_IP"); ip && *ip) return ip;
+  if (std::string ip = settings::text("MOELINK_HOST_IP"); !ip.empty()) return ip;
   // A group held to shared memory has every rank on this host: nothing on the network needs to
   // reach this rank's listener (probes and stray connections included).
-  if (const char* t = std::getenv("MOELINK_TRANSPORT"); t && std::string(t) == "shm") return "127.0.0.1";
+  if (settings::text("MOELINK_TRANSPORT") == "shm") return "127.0.0.1";
   std::string found = "127.0.0.1";
   ifaddrs* ifs = nullptr;
   if (getifaddrs(&ifs) == 0) {

@@ -101,8 +101,9 @@ struct moelink_ibgda_queues {
   uint32_t* cq_dbr;
 };
 // Each returns 0 on success, else writes a message into err (errlen bytes).
-typedef int (*moelink_ibgda_open_fn)(const char* device, int cuda_device, void** ctx, char* name, size_t namelen,
-                                     char* err, size_t errlen);
+// `device`: "mlx5_0" or "mlx5_0:1" (nullptr: the first active); `gid_index` < 0: a RoCE v2 GID.
+typedef int (*moelink_ibgda_open_fn)(const char* device, int gid_index, int cuda_device, void** ctx, char* name,
+                                     size_t namelen, char* err, size_t errlen);
 typedef int (*moelink_ibgda_reg_fn)(void* ctx, void* ptr, size_t bytes, uint32_t* lkey, uint32_t* rkey, char* err,
                                     size_t errlen);
 typedef int (*moelink_ibgda_create_qp_fn)(void* ctx, int peer, unsigned char* addr, size_t* addrlen, char* err,

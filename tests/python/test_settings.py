@@ -1,0 +1,115 @@
+"""The MOELINK_* settings table (src/common/settings.cpp): the README's tables are generated from
+it, every value is parsed there with an error naming the variable, and a variable that is not a
+setting is reported."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moelink import settings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+README = os.path.join(HERE, "..", "..", "README.md")
+
+
+def _readme_table(first_name: str) -> str:
+    text = open(README).read()
+    at = text.index(f"| `{first_name}` |")
+    start = text.rindex("| variable | default | meaning |", 0, at)
+    rows = []
+    for line in text[start:].splitlines():
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return "\n".join(rows)
+
+
+@pytest.mark.parametrize("area", settings.AREAS)
+def test_readme_tables_are_the_settings_table(area):
+    first = next(s["name"] for s in settings.table() if s["area"] == area)
+    assert _readme_table(first) == settings.markdown(area), (
+        f"README's {area} table differs from src/common/settings.cpp: regenerate it with "
+        f"`python3 -m moelink.settings --area {area}`")
+
+
+def test_every_setting_the_library_reads_is_declared():
+    """Names read anywhere in the sources are in the table (and nothing is read around it)."""
+    root = os.path.join(HERE, "..", "..")
+    declared = {s["name"] for s in settings.table()}
+    read = set()
+    for folder in ("src", "include", "integration/moelink"):
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for f in files:
+                if f.endswith((".cpp", ".h", ".cu", ".cuh", ".py")) and f != "settings.cpp":
+                    text = open(os.path.join(dirpath, f), errors="replace").read()
+                    read |= set(re.findall(r'"(MOELINK_[A-Z0-9_]+)"', text))
+    assert read <= declared, f"read but not declared: {sorted(read - declared)}"
+    for dirpath, _, files in os.walk(os.path.join(root, "src")):
+        for f in files:
+            if f.endswith((".cpp", ".cu")) and f != "settings.cpp":
+                text = open(os.path.join(dirpath, f)).read()
+                assert not re.search(r'getenv\("MOELINK_', text), f"{f} reads a MOELINK_ variable around the table"
+
+
+@pytest.mark.parametrize("name,value,words", [
+    ("MOELINK_MAILBOX_DEPTH", "0", "MOELINK_MAILBOX_DEPTH must be 1..64, got 0"),
+    ("MOELINK_CHUNK_BYTES", "4k", "MOELINK_CHUNK_BYTES must be a number, got '4k'"),
+    ("MOELINK_SHM_PULL", "off", "MOELINK_SHM_PULL must be 0 or 1, got 'off'"),
+    ("MOELINK_TRANSPORT", "rdma", "MOELINK_TRANSPORT must be one of auto|tcp|shm, got 'rdma'"),
+    ("MOELINK_EP_IBGDA", "yes", "MOELINK_EP_IBGDA must be one of auto|off|emulate"),
+    ("MOELINK_CUDA_BLOCKS", "65", "MOELINK_CUDA_BLOCKS must be 1..64"),
+])
+def test_a_bad_value_names_the_variable(monkeypatch, name, value, words):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        settings.value(name)
+
+
+def test_values_and_defaults(monkeypatch):
+    monkeypatch.delenv("MOELINK_MAILBOX_DEPTH", raising=False)
+    monkeypatch.delenv("MOELINK_WORKER_SPIN", raising=False)
+    assert settings.value("MOELINK_MAILBOX_DEPTH") == 4
+    assert settings.value("MOELINK_WORKER_SPIN") is None  # its default depends on the host
+    monkeypatch.setenv("MOELINK_EP_TWO_HOP", "0")
+    assert settings.value("MOELINK_EP_TWO_HOP") is False
+    monkeypatch.setenv("MOELINK_TRANSPORT", "tcp")
+    assert settings.value("MOELINK_TRANSPORT") == "tcp"
+
+
+SCRIPT = textwrap.dedent("""
+    import torch.distributed as dist
+    import moelink  # noqa: F401
+    try:
+        dist.init_process_group("ep", init_method="tcp://127.0.0.1:" + __import__("sys").argv[1], rank=0,
+                                world_size=1)
+        print("INIT OK")
+    except Exception as e:  # noqa: BLE001
+        print("INIT FAILED", str(e).replace("\\n", " "))
+""")
+
+
+def _init_once(env):
+    from harness import free_port
+
+    full = dict(os.environ, **env)
+    full["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "..", "..", "integration"), full.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port())], env=full, capture_output=True, text=True,
+                       timeout=120)
+    return p.stdout + p.stderr
+
+
+def test_a_group_with_a_bad_setting_fails_at_init_naming_it():
+    out = _init_once({"MOELINK_CHUNK_BYTES": "lots"})
+    assert "INIT FAILED" in out and "MOELINK_CHUNK_BYTES must be a number, got 'lots'" in out, out
+
+
+def test_a_variable_that_is_no_setting_is_reported():
+    out = _init_once({"MOELINK_CHUNK_BYTE": "65536"})
+    assert "INIT OK" in out, out
+    assert "MOELINK_CHUNK_BYTE is set but is not a moelink setting" in out, out
