@@ -15,6 +15,7 @@
 #include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
 #include "moelink/common/settings.h"
+#include "moelink/transfer/shm/transport.h"
 #include "moelink/transfer/transfer_engine.h"
 
 namespace moelink::backend {
@@ -91,10 +92,15 @@ EpBackend::~EpBackend() {
 }
 
 void EpBackend::shutdownAll() {
-  // NOTES: under the registry's lock, so that a backend being destroyed meanwhile waits in its
-  // destructor (still whole) until this is done with it.
-  std::lock_guard<std::mutex> g(liveBackends().mu);
-  for (EpBackend* b : liveBackends().all) b->shutdown();
+  {
+    // NOTES: under the registry's lock, so that a backend being destroyed meanwhile waits in
+    // its destructor (still whole) until this is done with it.
+    std::lock_guard<std::mutex> g(liveBackends().mu);
+    for (EpBackend* b : liveBackends().all) b->shutdown();
+  }
+  // The process is leaving: no name of it stays in /dev/shm, also those of engines that are not
+  // a backend's (an EP buffer's CPU proxy) and are still alive.
+  transfer::shm::unlinkOwnRegions();
 }
 
 void EpBackend::shutdown() {

@@ -71,8 +71,9 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
     membership_->open(active_);
     transfer::storeBarrier(store, "worker/opened", initial, opts_.timeout, transfer::kRefusedKey);
   }
-  // Shared-memory names stay until shutdown: a process that replaces a failed rank opens
-  // its peers' segments by name (names of a killed process are reclaimed by the next one).
+  // Shared-memory names stay until shutdown (or exit): a process that replaces a failed rank
+  // opens its peers' segments by name. A killed process's names are reclaimed by the
+  // survivors when they forget it, or by the next process of the host that creates one.
   // Algorithm choices must agree across ranks, so they rest on facts every rank sees
   // alike: the transport mode and whether the group spans hosts.
   bool spans_hosts = false;

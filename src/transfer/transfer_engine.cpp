@@ -321,6 +321,9 @@ void TransferEngine::forgetPeer(int peer) {
   for (auto& seg : closing)
     if (seg->via) seg->via->close(*seg);
   tcp_->forget(peer);
+  // A peer is forgotten when it left the group (or its replacement takes its rank): where its
+  // process is gone, nothing will open its names again.
+  shm::reclaimOrphanedRegions();
 }
 
 TransferEngine::~TransferEngine() {

@@ -129,9 +129,10 @@ class EpBackend : public c10d::Backend {
                                                int tag) override;
 
   void shutdown() override;
-  // Shuts down every backend of this process that is not destroyed yet: run at interpreter
-  // exit (integration's atexit hook), so that no worker thread is left to complete an op, and
-  // so touch Python, once the interpreter is being torn down.
+  // Shuts down every backend of this process that is not destroyed yet, and unlinks every
+  // shared-memory name of the process: run at interpreter exit (integration's atexit hook), so
+  // that no worker thread is left to complete an op, and so touch Python, once the interpreter
+  // is being torn down, and nothing of the process stays in /dev/shm.
   static void shutdownAll();
 
 #if MOELINK_C10D_SHRINK

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -31,22 +32,50 @@ uint64_t pidNamespace() {
 
 std::string regionPrefix() { return str("moelink.", pidNamespace(), "."); }
 
-int reclaimOrphanedRegions() {
+namespace {
+
+// Unlinks this namespace's names whose process `doomed(pid)` says; returns how many.
+template <typename Pred>
+int unlinkWhere(Pred doomed) {
   const std::string prefix = regionPrefix();
   DIR* dir = opendir("/dev/shm");
   if (!dir) return 0;
-  int reclaimed = 0;
+  int unlinked = 0;
   while (dirent* e = readdir(dir)) {
     const std::string name = e->d_name;
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
     char* end = nullptr;
     const long pid = std::strtol(name.c_str() + prefix.size(), &end, 10);
-    if (pid <= 0 || !end || *end != '.') continue;
-    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
-    if (shm_unlink(("/" + name).c_str()) == 0) ++reclaimed;
+    if (pid <= 0 || !end || *end != '.' || !doomed(static_cast<pid_t>(pid))) continue;
+    if (shm_unlink(("/" + name).c_str()) == 0) ++unlinked;
   }
   closedir(dir);
-  return reclaimed;
+  return unlinked;
+}
+
+// Whether process `pid` (of this pid namespace) is gone: no such process, or one that has
+// exited and waits to be reaped (a zombie maps nothing). One that is not ours to signal counts
+// as alive.
+bool processGone(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno == ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (!f) return true;
+  char line[512] = {0};
+  const bool read = std::fgets(line, sizeof line, f) != nullptr;
+  std::fclose(f);
+  const char* close = read ? std::strrchr(line, ')') : nullptr;  // the command may hold spaces
+  return close && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+}
+
+}  // namespace
+
+int reclaimOrphanedRegions() { return unlinkWhere(processGone); }
+
+int unlinkOwnRegions() {
+  const pid_t me = getpid();
+  return unlinkWhere([me](pid_t pid) { return pid == me; });
 }
 
 SharedRegion createRegion(int rank, SegmentId id, uint64_t length) {

@@ -21,8 +21,11 @@ SharedRegion createRegion(int rank, SegmentId id, uint64_t length);
 // "moelink.<pid namespace>.": the start of this namespace's names in /dev/shm.
 std::string regionPrefix();
 // Unlinks this namespace's names whose process is gone; returns how many. createRegion calls it
-// once per process.
+// once per process, and the engine whenever it forgets a peer (a dead rank masked out).
 int reclaimOrphanedRegions();
+// Unlinks every name of this process (the mappings stay valid): at exit, so that no name of
+// it outlives it, whatever still holds a mapping.
+int unlinkOwnRegions();
 void destroyRegion(SharedRegion& region, bool unlink);
 
 class ShmTransport : public Transport {
