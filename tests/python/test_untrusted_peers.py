@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -146,7 +145,7 @@ def second_job_takes_a_live_rank(rank, world):
                              text=True, timeout=120).stdout
         line = [l for l in out.splitlines() if l.startswith(("REFUSED", "JOINED"))]
         assert line and line[0].startswith("REFUSED"), out
-        assert f"rank 1 of this group is held by pid " in line[0] and "on host" in line[0], line[0]
+        assert "rank 1 of this group is held by pid " in line[0] and "on host" in line[0], line[0]
         assert float(line[0].split()[1]) < 20, line[0]
     dist.barrier()
     for i in range(5):  # the group is untouched
@@ -205,12 +204,9 @@ def test_different_world_sizes_are_named_at_once():
 @pytest.mark.parametrize("ip,words", [("192.0.2.123", "it is not an address of this host"),
                                       ("not-an-address", "not an IPv4 address")])
 def test_host_ip_that_is_not_this_hosts_is_refused(ip, words):
-    port = free_port()
-    env = {"MOELINK_HOST_IP": ip}
-    zero, one = _spawn(WORLD, 0, 2, port, env=env), _spawn(WORLD, 1, 2, port, env=env)
-    for line in (_verdict(zero), _verdict(one)):
-        assert line.startswith("FAILED") and words in line, line
-        assert "Operation now in progress" not in line, line
+    line = _verdict(_spawn(WORLD, 0, 1, free_port(), env={"MOELINK_HOST_IP": ip}))
+    assert line.startswith("FAILED") and words in line, line
+    assert "Operation now in progress" not in line, line
 
 
 def meta_tensor(rank, world):
