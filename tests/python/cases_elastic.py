@@ -5,11 +5,9 @@ readmit a replacement and go on over the whole group."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import traceback
 from datetime import timedelta
 
 
@@ -32,11 +30,6 @@ def _readmit(victim, wait_s):
         assert time.monotonic() < deadline, "the replacement never became ready"
         time.sleep(0.2)
     moelink.recover_ranks([victim])
-
-
-def _save(out_dir, rank, result, replacement=False):
-    with open(os.path.join(out_dir, f"{'new' if replacement else 'old'}{rank}.json"), "w") as f:
-        json.dump(result, f)
 
 
 def _step(i, rank, world, log):
@@ -68,50 +61,44 @@ def _step(i, rank, world, log):
     log.append({"i": i, "mask": mask, "mask2": mask2, "allreduce_s": t1 - t0, "t": time.time()})
 
 
-def member(rank, world, port, out_dir, victim, kill_iter, rejoin_iter, end_iter, replacement=False):
+def member(rank, world, port, victim, kill_iter, rejoin_iter, end_iter, replacement=False):
     import torch.distributed as dist
 
     log, result = [], {"rank": rank, "replacement": replacement}
-    try:
-        _init(rank, world, port, extension=replacement)
-        start = rejoin_iter if replacement else 0
-        i = start
-        while i < end_iter:
-            if not replacement and rank == victim and i == kill_iter:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if not replacement and rank != victim and i == rejoin_iter:
-                _readmit(victim, 60)
-                result["recovered_at"] = time.time()
-            _step(i, rank, world, log)
-            i += 1
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        result["error"] = traceback.format_exc()
+    _init(rank, world, port, extension=replacement)
+    start = rejoin_iter if replacement else 0
+    i = start
+    while i < end_iter:
+        if not replacement and rank == victim and i == kill_iter:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not replacement and rank != victim and i == rejoin_iter:
+            _readmit(victim, 60)
+            result["recovered_at"] = time.time()
+        _step(i, rank, world, log)
+        i += 1
+    dist.destroy_process_group()
     result["log"] = log
-    _save(out_dir, rank, result, replacement)
+    return result
 
 
-def staller(rank, world, port, out_dir, stall_rank, stall_s, iters):
+def staller(rank, world, port, stall_rank, stall_s, iters):
     import torch.distributed as dist
 
     import moelink
 
     result, log = {"rank": rank}, []
-    try:
-        _init(rank, world, port, timeout=30)
-        for i in range(iters):
-            if rank == stall_rank and i == iters // 2:
-                time.sleep(stall_s)
-            _step(i, rank, world, log)
-        result["masks"] = [e["mask"] for e in log]
-        result["epoch"] = moelink.get_backend().epoch
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        result["error"] = traceback.format_exc()
-    _save(out_dir, rank, result)
+    _init(rank, world, port, timeout=30)
+    for i in range(iters):
+        if rank == stall_rank and i == iters // 2:
+            time.sleep(stall_s)
+        _step(i, rank, world, log)
+    result["masks"] = [e["mask"] for e in log]
+    result["epoch"] = moelink.get_backend().epoch
+    dist.destroy_process_group()
+    return result
 
 
-def raiser(rank, world, port, out_dir, victim):
+def raiser(rank, world, port, victim):
     """on_peer_failure="raise": the op that loses a peer raises on every survivor; the next runs."""
     import torch
     import torch.distributed as dist
@@ -119,36 +106,33 @@ def raiser(rank, world, port, out_dir, victim):
     import moelink
 
     result = {"rank": rank}
+    _init(rank, world, port, on_peer_failure="raise")
+    dist.all_reduce(torch.ones(4))
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
     try:
-        _init(rank, world, port, on_peer_failure="raise")
         dist.all_reduce(torch.ones(4))
-        if rank == victim:
-            os.kill(os.getpid(), signal.SIGKILL)
-        t0 = time.monotonic()
-        try:
-            dist.all_reduce(torch.ones(4))
-            result["first"] = "ok"
-        except Exception as e:  # noqa: BLE001
-            result["first"] = str(e)
-        result["first_s"] = time.monotonic() - t0
-        x = torch.ones(4)
-        w = dist.all_reduce(x, async_op=True)
-        w.wait()
-        result["second"] = x.tolist()
-        result["failed_ranks"] = moelink.failed_ranks(w)
-        result["mask"] = moelink.get_active_ranks().tolist()
-        try:
-            dist.send(torch.ones(2), victim)
-            result["send"] = "ok"
-        except Exception as e:  # noqa: BLE001
-            result["send"] = str(e)
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        result["error"] = traceback.format_exc()
-    _save(out_dir, rank, result)
+        result["first"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        result["first"] = str(e)
+    result["first_s"] = time.monotonic() - t0
+    x = torch.ones(4)
+    w = dist.all_reduce(x, async_op=True)
+    w.wait()
+    result["second"] = x.tolist()
+    result["failed_ranks"] = moelink.failed_ranks(w)
+    result["mask"] = moelink.get_active_ranks().tolist()
+    try:
+        dist.send(torch.ones(2), victim)
+        result["send"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        result["send"] = str(e)
+    dist.destroy_process_group()
+    return result
 
 
-def gpu_member(rank, world, port, out_dir, replacement=False):
+def gpu_member(rank, world, port, replacement=False):
     """2 GPUs: CUDA all_reduce and an EP round trip; rank 1 dies; rank 0 goes on over itself
     (CUDA collectives over the host route, the EP buffer with rank 1 masked out), then
     readmits a replacement; both bring the EP buffer up to date (``update_members``), check a
@@ -162,103 +146,100 @@ def gpu_member(rank, world, port, out_dir, replacement=False):
 
     res = {"rank": rank, "replacement": replacement}
     hidden, experts, tokens = 1024, 16, 64
-    try:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        _init(rank, world, port, extension=replacement)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    _init(rank, world, port, extension=replacement)
 
-        def cuda_allreduce(i, n=4096):
-            x = torch.full((n,), float(rank + 1 + i), device="cuda")
-            mask = moelink.get_active_ranks().tolist()
-            w = dist.all_reduce(x, async_op=True)
-            w.wait()  # stream-ordered: raises only an error already known
-            w.get_future().wait()  # blocks until the op is over: raises its error (a loss on the GPU)
-            for r in moelink.failed_ranks(w):
-                mask[r] = 0
-            want = sum(r + 1 + i for r in range(world) if mask[r])
-            assert torch.all(x == want).item(), f"op {i}: {x[0].item()} != {want} over {mask}"
-            return mask
+    def cuda_allreduce(i, n=4096):
+        x = torch.full((n,), float(rank + 1 + i), device="cuda")
+        mask = moelink.get_active_ranks().tolist()
+        w = dist.all_reduce(x, async_op=True)
+        w.wait()  # stream-ordered: raises only an error already known
+        w.get_future().wait()  # blocks until the op is over: raises its error (a loss on the GPU)
+        for r in moelink.failed_ranks(w):
+            mask[r] = 0
+        want = sum(r + 1 + i for r in range(world) if mask[r])
+        assert torch.all(x == want).item(), f"op {i}: {x[0].item()} != {want} over {mask}"
+        return mask
 
-        def ep_round(buf, local_only):
-            g = torch.Generator().manual_seed(rank)
-            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
-            idx = torch.rand(tokens, experts, generator=g).topk(4, dim=1).indices.cuda()
-            w = torch.ones(tokens, 4, device="cuda")
-            recv, count, handle, _, _ = buf.dispatch(x, idx, 128, experts, use_fp8=False, timeout_us=5_000_000)
-            out, _, _ = buf.combine(recv, idx, w, handle, timeout_us=5_000_000)
-            torch.cuda.synchronize()
-            per_rank = experts // world
-            counted = (idx // per_rank == rank).sum(1) if local_only else (idx >= 0).sum(1)
-            want = x.float() * counted.unsqueeze(1).float()
-            err = (out.float() - want).abs().max().item()
-            assert err <= 0.05 * want.abs().max().item() + 1e-3, f"EP round trip off by {err}"
+    def ep_round(buf, local_only):
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+        idx = torch.rand(tokens, experts, generator=g).topk(4, dim=1).indices.cuda()
+        w = torch.ones(tokens, 4, device="cuda")
+        recv, count, handle, _, _ = buf.dispatch(x, idx, 128, experts, use_fp8=False, timeout_us=5_000_000)
+        out, _, _ = buf.combine(recv, idx, w, handle, timeout_us=5_000_000)
+        torch.cuda.synchronize()
+        per_rank = experts // world
+        counted = (idx // per_rank == rank).sum(1) if local_only else (idx >= 0).sum(1)
+        want = x.float() * counted.unsqueeze(1).float()
+        err = (out.float() - want).abs().max().item()
+        assert err <= 0.05 * want.abs().max().item() + 1e-3, f"EP round trip off by {err}"
 
-        def rejoined(buf):
-            """After the readmission, on both ranks: the buffer follows the group again."""
-            buf.update_members()
-            res["ep_active"] = buf.active_ranks().tolist()
-            res["transports"] = [buf.transport_of(r) for r in range(world)]
+    def rejoined(buf):
+        """After the readmission, on both ranks: the buffer follows the group again."""
+        buf.update_members()
+        res["ep_active"] = buf.active_ranks().tolist()
+        res["transports"] = [buf.transport_of(r) for r in range(world)]
+        ep_round(buf, local_only=False)
+        res["normal_path"] = buf._normal_path(torch.device("cuda"))
+        cases_normal.check_round(buf, rank, world, 512, hidden, 4, False, 1, "cuda", seed=3)
+        ep_round(buf, local_only=False)  # the low-latency halves after the normal mode's calls
+        res["ep_rejoined"] = "ok"
+
+    if replacement:
+        res["path_before"] = moelink.get_backend().cuda_path()
+        rejoined(moelink.Buffer(None, 128, hidden, experts))
+        res["masks"] = [cuda_allreduce(1000 + k, n=4096 << (3 * k)) for k in range(5)]
+        res["path"] = moelink.get_backend().cuda_path()
+    else:
+        buf = moelink.Buffer(None, 128, hidden, experts)
+        for i in range(3):  # both halves of the buffer in use before the failure
             ep_round(buf, local_only=False)
-            res["normal_path"] = buf._normal_path(torch.device("cuda"))
-            cases_normal.check_round(buf, rank, world, 512, hidden, 4, False, 1, "cuda", seed=3)
-            ep_round(buf, local_only=False)  # the low-latency halves after the normal mode's calls
-            res["ep_rejoined"] = "ok"
-
-        if replacement:
-            res["path_before"] = moelink.get_backend().cuda_path()
-            rejoined(moelink.Buffer(None, 128, hidden, experts))
-            res["masks"] = [cuda_allreduce(1000 + k, n=4096 << (3 * k)) for k in range(5)]
-            res["path"] = moelink.get_backend().cuda_path()
-        else:
-            buf = moelink.Buffer(None, 128, hidden, experts)
-            for i in range(3):  # both halves of the buffer in use before the failure
-                ep_round(buf, local_only=False)
-            for i in range(5):
-                cuda_allreduce(i)
-            # A CUDA graph captured before the failure: replayed after it, its kernels give up
-            # at once (no hang, no crash, the group unharmed); it has to be captured again.
-            gx = torch.ones(4096, device="cuda")
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(side):
-                with torch.cuda.graph(graph, stream=side):
-                    dist.all_reduce(gx)
-            torch.cuda.current_stream().wait_stream(side)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.all(gx == world), gx[:4]
-            res["path_before"] = moelink.get_backend().cuda_path()
-            if rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            t0 = time.monotonic()
-            try:
-                cuda_allreduce(5)
-                res["inflight"] = "completed"
-            except Exception as e:  # noqa: BLE001
-                res["inflight"] = str(e)
-            res["detect_s"] = time.monotonic() - t0
-            res["masks_after"] = [cuda_allreduce(6 + k) for k in range(5)]
-            res["path_after"] = moelink.get_backend().cuda_path()
-            t0 = time.monotonic()
-            graph.replay()  # the stale graph
-            torch.cuda.synchronize()
-            res["stale_graph_s"] = time.monotonic() - t0
-            res["after_stale_graph"] = cuda_allreduce(20)
-            ep_round(buf, local_only=True)
-            res["ep_after"] = "ok"
-            _readmit(1, 120)
-            res["ep_active_before_update"] = buf.active_ranks().tolist()
-            res["normal_path_before_update"] = buf._normal_path(torch.device("cuda"))
-            rejoined(buf)
-            res["masks"] = [cuda_allreduce(1000 + k, n=4096 << (3 * k)) for k in range(5)]
-            res["path"] = moelink.get_backend().cuda_path()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        res["error"] = traceback.format_exc()
-    _save(out_dir, rank, res, replacement)
+        for i in range(5):
+            cuda_allreduce(i)
+        # A CUDA graph captured before the failure: replayed after it, its kernels give up
+        # at once (no hang, no crash, the group unharmed); it has to be captured again.
+        gx = torch.ones(4096, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            with torch.cuda.graph(graph, stream=side):
+                dist.all_reduce(gx)
+        torch.cuda.current_stream().wait_stream(side)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.all(gx == world), gx[:4]
+        res["path_before"] = moelink.get_backend().cuda_path()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            cuda_allreduce(5)
+            res["inflight"] = "completed"
+        except Exception as e:  # noqa: BLE001
+            res["inflight"] = str(e)
+        res["detect_s"] = time.monotonic() - t0
+        res["masks_after"] = [cuda_allreduce(6 + k) for k in range(5)]
+        res["path_after"] = moelink.get_backend().cuda_path()
+        t0 = time.monotonic()
+        graph.replay()  # the stale graph
+        torch.cuda.synchronize()
+        res["stale_graph_s"] = time.monotonic() - t0
+        res["after_stale_graph"] = cuda_allreduce(20)
+        ep_round(buf, local_only=True)
+        res["ep_after"] = "ok"
+        _readmit(1, 120)
+        res["ep_active_before_update"] = buf.active_ranks().tolist()
+        res["normal_path_before_update"] = buf._normal_path(torch.device("cuda"))
+        rejoined(buf)
+        res["masks"] = [cuda_allreduce(1000 + k, n=4096 << (3 * k)) for k in range(5)]
+        res["path"] = moelink.get_backend().cuda_path()
+    dist.destroy_process_group()
+    return res
 
 
-def gpu_trio(rank, world, port, out_dir, victim=1, kill_iter=12, iters=40, replacement=False):
+def gpu_trio(rank, world, port, victim=1, kill_iter=12, iters=40, replacement=False):
     """3 GPU processes (or 3 on one GPU): a loop of async CUDA all_reduce (one- and two-shot
     sizes) and all_gather_into_tensor with ops in flight (up to 6 iterations on rank 2, 1 on
     rank 0, so the survivors issue ahead of each other) and no host sync between issues; the
@@ -274,77 +255,74 @@ def gpu_trio(rank, world, port, out_dir, victim=1, kill_iter=12, iters=40, repla
     import moelink
 
     res = {"rank": rank, "replacement": replacement}
-    try:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        _init(rank, world, port, extension=replacement)
-        sizes = [1000, 1 << 19]  # floats: one-shot, and two-shot for 3 ranks (2 MiB)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    _init(rank, world, port, extension=replacement)
+    sizes = [1000, 1 << 19]  # floats: one-shot, and two-shot for 3 ranks (2 MiB)
 
-        def full_sums(base):
-            out = []
-            for k in range(4):
-                n = sizes[k % 2]
-                x = torch.full((n,), float(rank + 1 + base + k), device="cuda")
-                w = dist.all_reduce(x, async_op=True)
-                w.get_future().wait()
-                out.append(x[0].item() == sum(r + 1 + base + k for r in range(world)) and bool(torch.all(x == x[0])))
-            return out
+    def full_sums(base):
+        out = []
+        for k in range(4):
+            n = sizes[k % 2]
+            x = torch.full((n,), float(rank + 1 + base + k), device="cuda")
+            w = dist.all_reduce(x, async_op=True)
+            w.get_future().wait()
+            out.append(x[0].item() == sum(r + 1 + base + k for r in range(world)) and bool(torch.all(x == x[0])))
+        return out
 
-        if replacement:
-            res["full"] = full_sums(5000)
-            res["path"] = moelink.get_backend().cuda_path()
-        else:
-            rnd = random.Random(rank)
-            pending, outcomes = [], {}
+    if replacement:
+        res["full"] = full_sums(5000)
+        res["path"] = moelink.get_backend().cuda_path()
+    else:
+        rnd = random.Random(rank)
+        pending, outcomes = [], {}
 
-            def settle(item):
-                i, x, w, ag, w2 = item
-                try:
-                    w.get_future().wait()  # this op is over on the GPU (later ones may still run)
-                    w2.get_future().wait()
-                    w.wait()  # the current stream after it, for the reads below
-                    w2.wait()
-                    vals = x.unique().tolist()
-                    slots = [ag[r * 64:(r + 1) * 64].unique().tolist() for r in range(world)]
-                    outcomes[i] = {"sum": vals, "slots": slots}
+        def settle(item):
+            i, x, w, ag, w2 = item
+            try:
+                w.get_future().wait()  # this op is over on the GPU (later ones may still run)
+                w2.get_future().wait()
+                w.wait()  # the current stream after it, for the reads below
+                w2.wait()
+                vals = x.unique().tolist()
+                slots = [ag[r * 64:(r + 1) * 64].unique().tolist() for r in range(world)]
+                outcomes[i] = {"sum": vals, "slots": slots}
+            except Exception as e:  # noqa: BLE001
+                outcomes[i] = {"error": str(e)[:300]}
+
+        for i in range(iters):
+            n = sizes[i % 2]
+            x = torch.full((n,), float(rank + 1 + i), device="cuda")
+            y = torch.full((64,), float(100 * (rank + 1) + i), device="cuda")
+            ag = torch.full((world * 64,), -1.0, device="cuda")
+            torch.cuda._sleep(rnd.randint(0, 2_000_000))  # the stream runs behind the host
+            works = []
+            for issue in (lambda: dist.all_reduce(x, async_op=True),
+                          lambda: dist.all_gather_into_tensor(ag, y, async_op=True)):
+                try:  # every op is issued, whatever the one before did (the ranks stay in step)
+                    works.append(issue())
                 except Exception as e:  # noqa: BLE001
-                    outcomes[i] = {"error": str(e)[:300]}
-
-            for i in range(iters):
-                n = sizes[i % 2]
-                x = torch.full((n,), float(rank + 1 + i), device="cuda")
-                y = torch.full((64,), float(100 * (rank + 1) + i), device="cuda")
-                ag = torch.full((world * 64,), -1.0, device="cuda")
-                torch.cuda._sleep(rnd.randint(0, 2_000_000))  # the stream runs behind the host
-                works = []
-                for issue in (lambda: dist.all_reduce(x, async_op=True),
-                              lambda: dist.all_gather_into_tensor(ag, y, async_op=True)):
-                    try:  # every op is issued, whatever the one before did (the ranks stay in step)
-                        works.append(issue())
-                    except Exception as e:  # noqa: BLE001
-                        outcomes[i] = {"error": "at issue: " + str(e)[:300]}
-                if len(works) == 2:
-                    pending.append((i, x, works[0], ag, works[1]))
-                if rank == victim and i == kill_iter:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                while len(pending) > (6 if rank == 2 else 1):  # rank 2 runs ahead of rank 0
-                    settle(pending.pop(0))
-                if i < kill_iter:
-                    time.sleep(rnd.random() * 0.01)
-            while pending:
+                    outcomes[i] = {"error": "at issue: " + str(e)[:300]}
+            if len(works) == 2:
+                pending.append((i, x, works[0], ag, works[1]))
+            if rank == victim and i == kill_iter:
+                os.kill(os.getpid(), signal.SIGKILL)
+            while len(pending) > (6 if rank == 2 else 1):  # rank 2 runs ahead of rank 0
                 settle(pending.pop(0))
-            res["outcomes"] = {str(i): o for i, o in sorted(outcomes.items())}
-            res["mask"] = moelink.get_active_ranks().tolist()
-            res["path_after"] = moelink.get_backend().cuda_path()
-            _readmit(victim, 120)
-            res["full"] = full_sums(5000)
-            res["path"] = moelink.get_backend().cuda_path()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        res["error"] = traceback.format_exc()
-    _save(out_dir, rank, res, replacement)
+            if i < kill_iter:
+                time.sleep(rnd.random() * 0.01)
+        while pending:
+            settle(pending.pop(0))
+        res["outcomes"] = {str(i): o for i, o in sorted(outcomes.items())}
+        res["mask"] = moelink.get_active_ranks().tolist()
+        res["path_after"] = moelink.get_backend().cuda_path()
+        _readmit(victim, 120)
+        res["full"] = full_sums(5000)
+        res["path"] = moelink.get_backend().cuda_path()
+    dist.destroy_process_group()
+    return res
 
 
-def grower(rank, world, port, out_dir, initial, replacement=False):
+def grower(rank, world, port, initial, replacement=False):
     """A group created by ranks [0, initial) of `world`; the rest join as extensions and
     extend_group_size_to(world) readmits them."""
     import torch
@@ -353,36 +331,33 @@ def grower(rank, world, port, out_dir, initial, replacement=False):
     import moelink
 
     res = {"rank": rank}
-    try:
-        if rank < initial:
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
-            dist.init_process_group("ep", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60),
-                                    pg_options=moelink.EpOptions(initial_world_size=initial))
-            res["mask_before"] = moelink.get_active_ranks().tolist()
-            x = torch.full((1000,), float(rank + 1))
-            dist.all_reduce(x)
-            res["sum_before"] = x[0].item()
-            outs = [torch.full((3,), -1.0) for _ in range(world)]
-            dist.all_gather(outs, torch.full((3,), float(rank)))
-            res["gather_before"] = [o[0].item() for o in outs]
-            deadline = time.monotonic() + 60
-            while moelink.get_num_synced_ranks() < world:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            moelink.extend_group_size_to(world)
-        else:
-            _init(rank, world, port, extension=True)
+    if rank < initial:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("ep", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60),
+                                pg_options=moelink.EpOptions(initial_world_size=initial))
+        res["mask_before"] = moelink.get_active_ranks().tolist()
         x = torch.full((1000,), float(rank + 1))
         dist.all_reduce(x)
-        res["sum_after"] = x[0].item()
-        res["mask_after"] = moelink.get_active_ranks().tolist()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        res["error"] = traceback.format_exc()
-    _save(out_dir, rank, res)
+        res["sum_before"] = x[0].item()
+        outs = [torch.full((3,), -1.0) for _ in range(world)]
+        dist.all_gather(outs, torch.full((3,), float(rank)))
+        res["gather_before"] = [o[0].item() for o in outs]
+        deadline = time.monotonic() + 60
+        while moelink.get_num_synced_ranks() < world:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        moelink.extend_group_size_to(world)
+    else:
+        _init(rank, world, port, extension=True)
+    x = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(x)
+    res["sum_after"] = x[0].item()
+    res["mask_after"] = moelink.get_active_ranks().tolist()
+    dist.destroy_process_group()
+    return res
 
 
-def gpu_cross_host_member(rank, world, port, out_dir, victim, replacement=False):
+def gpu_cross_host_member(rank, world, port, victim, replacement=False):
     """GPU ranks on 2 virtual hosts (MOELINK_EP_RANKS_PER_HOST=world/2): the other host over
     the CPU proxy, or over IBGDA through the emulated NIC (MOELINK_EP_IBGDA=emulate). `victim`
     dies after a few EP round trips; the survivors' round trips go on without it; a replacement
@@ -396,55 +371,52 @@ def gpu_cross_host_member(rank, world, port, out_dir, victim, replacement=False)
 
     res = {"rank": rank, "replacement": replacement}
     hidden, experts, tokens, topk = 1024, 16, 64, 4
-    try:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        _init(rank, world, port, extension=replacement, timeout=120)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    _init(rank, world, port, extension=replacement, timeout=120)
 
-        def ep_round(buf, seed):
-            """A round trip with identity experts: each token comes back as x times the
-            weights of its top-k entries on active ranks."""
-            g = torch.Generator().manual_seed(rank * 1000 + seed)
-            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
-            idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices.cuda()
-            w = torch.rand(tokens, topk, generator=g).cuda()
-            mask = moelink.get_active_ranks()
-            recv, _, handle, _, _ = buf.dispatch(x, idx, 128, experts, use_fp8=False, timeout_us=20_000_000)
-            out, _, _ = buf.combine(recv, idx, w, handle, timeout_us=20_000_000)
-            torch.cuda.synchronize()
-            live = mask.cuda()[idx // (experts // world)].float()
-            want = x.float() * (w * live).sum(1, keepdim=True)
-            err = (out.float() - want).abs().max().item()
-            assert err <= 0.02 * want.abs().max().item() + 1e-2, f"round {seed} over {mask.tolist()}: off by {err}"
-            return mask.tolist()
+    def ep_round(buf, seed):
+        """A round trip with identity experts: each token comes back as x times the
+        weights of its top-k entries on active ranks."""
+        g = torch.Generator().manual_seed(rank * 1000 + seed)
+        x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+        idx = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices.cuda()
+        w = torch.rand(tokens, topk, generator=g).cuda()
+        mask = moelink.get_active_ranks()
+        recv, _, handle, _, _ = buf.dispatch(x, idx, 128, experts, use_fp8=False, timeout_us=20_000_000)
+        out, _, _ = buf.combine(recv, idx, w, handle, timeout_us=20_000_000)
+        torch.cuda.synchronize()
+        live = mask.cuda()[idx // (experts // world)].float()
+        want = x.float() * (w * live).sum(1, keepdim=True)
+        err = (out.float() - want).abs().max().item()
+        assert err <= 0.02 * want.abs().max().item() + 1e-2, f"round {seed} over {mask.tolist()}: off by {err}"
+        return mask.tolist()
 
-        def rejoined(buf):
-            buf.update_members()
-            res["ep_active"] = buf.active_ranks().tolist()
-            res["transports"] = [buf.transport_of(r) for r in range(world)]
-            res["engine"] = [buf._impl.proxy_transport_of(r) for r in range(world)]  # "" unless a proxy peer
-            res["masks"] = [ep_round(buf, 100 + i) for i in range(4)]
-            cases_normal.check_round(buf, rank, world, 256, hidden, topk, False, 1, "cuda", seed=5)
-            res["masks"].append(ep_round(buf, 200))  # the low-latency halves after the normal mode
-            dist.barrier()
-            res["rejoined"] = "ok"
+    def rejoined(buf):
+        buf.update_members()
+        res["ep_active"] = buf.active_ranks().tolist()
+        res["transports"] = [buf.transport_of(r) for r in range(world)]
+        res["engine"] = [buf._impl.proxy_transport_of(r) for r in range(world)]  # "" unless a proxy peer
+        res["masks"] = [ep_round(buf, 100 + i) for i in range(4)]
+        cases_normal.check_round(buf, rank, world, 256, hidden, topk, False, 1, "cuda", seed=5)
+        res["masks"].append(ep_round(buf, 200))  # the low-latency halves after the normal mode
+        dist.barrier()
+        res["rejoined"] = "ok"
 
-        if replacement:
-            rejoined(moelink.Buffer(None, 128, hidden, experts))
-        else:
-            buf = moelink.Buffer(None, 128, hidden, experts)
-            res["transports_before"] = [buf.transport_of(r) for r in range(world)]
-            res["masks_before"] = [ep_round(buf, i) for i in range(3)]
-            dist.barrier()
-            if rank == victim:
-                os.kill(os.getpid(), signal.SIGKILL)
-            deadline = time.monotonic() + 60
-            while moelink.get_active_ranks()[victim]:  # the group agrees on the loss
-                assert time.monotonic() < deadline, "the victim was never masked out"
-                dist.all_reduce(torch.ones(4))
-            res["masks_after"] = [ep_round(buf, 10 + i) for i in range(3)]
-            _readmit(victim, 120)
-            rejoined(buf)
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        res["error"] = traceback.format_exc()
-    _save(out_dir, rank, res, replacement)
+    if replacement:
+        rejoined(moelink.Buffer(None, 128, hidden, experts))
+    else:
+        buf = moelink.Buffer(None, 128, hidden, experts)
+        res["transports_before"] = [buf.transport_of(r) for r in range(world)]
+        res["masks_before"] = [ep_round(buf, i) for i in range(3)]
+        dist.barrier()
+        if rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while moelink.get_active_ranks()[victim]:  # the group agrees on the loss
+            assert time.monotonic() < deadline, "the victim was never masked out"
+            dist.all_reduce(torch.ones(4))
+        res["masks_after"] = [ep_round(buf, 10 + i) for i in range(3)]
+        _readmit(victim, 120)
+        rejoined(buf)
+    dist.destroy_process_group()
+    return res

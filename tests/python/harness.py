@@ -1,10 +1,17 @@
 """Runs functions in real multi-process groups over backend "ep".
 
-`run_group(world, target, ...)` spawns `world` fresh interpreters (start method "spawn",
-as torch.multiprocessing does), each of which imports moelink, joins a TCPStore-backed
-group and calls `target(rank, world, **kwargs)`. Each rank's return value (or the
-traceback it raised) comes back through a file. A group that does not finish within
-`timeout` is killed and reported, so no test can hang.
+- `run_group(world, target, ...)` spawns `world` fresh interpreters (start method "spawn", as
+  torch.multiprocessing does), each of which imports moelink, joins a TCPStore-backed group
+  (rank 0 hosts the store) and calls `target(rank, world, **kwargs)`.
+- `run_elastic(world, target, ...)` is for groups whose ranks may die, rank 0 included: the
+  parent hosts the store, each process calls `target(rank, world, port, **kwargs)` and joins the
+  group itself (with the options it needs), and a replacement process can be started for a rank
+  once its process has ended (`target(..., replacement=True)`).
+- `run_cases` runs named cases of a module in one group; `case_failures` / `assert_case_passed`
+  read its results.
+
+Each process's return value (or the traceback it raised) comes back through a file. Processes
+that do not finish within `timeout` are killed and reported, so no test can hang.
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -24,32 +33,71 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world, port, target_mod, target_name, kwargs, out_dir, env, backend, pg_timeout,
-           store_host="127.0.0.1"):
+def _reported(out_path, fn, args, kwargs, env):
+    """A process's body: runs fn and writes {"value": ...} or {"error": traceback} to out_path."""
     os.environ.update(env)
-    result = {"rank": rank}
+    result = {}
     try:
-        import importlib
-
-        import torch.distributed as dist
-
-        import moelink  # noqa: F401  registers "ep" in this spawned child
-
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{store_host}:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=pg_timeout),
-        )
-        fn = getattr(importlib.import_module(target_mod), target_name)
-        result["value"] = fn(rank, world, **kwargs)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        result["value"] = fn(*args, **kwargs)
     except BaseException:  # noqa: BLE001  reported to the parent
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def _run_processes(starts, timeout, replacement=None):
+    """Starts one process per (name, fn, args, kwargs, env) of `starts` and waits up to `timeout`
+    s for all; `replacement` (name of a process, (name, fn, args, kwargs, env)) is started once
+    that process has ended. Returns {name: result dict} ({"killed": True} for a process that a
+    SIGKILL ended before it wrote its result, {"error": ...} for one that ended otherwise
+    without one) and the names that did not finish in time (killed here)."""
+    ctx = mp.get_context("spawn")
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = {}
+        for name, fn, args, kwargs, env in starts:
+            procs[name] = ctx.Process(target=_reported,
+                                      args=(os.path.join(out_dir, f"{name}.json"), fn, args, kwargs, env))
+            procs[name].start()
+        if replacement is not None:
+            after, (name, fn, args, kwargs, env) = replacement
+            procs[after].join(max(1, deadline - time.monotonic()))
+            procs[name] = ctx.Process(target=_reported,
+                                      args=(os.path.join(out_dir, f"{name}.json"), fn, args, kwargs, env))
+            procs[name].start()
+        for p in procs.values():
+            p.join(max(1, deadline - time.monotonic()))
+        hung = [name for name, p in procs.items() if p.is_alive()]
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results = {}
+        for name, p in procs.items():
+            path = os.path.join(out_dir, f"{name}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[name] = json.load(f)
+            elif p.exitcode == -signal.SIGKILL and name not in hung:
+                results[name] = {"killed": True}
+            else:
+                results[name] = {"error": f"{name} produced no result (exit code {p.exitcode})"}
+    return results, hung
+
+
+def _member(rank, world, port, target_mod, target_name, kwargs, backend, pg_timeout, store_host):
+    import importlib
+
+    import torch.distributed as dist
+
+    import moelink  # noqa: F401  registers "ep" in this spawned child
+
+    dist.init_process_group(backend=backend, init_method=f"tcp://{store_host}:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=pg_timeout))
+    value = getattr(importlib.import_module(target_mod), target_name)(rank, world, **kwargs)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return value
 
 
 def run_group(world, target, *, kwargs=None, env=None, timeout=300, backend="ep", pg_timeout=60, killed=(),
@@ -58,41 +106,47 @@ def run_group(world, target, *, kwargs=None, env=None, timeout=300, backend="ep"
     `killed` are expected to die (their result is None). The group's store listens at
     `store_host` (rank 0 hosts it). `rank_env` ({rank: {name: value}}) adds to `env` for
     single ranks."""
-    ctx = mp.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [
-            ctx.Process(
-                target=_child,
-                args=(r, world, port, target.__module__, target.__name__, kwargs or {}, out_dir,
-                      {**(env or {}), **((rank_env or {}).get(r, {}))}, backend, pg_timeout, store_host),
-            )
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results = []
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    results.append(json.load(f))
-            else:
-                code = procs[r].exitcode
-                results.append({"rank": r, "error": f"rank {r} produced no result (exit code {code})"})
+    starts = [(f"rank{r}", _member,
+               (r, world, port, target.__module__, target.__name__, kwargs or {}, backend, pg_timeout, store_host), {},
+               {**(env or {}), **((rank_env or {}).get(r, {}))}) for r in range(world)]
+    results, hung = _run_processes(starts, timeout)
     if hung:
-        raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
-    errors = [f"--- rank {res['rank']} ---\n{res['error']}" for res in results
-              if "error" in res and res["rank"] not in killed]
+        raise AssertionError(f"{hung} did not finish within {timeout} s")
+    errors = [f"--- rank {r} ---\n{results[f'rank{r}']['error']}" for r in range(world)
+              if "error" in results[f"rank{r}"] and r not in killed]
     assert not errors, "\n".join(errors)
-    return [res.get("value") for res in results]
+    return [results[f"rank{r}"].get("value") for r in range(world)]
+
+
+def run_elastic(world, target, *, kwargs=None, env=None, replacement=None, timeout=240):
+    """Processes `target(rank, world, port, **kwargs)` of a group whose store the parent hosts;
+    with `replacement=r`, `target(r, world, port, replacement=True, **kwargs)` starts once rank r's
+    process has ended. Returns {"old<r>": value, "new<r>": value}; raises AssertionError for a
+    process that raised or did not finish."""
+    import torch.distributed as dist
+
+    for attempt in range(3):  # a port found free can be taken before the store binds it
+        port = free_port()
+        try:
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=120))
+            break
+        except dist.DistNetworkError:
+            if attempt == 2:
+                raise
+    kwargs = kwargs or {}
+    starts = [(f"old{r}", target, (r, world, port), kwargs, env or {}) for r in range(world)]
+    extra = None
+    if replacement is not None:
+        extra = (f"old{replacement}", (f"new{replacement}", target, (replacement, world, port),
+                                       dict(kwargs, replacement=True), env or {}))
+    results, hung = _run_processes(starts, timeout, extra)
+    del store
+    assert not hung, f"{hung} did not finish within {timeout} s"
+    errors = {k: v["error"] for k, v in results.items() if "error" in v}
+    assert not errors, "\n".join(f"--- {k} ---\n{v}" for k, v in errors.items())
+    return {k: v["value"] for k, v in results.items() if "value" in v}
 
 
 def run_cases(rank, world, cases_mod, names):
@@ -118,3 +172,13 @@ def run_cases(rank, world, cases_mod, names):
             except RuntimeError:
                 continue
     return out
+
+
+def case_failures(results, case):
+    """The ranks' tracebacks of `case` in run_cases results (one {name: traceback} per rank)."""
+    return [f"rank {r}:\n{res[case]}" for r, res in enumerate(results) if res[case]]
+
+
+def assert_case_passed(results, case):
+    failures = case_failures(results, case)
+    assert not failures, "\n".join(failures)

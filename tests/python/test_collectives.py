@@ -6,7 +6,7 @@ import functools
 import pytest
 
 import cases_collectives
-from harness import run_cases, run_group
+from harness import assert_case_passed, run_cases, run_group
 
 GROUPS = [(2, "auto"), (3, "auto"), (4, "auto"), (3, "tcp")]
 
@@ -26,5 +26,4 @@ def group_results(world, transport):
 @pytest.mark.parametrize("world,transport", GROUPS, ids=[f"{w}ranks-{t}" for w, t in GROUPS])
 @pytest.mark.parametrize("case", cases_collectives.CASES)
 def test_collective(world, transport, case):
-    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(group_results(world, transport)) if res[case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(group_results(world, transport), case)

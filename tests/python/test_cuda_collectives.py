@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cases_cuda
-from harness import run_cases, run_group
+from harness import assert_case_passed, run_cases, run_group
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 SHARED = GPUS == 1 and os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"
@@ -32,5 +32,4 @@ def test_cuda_collectives(path, case):
         pytest.skip(f"needs 2 GPUs, found {GPUS}")
     if SHARED and "nccl" in case:
         pytest.skip("NCCL refuses two ranks on one GPU")
-    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(results(path)) if res[case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(results(path), case)

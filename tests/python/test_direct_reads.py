@@ -7,7 +7,7 @@ import functools
 import pytest
 
 import cases_direct_reads
-from harness import run_cases, run_group
+from harness import assert_case_passed, run_cases, run_group
 
 # Small pieces, so that every op crosses many pulled pieces of odd sizes.
 SMALL_PIECES = {"MOELINK_PULL_CHUNK_BYTES": "300000", "MOELINK_PULL_MIN_BYTES": "1000"}
@@ -37,8 +37,7 @@ def run_cases_with_report(rank, world, names):
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("case", cases_direct_reads.CASES)
 def test_copy_ops(setup, case):
-    failures = [f"rank {r}:\n{res['cases'][case]}" for r, res in enumerate(results(setup)) if res["cases"][case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed([res["cases"] for res in results(setup)], case)
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))

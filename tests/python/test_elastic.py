@@ -1,69 +1,19 @@
-"""Elastic membership over real processes: a rank is SIGKILLed mid-loop, the survivors agree
-on the mask and keep producing exact results over it, a replacement rejoins; a slow rank
-is never evicted; on_peer_failure="raise"."""
+"""Elastic membership over real processes (harness.run_elastic: the store in the parent, so any
+rank may die): a rank is SIGKILLed mid-loop, the survivors agree on the mask and keep producing
+exact results over it, a replacement rejoins; a slow rank is never evicted;
+on_peer_failure="raise"; two hosts in network namespaces with the link cut."""
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import tempfile
 import time
-from datetime import timedelta
 
 import pytest
 
-import elastic_cases
-from harness import free_port
-
-
-def _run(target, world, kwargs, env, spawn_replacement=None, timeout=240):
-    import torch.distributed as dist
-
-    for attempt in range(3):  # a port found free can be taken before the store binds it
-        port = free_port()
-        try:
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=120))
-            break
-        except dist.DistNetworkError:
-            if attempt == 2:
-                raise
-    ctx = mp.get_context("spawn")
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            procs = [ctx.Process(target=target, args=(r, world, port, out), kwargs=kwargs) for r in range(world)]
-            for p in procs:
-                p.start()
-            extra = None
-            if spawn_replacement is not None:
-                victim = spawn_replacement
-                procs[victim].join(timeout)
-                extra = ctx.Process(target=target, args=(victim, world, port, out),
-                                    kwargs=dict(kwargs, replacement=True))
-                extra.start()
-            deadline = time.monotonic() + timeout
-            for p in procs + ([extra] if extra else []):
-                p.join(max(1, deadline - time.monotonic()))
-            hung = [p.pid for p in procs + ([extra] if extra else []) if p.is_alive()]
-            for p in procs + ([extra] if extra else []):
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            results = {}
-            for name in os.listdir(out):
-                with open(os.path.join(out, name)) as f:
-                    results[name[:-5]] = json.load(f)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    del store
-    assert not hung, f"processes {hung} did not finish"
-    errors = {k: v["error"] for k, v in results.items() if "error" in v}
-    assert not errors, "\n".join(f"--- {k} ---\n{v}" for k, v in errors.items())
-    return results
+import cases_elastic
+from harness import run_elastic
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -71,10 +21,10 @@ def _run(target, world, kwargs, env, spawn_replacement=None, timeout=240):
 def test_kill_mask_and_rejoin(transport, victim):
     world, kill_iter, rejoin_iter, end_iter = 4, 10, 16, 24
     probe_ms = 2000
-    res = _run(elastic_cases.member, world,
-               dict(victim=victim, kill_iter=kill_iter, rejoin_iter=rejoin_iter, end_iter=end_iter),
-               {"MOELINK_TRANSPORT": transport, "MOELINK_FAILURE_PROBE_MS": str(probe_ms)},
-               spawn_replacement=victim)
+    res = run_elastic(world, cases_elastic.member,
+                      kwargs=dict(victim=victim, kill_iter=kill_iter, rejoin_iter=rejoin_iter, end_iter=end_iter),
+                      env={"MOELINK_TRANSPORT": transport, "MOELINK_FAILURE_PROBE_MS": str(probe_ms)},
+                      replacement=victim)
     survivors = [r for r in range(world) if r != victim]
     logs = {r: res[f"old{r}"]["log"] for r in survivors}
     # Every survivor ran every iteration and reports the same masks at each.
@@ -98,8 +48,8 @@ def test_kill_mask_and_rejoin(transport, victim):
 
 
 def test_slow_rank_is_not_evicted():
-    res = _run(elastic_cases.staller, 4, dict(stall_rank=1, stall_s=8, iters=6),
-               {"MOELINK_FAILURE_PROBE_MS": "2000"})
+    res = run_elastic(4, cases_elastic.staller, kwargs=dict(stall_rank=1, stall_s=8, iters=6),
+                      env={"MOELINK_FAILURE_PROBE_MS": "2000"})
     for r in range(4):
         assert all(all(m) for m in res[f"old{r}"]["masks"]), res[f"old{r}"]["masks"]
         assert res[f"old{r}"]["epoch"] == 0
@@ -107,7 +57,7 @@ def test_slow_rank_is_not_evicted():
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_raise_policy(transport):
-    res = _run(elastic_cases.raiser, 3, dict(victim=2), {"MOELINK_TRANSPORT": transport})
+    res = run_elastic(3, cases_elastic.raiser, kwargs=dict(victim=2), env={"MOELINK_TRANSPORT": transport})
     for r in (0, 1):
         out = res[f"old{r}"]
         assert "rank(s) 2 left the group" in out["first"], out["first"]
@@ -248,7 +198,7 @@ def test_gpu_survivor_and_rejoin():
     shared = os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"  # both ranks on one GPU (time-sliced)
     if not torch.cuda.is_available() or (torch.cuda.device_count() < 2 and not shared):
         pytest.skip("needs 2 GPUs (or MOELINK_TEST_SHARE_GPU=1 and one)")
-    res = _run(elastic_cases.gpu_member, 2, {}, {"MOELINK_EP_TIMEOUT_US": "5000000"}, spawn_replacement=1, timeout=300)
+    res = run_elastic(2, cases_elastic.gpu_member, env={"MOELINK_EP_TIMEOUT_US": "5000000"}, replacement=1, timeout=300)
     old, new = res["old0"], res["new1"]
     assert old["inflight"] == "completed" or "left the group" in old["inflight"], old["inflight"]
     assert old["detect_s"] < 2 + 5, old["detect_s"]
@@ -275,7 +225,7 @@ def test_gpu_three_ranks_kill_in_flight():
     shared = os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"
     if not torch.cuda.is_available() or (torch.cuda.device_count() < 3 and not shared):
         pytest.skip("needs 3 GPUs (or MOELINK_TEST_SHARE_GPU=1 and one)")
-    res = _run(elastic_cases.gpu_trio, 3, {}, {}, spawn_replacement=1, timeout=300)
+    res = run_elastic(3, cases_elastic.gpu_trio, replacement=1, timeout=300)
     a, b, new = res["old0"], res["old2"], res["new1"]
     assert a["outcomes"].keys() == b["outcomes"].keys()
     full = lambda i: float(sum(r + 1 + i for r in range(3)))  # noqa: E731
@@ -306,7 +256,7 @@ def test_gpu_three_ranks_kill_in_flight():
 def test_group_grows_with_extension_ranks():
     """Ranks 0 and 1 create a group of 4 with EpOptions(initial_world_size=2); ranks 2 and 3 join
     later with is_extension=True and extend_group_size_to(4) readmits them."""
-    res = _run(elastic_cases.grower, 4, dict(initial=2), {})
+    res = run_elastic(4, cases_elastic.grower, kwargs=dict(initial=2))
     for r in (0, 1):
         assert res[f"old{r}"]["mask_before"] == [1, 1, 0, 0]
         assert res[f"old{r}"]["sum_before"] == 3.0
@@ -331,8 +281,8 @@ def test_gpu_cross_host_rejoin(path, world, victim, transport):
     rph = world // 2
     env = {"MOELINK_EP_RANKS_PER_HOST": str(rph), "MOELINK_EP_IBGDA": "emulate" if path == "ibgda" else "off",
            "MOELINK_TRANSPORT": transport}
-    res = _run(elastic_cases.gpu_cross_host_member, world, dict(victim=victim), env, spawn_replacement=victim,
-               timeout=400)
+    res = run_elastic(world, cases_elastic.gpu_cross_host_member, kwargs=dict(victim=victim), env=env,
+                      replacement=victim, timeout=400)
     paths = lambda q: ["local" if p == q else ("nvlink" if p // rph == q // rph else path)  # noqa: E731
                        for p in range(world)]
     for q in range(world):

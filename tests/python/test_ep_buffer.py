@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cases_ep
-from harness import run_cases, run_group
+from harness import assert_case_passed, run_cases, run_group
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 SHARED = GPUS >= 1 and os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"
@@ -27,8 +27,7 @@ def results(world):
 def test_ep_buffer(world, case):
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs, found {GPUS}")
-    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(results(world)) if res[case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(results(world), case)
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,8 +42,7 @@ def test_ep_proxy_path(transport):
     if GPUS < 4 and not SHARED:  # shared: the 4 ranks on the GPUs there are
         pytest.skip(f"needs 4 GPUs (or MOELINK_TEST_SHARE_GPU=1), found {GPUS}")
     case, res = proxy_results(transport)
-    failures = [f"rank {r}:\n{x[case]}" for r, x in enumerate(res) if x[case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(res, case)
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,8 +56,7 @@ def test_ep_warp_store_path(case):
     """Dispatch with warp stores instead of bulk copies (MOELINK_EP_TMA=0)."""
     if GPUS < 2:
         pytest.skip(f"needs 2 GPUs, found {GPUS}")
-    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(warp_store_results()) if res[case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(warp_store_results(), case)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,6 +71,4 @@ def test_ep_ibgda_emulated(world):
     """IBGDA between the two halves of the group (virtual hosts), the NIC emulated."""
     if GPUS < world and not SHARED:  # shared: the ranks on the GPUs there are
         pytest.skip(f"needs {world} GPUs (or MOELINK_TEST_SHARE_GPU=1), found {GPUS}")
-    failures = [f"rank {r}:\n{res['ibgda_emulated']}" for r, res in enumerate(ibgda_results(world))
-                if res["ibgda_emulated"]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(ibgda_results(world), "ibgda_emulated")

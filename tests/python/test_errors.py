@@ -5,7 +5,7 @@ import functools
 import pytest
 
 import cases_errors
-from harness import run_cases, run_group
+from harness import assert_case_passed, run_cases, run_group
 
 
 @functools.lru_cache(maxsize=None)
@@ -17,5 +17,4 @@ def results(world):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", cases_errors.CASES)
 def test_error_case(world, case):
-    failures = [f"rank {r}:\n{res[case]}" for r, res in enumerate(results(world)) if res[case]]
-    assert not failures, "\n".join(failures)
+    assert_case_passed(results(world), case)
