@@ -1,5 +1,8 @@
 // tcp transport: works between any two hosts.
 //
+// Files: transport.cpp (lifecycle, the calls below), loop.cpp (the progress thread), listener.cpp
+// (listening, accepting, handshakes), pair.cpp (a connection's frames); impl.h ties them.
+//
 // Each engine listens on one port. For its own requests a rank opens one outbound
 // connection per peer (lazily, at the first opened segment of that peer) and presents
 // {magic, group secret, rank}; the peer closes connections with a wrong secret. Frames

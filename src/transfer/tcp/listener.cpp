@@ -1,0 +1,174 @@
+// The tcp transport's listener and handshakes: accepting (with a cap and a deadline for
+// connections that have not presented the secret), and connecting to a peer.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <glog/logging.h>
+
+#include "impl.h"
+#include "moelink/common/error.h"
+#include "moelink/transfer/shm/transport.h"
+#include "moelink/transfer/tcp/socket.h"
+
+namespace moelink::transfer::tcp {
+
+using namespace std::chrono;
+
+// Binds the listening socket to `ip` (and no other interface): the address peers are told to
+// use, MOELINK_HOST_IP or the first interface. One that is not this host's is an error.
+void TcpTransport::Impl::listen(const std::string& ip) {
+  listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  MOELINK_SYSCHECK(listen_fd_, "socket");
+  int one = 1;
+  setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = 0;
+  if (inet_pton(AF_INET, ip.c_str(), &a.sin_addr) != 1) {
+    ::close(listen_fd_);
+    MOELINK_THROW("cannot listen on '", ip, "': not an IPv4 address (MOELINK_HOST_IP, if set, must be one of "
+                  "this host's addresses)");
+  }
+  if (bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) < 0) {
+    const int e = errno;
+    ::close(listen_fd_);
+    MOELINK_THROW("cannot listen on ", ip, ": ", std::strerror(e),
+                  e == EADDRNOTAVAIL ? " (it is not an address of this host; MOELINK_HOST_IP, if set, must be one)"
+                                     : "");
+  }
+  MOELINK_SYSCHECK(::listen(listen_fd_, 128), "listen");
+  socklen_t len = sizeof a;
+  MOELINK_SYSCHECK(getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len), "getsockname");
+  address_ = str(ip, ":", ntohs(a.sin_port));
+}
+
+// Connects to `peer` once (caller's thread); later calls reuse the connection.
+void TcpTransport::Impl::connectPeer(const PeerInfo& peer) {
+  std::lock_guard<std::mutex> og(open_mu_);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (connected_.count(peer.rank)) return;
+  }
+  sockaddr_in a = parseAddress(peer.tcp_address);
+  auto deadline = steady_clock::now() + timeout_;
+  int fd = -1;
+  while (true) {
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    MOELINK_SYSCHECK(fd, "socket");
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) break;
+    int e = errno;
+    ::close(fd);
+    if (steady_clock::now() > deadline)
+      MOELINK_THROW_TIMEOUT("could not connect to rank ", peer.rank, " at ", peer.tcp_address,
+                            ": ", std::strerror(e));
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  setNoDelay(fd);
+  wire::Hello hello{wire::kHelloMagic, secret_, rank_, 0};
+  uint64_t reply = 0;
+  try {
+    sendAll(fd, &hello, sizeof hello, deadline);
+    recvAll(fd, &reply, sizeof reply, deadline);
+    MOELINK_CHECK(reply == wire::kHelloMagic, "rank ", peer.rank, " refused the handshake");
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  setNonBlocking(fd);
+  auto c = std::make_unique<Conn>();
+  c->fd = fd;
+  c->peer = peer.rank;
+  c->outbound = true;
+  c->rbuf.resize(kReadBuffer);
+  std::lock_guard<std::mutex> g(mu_);
+  connected_.insert(peer.rank);
+  new_conns_.push_back(std::move(c));
+  wake();
+}
+
+void TcpTransport::Impl::acceptAll() {
+  while (true) {
+    sockaddr_in from{};
+    socklen_t len = sizeof from;
+    int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&from), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if ((errno == EMFILE || errno == ENFILE) && spare_fd_ >= 0) {
+        // Out of descriptors: take the connection with the one kept in reserve and drop it,
+        // so the listener does not stay readable (and this loop spinning) until one frees.
+        ::close(spare_fd_);
+        int dropped = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (dropped >= 0) ::close(dropped);
+        spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+        logRejection("out-of-fds", "out of file descriptors: refusing tcp connections");
+        continue;
+      }
+      return;
+    }
+    char ip[INET_ADDRSTRLEN] = "?";
+    inet_ntop(AF_INET, &from.sin_addr, ip, sizeof ip);
+    if (unauthenticated_ >= kMaxUnauthenticated) evictOldestUnauthenticated(ip);
+    setNoDelay(fd);
+    auto c = std::make_unique<Conn>();
+    c->fd = fd;
+    c->in = Conn::In::kHello;
+    c->rbuf.resize(sizeof(wire::Hello));  // the full buffer once authenticated
+    c->accepted = std::chrono::steady_clock::now();
+    c->from = ip;
+    ++unauthenticated_;
+    handshaking_.push_back(fd);
+    conns_[fd] = std::move(c);
+    addToEpoll(fd, EPOLLIN);
+  }
+}
+
+// The inbound connection at the front of handshaking_ that is still in its handshake, or
+// nullptr (entries of connections that authenticated or closed are dropped on the way).
+TcpTransport::Impl::Conn* TcpTransport::Impl::oldestUnauthenticated() {
+  while (!handshaking_.empty()) {
+    auto it = conns_.find(handshaking_.front());
+    if (it != conns_.end() && it->second->fd >= 0 && it->second->in == Conn::In::kHello) return it->second.get();
+    handshaking_.pop_front();
+  }
+  return nullptr;
+}
+
+// At the cap, the oldest connection still without a handshake makes room: a flood of idle
+// connections then cannot keep a real peer out, which authenticates at once.
+void TcpTransport::Impl::evictOldestUnauthenticated(const std::string& newcomer) {
+  if (Conn* c = oldestUnauthenticated()) {
+    logRejection("cap", str("more than ", kMaxUnauthenticated, " connections without a handshake (the newest from ",
+                            newcomer, "): closing the oldest ones"));
+    closeConn(*c, "too many connections without a handshake", false);
+  }
+}
+
+// Closes connections that have not presented the secret within the deadline.
+void TcpTransport::Impl::expireHandshakes() {
+  const auto now = std::chrono::steady_clock::now();
+  while (Conn* c = oldestUnauthenticated()) {
+    if (now - c->accepted <= kHandshakeDeadline) break;
+    logRejection(c->from, str("closed a connection from ", c->from, " that sent no handshake within ",
+                              kHandshakeDeadline.count(), " s"));
+    closeConn(*c, "no handshake", false);
+  }
+}
+
+// Logs a rejection once per key (a remote address), not once per connection.
+void TcpTransport::Impl::logRejection(const std::string& key, const std::string& what) {
+  if (logged_rejections_.insert(key).second) LOG(WARNING) << "moelink tcp: " << what;
+}
+
+std::string wire::checkHello(const Hello& h, uint64_t secret, int world_size) {
+  if (h.magic != kHelloMagic || h.secret != secret) return str("it claimed rank ", h.rank, " (bad magic or group secret)");
+  if (h.rank < 0 || h.rank >= world_size) return str("it claimed rank ", h.rank, ", outside the group of ", world_size);
+  if (h.reserved != 0) return str("it claimed rank ", h.rank, " with a non-zero reserved field");
+  return "";
+}
+
+}  // namespace moelink::transfer::tcp
