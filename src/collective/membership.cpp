@@ -199,18 +199,32 @@ void Membership::watch(const std::vector<int>& waiting, Clock::duration stalled,
 }
 
 std::optional<MembershipChange> Membership::poll(const LocalProgress& me, const std::vector<char>& mask) {
+  if (auto decided = readBoard(mask)) {
+    endRound();
+    return decided;
+  }
+  if (!round_) return std::nullopt;
+  if (leader(mask) == rank_) return lead(me, mask);
+  follow(me, mask);
+  return std::nullopt;
+}
+
+void Membership::endRound() {
+  round_ = 0;
+  std::fill(suspects_.begin(), suspects_.end(), 0);
+  std::fill(alive_.begin(), alive_.end(), 0);
+  std::fill(certain_.begin(), certain_.end(), 0);
+  std::fill(why_.begin(), why_.end(), "");
+  reports_.assign(world_, {});
+  reported_to_ = -1;
+}
+
+// Every new message on the board: a decision (returned), a peer's clean exit, a query or a
+// report of the round under way.
+std::optional<MembershipChange> Membership::readBoard(const std::vector<char>& mask) {
   Msg m;
   std::vector<char> bits;
   std::optional<MembershipChange> decided;
-  auto endRound = [&] {
-    round_ = 0;
-    std::fill(suspects_.begin(), suspects_.end(), 0);
-    std::fill(alive_.begin(), alive_.end(), 0);
-    std::fill(certain_.begin(), certain_.end(), 0);
-    std::fill(why_.begin(), why_.end(), "");
-    reports_.assign(world_, {});
-    reported_to_ = -1;
-  };
   for (int src = 0; src < world_ && !decided; ++src) {
     if (src == rank_ || !mask[src]) continue;
     if (read(2 * src + 1, m, bits) && m.target > epoch_) {  // a decision
@@ -266,99 +280,109 @@ std::optional<MembershipChange> Membership::poll(const LocalProgress& me, const 
         }
     }
   }
-  if (decided) {
-    endRound();
-    return decided;
-  }
-  if (!round_) return std::nullopt;
+  return decided;
+}
 
+// The leader of a round: once every survivor has reported, decides (RESUME, OUT or the new
+// mask and the ops that fail); until then queries the silent ones and probes them.
+std::optional<MembershipChange> Membership::lead(const LocalProgress& me, const std::vector<char>& mask) {
   auto now = Clock::now();
-  const int lead = leader(mask);
-  if (lead == rank_) {
-    reports_[rank_].have = true;
-    reports_[rank_].p = me;
-    bool all = true;
-    for (int r = 0; r < world_; ++r) {
-      if (!mask[r] || suspects_[r] || r == rank_) continue;
-      if (!reports_[r].have) all = false;
-    }
-    if (!all) {
-      if (now - last_sent_ > milliseconds(200)) {
-        Msg q;
-        q.kind = kQuery;
-        q.target = round_;
-        for (int r = 0; r < world_; ++r)
-          if (mask[r] && !suspects_[r] && r != rank_ && !reports_[r].have) send(r, q, suspects_);
-        // A survivor that does not answer in a while is probed like any stalled peer.
-        for (int r = 0; r < world_; ++r)
-          if (mask[r] && !suspects_[r] && r != rank_ && !reports_[r].have &&
-              now - last_probe_[r] > opts_.probe_after) {
-            last_probe_[r] = now;
-            check(r);
-          }
-        last_sent_ = now;
-      }
-      return std::nullopt;
-    }
-    MembershipChange c;
-    std::vector<char> survivors(world_, 0);
-    int old_n = 0, new_n = 0, lowest = -1;
-    for (int r = 0; r < world_; ++r) {
-      if (!mask[r]) continue;
-      if (lowest < 0) lowest = r;
-      if (!certain_[r]) old_n++;
-      if (suspects_[r]) {
-        c.removed.push_back(r);
-      } else {
-        survivors[r] = 1;
-        new_n++;
-      }
-    }
-    std::string found;
-    for (int r : c.removed) found += str(found.empty() ? "" : "; ", "rank ", r, ": ", why_[r]);
-    Msg d;
-    d.target = round_;
-    if (c.removed.empty()) {
-      d.kind = kResume;
+  reports_[rank_].have = true;
+  reports_[rank_].p = me;
+  bool all = true;
+  for (int r = 0; r < world_; ++r) {
+    if (!mask[r] || suspects_[r] || r == rank_) continue;
+    if (!reports_[r].have) all = false;
+  }
+  if (!all) {
+    if (now - last_sent_ > milliseconds(200)) {
+      Msg q;
+      q.kind = kQuery;
+      q.target = round_;
       for (int r = 0; r < world_; ++r)
-        if (survivors[r] && r != rank_) send(r, d, survivors);
-      c.resume = true;
-      c.epoch = epoch_;
-      endRound();
-      return c;
-    }
-    c.epoch = round_;
-    if (2 * new_n < old_n || (2 * new_n == old_n && !survivors[lowest] && !certain_[lowest])) {
-      d.kind = kOut;
+        if (mask[r] && !suspects_[r] && r != rank_ && !reports_[r].have) send(r, q, suspects_);
+      // A survivor that does not answer in a while is probed like any stalled peer.
       for (int r = 0; r < world_; ++r)
-        if (survivors[r] && r != rank_) send(r, d, survivors);
-      c.out = true;
-      c.why = str("this rank's side of the group (", new_n, " of ", old_n,
-                  " ranks) lost contact with the rest (", found, ")");
-      endRound();
-      return c;
+        if (mask[r] && !suspects_[r] && r != rank_ && !reports_[r].have &&
+            now - last_probe_[r] > opts_.probe_after) {
+          last_probe_[r] = now;
+          check(r);
+        }
+      last_sent_ = now;
     }
-    uint64_t newest = 0;
-    for (int r = 0; r < world_; ++r)
-      if (survivors[r]) newest = std::max(newest, reports_[r].p.completed);
-    uint64_t fail_through = newest;
-    for (int r = 0; r < world_; ++r)
-      if (survivors[r] && reports_[r].p.current == newest + 1 && !reports_[r].p.restartable) fail_through = newest + 1;
-    if (opts_.raise) fail_through = newest + 1;
-    d.kind = kDecide;
-    d.fail_through = fail_through;
+    return std::nullopt;
+  }
+  return decide(mask);
+}
+
+// Every survivor has reported: RESUME when no suspect is dead, OUT when this side holds no
+// majority of the old mask, else the new mask and the last op that fails; sent to the
+// survivors and returned.
+std::optional<MembershipChange> Membership::decide(const std::vector<char>& mask) {
+  MembershipChange c;
+  std::vector<char> survivors(world_, 0);
+  int old_n = 0, new_n = 0, lowest = -1;
+  for (int r = 0; r < world_; ++r) {
+    if (!mask[r]) continue;
+    if (lowest < 0) lowest = r;
+    if (!certain_[r]) old_n++;
+    if (suspects_[r]) {
+      c.removed.push_back(r);
+    } else {
+      survivors[r] = 1;
+      new_n++;
+    }
+  }
+  std::string found;
+  for (int r : c.removed) found += str(found.empty() ? "" : "; ", "rank ", r, ": ", why_[r]);
+  Msg d;
+  d.target = round_;
+  if (c.removed.empty()) {
+    d.kind = kResume;
     for (int r = 0; r < world_; ++r)
       if (survivors[r] && r != rank_) send(r, d, survivors);
-    c.mask = survivors;
-    c.fail_through = fail_through;
-    c.why = found;
-    LOG(WARNING) << "moelink: rank " << rank_ << " (leader) decides epoch " << c.epoch << ": " << new_n << " of "
-                 << new_n + c.removed.size() << " ranks stay; ops up to #" << fail_through << " that are unfinished fail (" << found
-                 << ")";
+    c.resume = true;
+    c.epoch = epoch_;
     endRound();
     return c;
   }
-  // A member: report to the leader (again when something changed, and now and then).
+  c.epoch = round_;
+  if (2 * new_n < old_n || (2 * new_n == old_n && !survivors[lowest] && !certain_[lowest])) {
+    d.kind = kOut;
+    for (int r = 0; r < world_; ++r)
+      if (survivors[r] && r != rank_) send(r, d, survivors);
+    c.out = true;
+    c.why = str("this rank's side of the group (", new_n, " of ", old_n,
+                " ranks) lost contact with the rest (", found, ")");
+    endRound();
+    return c;
+  }
+  uint64_t newest = 0;
+  for (int r = 0; r < world_; ++r)
+    if (survivors[r]) newest = std::max(newest, reports_[r].p.completed);
+  uint64_t fail_through = newest;
+  for (int r = 0; r < world_; ++r)
+    if (survivors[r] && reports_[r].p.current == newest + 1 && !reports_[r].p.restartable) fail_through = newest + 1;
+  if (opts_.raise) fail_through = newest + 1;
+  d.kind = kDecide;
+  d.fail_through = fail_through;
+  for (int r = 0; r < world_; ++r)
+    if (survivors[r] && r != rank_) send(r, d, survivors);
+  c.mask = survivors;
+  c.fail_through = fail_through;
+  c.why = found;
+  LOG(WARNING) << "moelink: rank " << rank_ << " (leader) decides epoch " << c.epoch << ": " << new_n << " of "
+               << new_n + c.removed.size() << " ranks stay; ops up to #" << fail_through << " that are unfinished fail (" << found
+               << ")";
+  endRound();
+  return c;
+}
+
+// A member of a round: reports to the leader (again when something changed, and now and
+// then), and checks that the leader lives.
+void Membership::follow(const LocalProgress& me, const std::vector<char>& mask) {
+  auto now = Clock::now();
+  const int lead = leader(mask);
   uint64_t sig = me.completed * 1000003 + me.current * 31 + me.restartable;
   for (int r = 0; r < world_; ++r) sig = sig * 131 + suspects_[r];
   if (lead != reported_to_ || sig != reported_sig_ || now - last_sent_ > milliseconds(500)) {
@@ -378,7 +402,6 @@ std::optional<MembershipChange> Membership::poll(const LocalProgress& me, const 
     if (!check(lead).empty())
       LOG(WARNING) << "moelink: rank " << rank_ << " finds its leader, rank " << lead << ", gone: " << why_[lead];
   }
-  return std::nullopt;
 }
 
 }  // namespace moelink::collective

@@ -358,22 +358,40 @@ const MsgHeader* CollectiveWorker::nextFresh(int peer, uint64_t seq) {
   return nullptr;
 }
 
+// One pass over the op: sends what credit and data allow, consumes the steps whose messages
+// are here, settles finished transfers, finishes the op, or looks at why it stalls. Each step
+// that fails the op (failCollective) ends the pass; true when something happened.
 bool CollectiveWorker::progressCollective(Collective& op) {
-  if (!op.started) {
-    prepare(op, world_, op.timeout);
-    // Receive this op's first messages in place too. Only while no op has failed: a failed
-    // op can leave messages behind that would shift which message lands where.
-    if (!had_failure_) {
-      for (int p = 0; p < world_; ++p)
-        for (uint64_t k = 0; k < coll_->depth() && k < op.recvq[p].size(); ++k)
-          if (op.recvq[p][k]->landing) coll_->landAhead(p, k, op.recvq[p][k]->landing, op.recvq[p][k]->bytes);
-    }
-    VLOG(1) << "moelink: rank " << rank_ << " starts " << opKindName(op.spec.kind) << " #" << op.seq
-            << " (" << op.spec.steps.size() << " steps)";
+  if (!op.started) startOp(op);
+  bool progressed = sendPieces(op);
+  if (!op.draining) progressed |= consumeSteps(op);
+  if (!op.draining) settleTransfers(op);
+  if (op.draining) return true;
+  if (finishIfDone(op)) return true;
+  if (progressed) {
+    op.last_progress = Clock::now();
+    return true;
   }
+  return checkStall(op);
+}
+
+void CollectiveWorker::startOp(Collective& op) {
+  prepare(op, world_, op.timeout);
+  // Receive this op's first messages in place too. Only while no op has failed: a failed
+  // op can leave messages behind that would shift which message lands where.
+  if (!had_failure_) {
+    for (int p = 0; p < world_; ++p)
+      for (uint64_t k = 0; k < coll_->depth() && k < op.recvq[p].size(); ++k)
+        if (op.recvq[p][k]->landing) coll_->landAhead(p, k, op.recvq[p][k]->landing, op.recvq[p][k]->bytes);
+  }
+  VLOG(1) << "moelink: rank " << rank_ << " starts " << opKindName(op.spec.kind) << " #" << op.seq << " ("
+          << op.spec.steps.size() << " steps)";
+}
+
+// Sends, per peer in order, as far as mailbox credit and data readiness allow.
+bool CollectiveWorker::sendPieces(Collective& op) {
   bool progressed = false;
   const auto& steps = op.spec.steps;
-  // Sends, per peer in order, as far as mailbox credit and data readiness allow.
   for (int p = 0; p < world_; ++p) {
     auto& q = op.sendq[p];
     while (op.sendpos[p] < q.size()) {
@@ -395,9 +413,8 @@ bool CollectiveWorker::progressCollective(Collective& op) {
       h.flags = (op.sendpos[p] == 0 ? kFirst : 0) | (last ? kLast : 0);
       // A piece larger than a slot is pulled (the pair pulls: AlgoContext::reads_me).
       const bool big = snd.bytes >= opts_.pull_min_bytes || snd.bytes > coll_->chunkBytes();
-      auto batch = op.spec.pullable && big && coll_->canPull(p)
-                       ? coll_->sendPull(p, h, snd.data)
-                       : coll_->send(p, h, snd.data);
+      auto batch = op.spec.pullable && big && coll_->canPull(p) ? coll_->sendPull(p, h, snd.data)
+                                                                 : coll_->send(p, h, snd.data);
       op.step_batches[s].push_back(batch);
       op.inflight.push_back(std::move(batch));
       op.sends_issued[s]++;
@@ -406,7 +423,13 @@ bool CollectiveWorker::progressCollective(Collective& op) {
       progressed = true;
     }
   }
-  // Consume steps in order once all of a step's messages are there.
+  return progressed;
+}
+
+// Consumes steps in order once all of a step's messages are there.
+bool CollectiveWorker::consumeSteps(Collective& op) {
+  bool progressed = false;
+  const auto& steps = op.spec.steps;
   std::vector<const char*> got;
   while (op.next_step < steps.size()) {
     const Step& st = steps[op.next_step];
@@ -455,7 +478,11 @@ bool CollectiveWorker::progressCollective(Collective& op) {
     op.next_step++;
     progressed = true;
   }
-  // Transfers: a failure fails the op; finished ones are dropped.
+  return progressed;
+}
+
+// Transfers: a failure fails the op; finished ones are dropped.
+void CollectiveWorker::settleTransfers(Collective& op) {
   coll_->pollPulls();
   for (size_t i = 0; i < op.inflight.size();) {
     if (op.inflight[i]->failed()) {
@@ -467,7 +494,7 @@ bool CollectiveWorker::progressCollective(Collective& op) {
         continue;
       }
       failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": ", op.inflight[i]->error()));
-      return true;
+      return;
     }
     if (op.inflight[i]->done()) {
       op.inflight[i] = std::move(op.inflight.back());
@@ -476,38 +503,44 @@ bool CollectiveWorker::progressCollective(Collective& op) {
       ++i;
     }
   }
+}
+
+// Every step consumed, every piece sent and settled: the op ends (or fails, see below). True
+// when it has.
+bool CollectiveWorker::finishIfDone(Collective& op) {
   bool all_sent = true;
   for (int p = 0; p < world_; ++p) all_sent &= op.sendpos[p] == op.sendq[p].size();
-  if (op.next_step == steps.size() && all_sent && op.inflight.empty()) {
-    // A peer that failed this op after sending its part left an ABORT behind it: then this
-    // rank's result rests on an op that failed there, and it fails too (a late rank meets
-    // the ABORT of a peer that timed out waiting for it).
-    for (int p = 0; p < world_; ++p) {
-      const MsgHeader* h = op.recv_msgs[p] ? coll_->peek(p) : nullptr;
-      if (h && h->op_seq == op.seq && (h->flags & kAbort)) {
-        coll_->release(p);
-        failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": rank ", p,
-                               " gave up on this op after sending its part (it failed there, e.g. timed out "
-                               "waiting for this rank)"));
-        return true;
-      }
+  if (op.next_step < op.spec.steps.size() || !all_sent || !op.inflight.empty()) return false;
+  // A peer that failed this op after sending its part left an ABORT behind it: then this
+  // rank's result rests on an op that failed there, and it fails too (a late rank meets
+  // the ABORT of a peer that timed out waiting for it).
+  for (int p = 0; p < world_; ++p) {
+    const MsgHeader* h = op.recv_msgs[p] ? coll_->peek(p) : nullptr;
+    if (h && h->op_seq == op.seq && (h->flags & kAbort)) {
+      coll_->release(p);
+      failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": rank ", p,
+                             " gave up on this op after sending its part (it failed there, e.g. timed out "
+                             "waiting for this rank)"));
+      return true;
     }
-    if (op.spec.finish) op.spec.finish();
-    op.started = false;  // tells the loop it is finished
-    return true;
   }
-  if (progressed) {
-    op.last_progress = Clock::now();
-    return true;
-  }
+  if (op.spec.finish) op.spec.finish();
+  op.started = false;  // tells the loop it is finished
+  return true;
+}
+
+// Nothing moved: past the deadline the op fails; stalled 100 ms, or with a peer known gone, the
+// peers it waits for are checked (a dead one starts a membership change, which reruns or fails
+// the op). True when the op failed.
+bool CollectiveWorker::checkStall(Collective& op) {
   const auto now = Clock::now();
   const bool late = now > op.deadline;
   const bool stalled = now - op.last_progress > milliseconds(100);
   if (!late && !stalled && !anyPeerLost()) return false;
-  // Stalled, past the deadline, or with a peer gone: on whom?
+  // On whom?
   std::vector<int> waiting;
-  if (op.next_step < steps.size())
-    for (const auto& r : steps[op.next_step].recvs)
+  if (op.next_step < op.spec.steps.size())
+    for (const auto& r : op.spec.steps[op.next_step].recvs)
       if (!coll_->peek(r.peer)) waiting.push_back(r.peer);
   for (int p = 0; p < world_; ++p)
     if (op.sendpos[p] < op.sendq[p].size() && !coll_->canSend(p)) waiting.push_back(p);
@@ -517,7 +550,7 @@ bool CollectiveWorker::progressCollective(Collective& op) {
     for (int p = 0; p < world_; ++p)
       if (p != rank_ && !op.sendq[p].empty()) waiting.push_back(p);
   if (!late) {
-    detect(op, waiting);  // a dead peer starts a membership change (the op is then rerun or fails)
+    detect(op, waiting);
     return false;
   }
   for (int p : waiting)
@@ -525,11 +558,8 @@ bool CollectiveWorker::progressCollective(Collective& op) {
       failCollective(op, str(opKindName(op.spec.kind), " #", op.seq, ": rank ", p, " is gone (", lost, ")"));
       return true;
     }
-  if (late) {
-    failCollective(op, describeTimeout(opKindName(op.spec.kind), op.seq, op.timeout, waiting));
-    return true;
-  }
-  return false;
+  failCollective(op, describeTimeout(opKindName(op.spec.kind), op.seq, op.timeout, waiting));
+  return true;
 }
 
 void CollectiveWorker::failCollective(Collective& op, const std::string& why) {

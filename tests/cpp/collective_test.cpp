@@ -42,9 +42,12 @@ Rank makeRank(std::shared_ptr<InProcessStore> store, int rank, int world, const 
   w.pull_chunk_bytes = 5000;  // all_to_all pieces of a pulling pair: larger than a slot, and several
   w.timeout = seconds(30);
   r.worker = std::make_unique<CollectiveWorker>(*r.engine, *store, w);
-  if (transport == "pull")
-    for (int p = 0; p < world; ++p)
-      if (p != rank) EXPECT_TRUE(r.worker->peerReadsDirectly(p)) << "rank " << p << " cannot read rank " << rank;
+  if (transport == "pull") {
+    for (int p = 0; p < world; ++p) {
+      if (p == rank) continue;
+      EXPECT_TRUE(r.worker->peerReadsDirectly(p)) << "rank " << p << " cannot read rank " << rank;
+    }
+  }
   return r;
 }
 
@@ -177,9 +180,11 @@ TEST(CollectiveMask, BlocksByRankAndZeroFilledForInactiveRanks) {
       // gather to rank 2 and scatter from rank 0
       std::vector<float> g_out(rank == 2 ? 3 * n : 0, -1.f);
       ASSERT_EQ("", run(*r.worker, gatherOp(c, in.data(), g_out.data(), n * 4, 2)));
-      if (rank == 2)
-        for (int s = 0; s < 3; ++s)
+      if (rank == 2) {
+        for (int s = 0; s < 3; ++s) {
           for (uint64_t i = 0; i < n; ++i) ASSERT_EQ(g_out[s * n + i], s == 1 ? 0.f : val(s, 0, i));
+        }
+      }
       std::vector<float> sc_in(rank == 0 ? 3 * n : 0), sc_out(n, -1.f);
       for (uint64_t i = 0; i < sc_in.size(); ++i) sc_in[i] = static_cast<float>(i);
       ASSERT_EQ("", run(*r.worker, scatterOp(c, sc_in.data(), sc_out.data(), n * 4, 0)));

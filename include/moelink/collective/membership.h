@@ -128,6 +128,12 @@ class Membership {
   // none, it is being written, or it is malformed (logged).
   bool read(int slot, Msg& m, std::vector<char>& bits);
   int leader(const std::vector<char>& mask) const;
+  // poll()'s steps (membership.cpp).
+  std::optional<MembershipChange> readBoard(const std::vector<char>& mask);
+  std::optional<MembershipChange> lead(const LocalProgress& me, const std::vector<char>& mask);
+  std::optional<MembershipChange> decide(const std::vector<char>& mask);
+  void follow(const LocalProgress& me, const std::vector<char>& mask);
+  void endRound();
   std::string check(int peer);  // probe, remembered per round
 
   transfer::TransferEngine& engine_;

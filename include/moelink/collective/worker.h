@@ -136,6 +136,13 @@ class CollectiveWorker {
   void enqueue(std::unique_ptr<Collective> op, OpCallback done, std::chrono::milliseconds timeout);
   void loop();
   bool progressCollective(Collective& op);
+  // progressCollective's steps (worker.cpp).
+  void startOp(Collective& op);
+  bool sendPieces(Collective& op);
+  bool consumeSteps(Collective& op);
+  void settleTransfers(Collective& op);
+  bool finishIfDone(Collective& op);
+  bool checkStall(Collective& op);
   bool progressDrain(Collective& op);
   bool progressSends();
   void failCollective(Collective& op, const std::string& why);
