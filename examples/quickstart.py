@@ -33,8 +33,8 @@ def ep_round(rank: int, world: int) -> bool:
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
     idx = torch.rand(tokens, experts, generator=g).topk(2, dim=1).indices.cuda()
     w = torch.rand(tokens, 2, generator=g).cuda()
-    recv_x, count, handle, _, _ = buf.dispatch(x, idx, tokens, experts, use_fp8=False)
-    out, _, _ = buf.combine((recv_x.float() * 2).to(torch.bfloat16), idx, w, handle)
+    recv_x, count, handle, _, _ = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=False)
+    out, _, _ = buf.low_latency_combine((recv_x.float() * 2).to(torch.bfloat16), idx, w, handle)
     want = (x.float() * 2) * w.sum(1, keepdim=True)
     return torch.allclose(out.float(), want, rtol=2e-2, atol=5e-2)
 

@@ -130,11 +130,11 @@ def worker(rank, world, port, tokens_list, iters, trace, q):
         state = {}
 
         def dispatch():
-            state["r"] = buf.dispatch(x, idx, tokens, EXPERTS, use_fp8=True)
+            state["r"] = buf.low_latency_dispatch(x, idx, tokens, EXPERTS, use_fp8=True)
 
         def combine():
             recv, count, handle, _, _ = state["r"]
-            buf.combine(state["y"], idx, w, handle)
+            buf.low_latency_combine(state["y"], idx, w, handle)
 
         nle = EXPERTS // world
         state["y"] = torch.zeros(nle, world * tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -143,10 +143,10 @@ def worker(rank, world, port, tokens_list, iters, trace, q):
         torch.cuda.synchronize()
         dist.barrier()
         def dispatch_send():
-            state["h"] = buf.dispatch(x, idx, tokens, EXPERTS, use_fp8=True, return_recv_hook=True)
+            state["h"] = buf.low_latency_dispatch(x, idx, tokens, EXPERTS, use_fp8=True, return_recv_hook=True)
 
         def combine_send():
-            state["ch"] = buf.combine(state["y"], idx, w, state["h"][2], return_recv_hook=True)
+            state["ch"] = buf.low_latency_combine(state["y"], idx, w, state["h"][2], return_recv_hook=True)
 
         t_disp, t_comb, t_call, t_hook = [], [], [], [[], [], [], []]
         for _ in range(iters + 10):

@@ -261,7 +261,8 @@ def ibgda_status() -> dict:
     return dict(_C.ibgda_status())
 
 
-from .buffer import Buffer, EventOverlap  # noqa: E402
+from .buffer import Buffer  # noqa: E402
+from .events import EventOverlap  # noqa: E402
 from .normal import Config, combine_with_grad, dispatch_with_grad  # noqa: E402
 
 

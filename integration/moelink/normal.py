@@ -30,6 +30,9 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import _C
+from .events import event
+
 NUM_MAX_TOPK = 128  # as DeepEP's kNumMaxTopK: the NVL ring's per-token top-k room
 NUM_MAX_SCALES = 128  # float scales per token in the ring (hidden up to 16384 in FP8)
 
@@ -430,3 +433,189 @@ def combine_with_grad(buffer, y: torch.Tensor, handle) -> torch.Tensor:
     """Differentiable normal-mode combine of bf16 expert outputs ``y`` with a dispatch's handle."""
     return _Combine.apply(y, buffer, handle)
 
+
+
+class NormalMode:
+    """The normal-mode methods of moelink.Buffer (a mixin: the Buffer holds the state; the route
+    a call takes is routing.py's): ``get_dispatch_layout``, and the bodies of ``dispatch`` and
+    ``combine``."""
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """``(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+        is_token_in_rank, event)`` of a routing: int32 [ranks], int32 [hosts] when the group
+        takes the two-hop route across hosts (two_hop.py; else None), int32 [num_experts], bool
+        [tokens, ranks]. Entries of -1 (or out of range) route nowhere."""
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype != torch.int64 or topk_idx.dim() != 2:
+            raise ValueError("moelink get_dispatch_layout: topk_idx must be an int64 [tokens, topk] tensor")
+        if num_experts <= 0 or num_experts % self.num_ranks:
+            raise ValueError(f"moelink get_dispatch_layout: num_experts ({num_experts}) must be a positive multiple "
+                             f"of the group size ({self.num_ranks})")
+        self._wait(previous_event)
+        if topk_idx.is_cuda and hasattr(_C, "NormalBuffer") and self.num_ranks <= 64 and num_experts <= 4096:
+            with torch.cuda.device(topk_idx.device):
+                per_rank, per_expert, in_rank = _C.NormalBuffer.layout(topk_idx, num_experts, self.num_ranks)
+        else:
+            per_rank, per_expert, in_rank = layout(topk_idx, num_experts, self.num_ranks)
+        per_rdma = None
+        hosts = self._hosts_seen_here(topk_idx.device)
+        if hosts:  # the two-hop route's host hop: tokens per host
+            per_rdma = in_rank.view(in_rank.shape[0], self.num_ranks // hosts, hosts).any(2).sum(0, dtype=torch.int32)
+        return per_rank, per_rdma, per_expert, in_rank, event(async_finish and topk_idx.is_cuda)
+
+    def _normal_dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                         is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                         expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                         previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        what = "dispatch"
+        data, scales = split_x(what, x, self.hidden)
+        device = data.device
+        t = data.shape[0]
+        if expert_alignment < 1:
+            raise ValueError(f"moelink dispatch: expert_alignment must be >= 1, got {expert_alignment}")
+        if num_worst_tokens < 0:
+            raise ValueError(f"moelink dispatch: num_worst_tokens must be >= 0, got {num_worst_tokens}")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError("moelink dispatch: config must be a moelink.Config")
+        user_config = config
+        config = config or self.get_dispatch_config(self.num_ranks)
+        state = None
+        if handle is not None:
+            state = self._check_handle(what, handle)
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("moelink dispatch: a cached dispatch (with handle) takes no topk_idx/topk_weights")
+            if state.num_tokens != t:
+                raise ValueError(f"moelink dispatch: x has {t} tokens, the handle's dispatch had {state.num_tokens}")
+            is_token_in_rank = handle[4]
+            if is_token_in_rank.device != device:
+                raise ValueError(f"moelink dispatch: x is on {device}, the handle's layout on {is_token_in_rank.device}")
+            path = state.path
+        else:
+            check_layout(what, self.num_ranks, self.num_experts, t, device, num_tokens_per_rank,
+                                is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights)
+            path = self._normal_path(device)
+        self._wait(previous_event)
+        if path == "two_hop":
+            route = self._route(device)
+            if handle is not None:
+                recv_x, recv_s = route.cached_dispatch(data, scales, state, user_config)
+                return (recv_x, recv_s) if scales is not None else recv_x, None, None, None, None, \
+                    event(async_finish and data.is_cuda)
+            recv_x, recv_s, r_idx, r_w, counts, handle = route.dispatch(
+                data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, user_config,
+                expert_alignment, num_worst_tokens, self._kernels_usable(device))
+        elif path == "group":
+            if handle is None:
+                recv_x, recv_s, r_idx, r_w, counts, src_idx, state = group_dispatch(
+                    self.group, self.rank, self.num_ranks, self.num_experts, data, scales, topk_idx, topk_weights,
+                    is_token_in_rank, num_tokens_per_expert, None, expert_alignment, num_worst_tokens, self._key)
+                state.num_out_rows = recv_x.shape[0]
+                prefix = torch.tensor(state.recv_counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+                handle = (prefix, None, None, src_idx, is_token_in_rank, None, state)
+            else:
+                recv_x, recv_s, *_ = group_dispatch(
+                    self.group, self.rank, self.num_ranks, self.num_experts, data, scales, None, None,
+                    is_token_in_rank, None, state, 1, state.num_out_rows, self._key)
+                return (recv_x, recv_s) if scales is not None else recv_x, None, None, None, None, \
+                    event(async_finish and data.is_cuda)
+        else:
+            k = topk_idx.shape[1] if topk_idx is not None else 0
+            s_cols = scales.shape[1] if scales is not None else 0
+            if handle is not None:
+                shape = _C.NormalShape(state.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                                       config.num_max_nvl_chunked_send_tokens)
+                needed = _C.NormalBuffer.bytes_needed(self.num_ranks, self.num_local_experts, shape,
+                                                      self.hidden * data.element_size(), s_cols, 0)
+                recv_x, recv_s = self._normal_buffer(needed, config).cached_dispatch(
+                    data, scales, is_token_in_rank, handle[0], handle[1], handle[2],
+                    -1 if state.counts_on_device else state.num_recv_tokens, state.num_out_rows, shape, -1)
+                return (recv_x, recv_s) if scales is not None else recv_x, None, None, None, None, \
+                    event(async_finish)
+            shape = _C.NormalShape(config.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                                   config.num_max_nvl_chunked_send_tokens)
+            needed = _C.NormalBuffer.bytes_needed(self.num_ranks, self.num_local_experts, shape,
+                                                  self.hidden * data.element_size(), s_cols, k)
+            res = self._normal_buffer(needed, config).dispatch(data, scales, topk_idx, topk_weights, is_token_in_rank,
+                                                               num_tokens_per_expert, shape, num_worst_tokens, -1)
+            recv_x, recv_s, r_idx, r_w = res.recv_x, res.recv_scales, res.recv_topk_idx, res.recv_topk_weights
+            if topk_idx is None:
+                r_idx = r_w = None
+            if scales is None:
+                recv_s = None
+            counts = [] if num_worst_tokens else pad_counts(res.num_recv_per_expert, expert_alignment)
+            state = NormalState(self._key, t, self.hidden, res.num_recv, [], [], None, "nvlink",
+                                       config.num_channels, counts_on_device=num_worst_tokens > 0)
+            state.num_out_rows = recv_x.shape[0]
+            handle = (res.rank_prefix, res.channel_prefix, res.recv_channel_prefix, res.recv_src_idx,
+                      is_token_in_rank, res.send_head, state)
+        return (recv_x, recv_s) if scales is not None else recv_x, r_idx, r_w, counts, handle, \
+            event(async_finish and data.is_cuda)
+
+    def _normal_combine(self, x, handle, topk_weights=None, bias=None, config: Optional[Config] = None,
+                        previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        what = "combine"
+        state = self._check_handle(what, handle)
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"moelink combine: x must be a bfloat16 [received tokens, {self.hidden}] tensor, got "
+                             f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+        if x.shape[0] not in (state.num_recv_tokens, state.num_out_rows):
+            raise ValueError(f"moelink combine: x has {x.shape[0]} rows, the handle's dispatch received "
+                             f"{state.num_recv_tokens}")
+        device = x.device
+        if handle[4].device != device:
+            raise ValueError(f"moelink combine: x is on {device}, the handle's layout on {handle[4].device}")
+        if topk_weights is not None:
+            if topk_weights.dtype != torch.float32 or topk_weights.dim() != 2 or topk_weights.shape[0] != x.shape[0] \
+                    or topk_weights.device != device:
+                raise ValueError(f"moelink combine: topk_weights must be float32 [{x.shape[0]}, topk] on {device}")
+        biases = []
+        for b in (bias if isinstance(bias, (tuple, list)) else (bias,)):
+            if b is None:
+                continue
+            if not isinstance(b, torch.Tensor) or b.dtype != torch.bfloat16 or \
+                    tuple(b.shape) != (state.num_tokens, self.hidden) or b.device != device:
+                raise ValueError(f"moelink combine: bias must be bfloat16 [{state.num_tokens}, {self.hidden}] on "
+                                 f"{device} (or a tuple of up to two)")
+            biases.append(b.contiguous())
+        if len(biases) > 2:
+            raise ValueError("moelink combine: at most two bias tensors")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError("moelink combine: config must be a moelink.Config")
+        user_config = config
+        config = config or self.get_combine_config(self.num_ranks)
+        self._wait(previous_event)
+        x = x.contiguous()
+        if topk_weights is not None:
+            topk_weights = topk_weights.contiguous()
+        if state.path == "group":
+            combined, combined_w = group_combine(self.group, x, state, topk_weights, biases)
+            return combined, combined_w, event(async_finish and x.is_cuda)
+        if state.path == "two_hop":
+            combined, combined_w = self._route(device).combine(x, state, topk_weights, biases, user_config)
+            return combined, combined_w, event(async_finish and x.is_cuda)
+        shape = _C.NormalShape(state.num_channels, config.num_max_nvl_chunked_recv_tokens,
+                               config.num_max_nvl_chunked_send_tokens)
+        k = topk_weights.shape[1] if topk_weights is not None else 0
+        needed = _C.NormalBuffer.bytes_needed(self.num_ranks, self.num_local_experts, shape, self.hidden * 2, 0, k)
+        combined, combined_w = self._normal_buffer(needed, config).combine(
+            x, topk_weights, biases[0] if biases else None, biases[1] if len(biases) > 1 else None, handle[0],
+            handle[2], handle[5], state.num_recv_tokens, shape, -1)
+        return combined, combined_w, event(async_finish)
+
+    def _normal_buffer(self, needed: int, config: Config):
+        """The NVL buffer over the whole group, created at first use and grown when a call needs
+        more (nvl_buffer)."""
+        def make(size):
+            return _C.NormalBuffer(self._backend.store, self.rank, self.num_ranks,
+                                   f"{self._key}/normal/{next(self._normal_serial)}", size, self.num_experts)
+
+        return nvl_buffer(self, "_normal", needed, config, self.hidden, self.num_ranks, self.group, make,
+                                 self.get_dispatch_config, self.get_combine_config)
+
+    def _check_handle(self, what: str, handle) -> NormalState:
+        if not isinstance(handle, tuple) or len(handle) != 7 or not isinstance(handle[-1], NormalState):
+            raise ValueError(f"moelink {what}: handle must be the handle a normal-mode dispatch of this buffer returned")
+        state = handle[-1]
+        if state.buffer_key != self._key:
+            raise ValueError(f"moelink {what}: the handle belongs to another Buffer")
+        return state

@@ -31,12 +31,10 @@ Used when every rank is active, the group's ranks form hosts of L consecutive ra
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from . import _C, normal
 from .normal import Config, NormalState

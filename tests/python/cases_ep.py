@@ -39,7 +39,7 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
     nle = ne // world
     dev = kw.pop("device", "cuda")
     x, idx, w = inputs(rank, tokens, hidden, topk, num_experts=ne, device=dev)
-    recv, count, handle, event, hook = buf.dispatch(x, idx, MAX_TOKENS, ne, use_fp8=use_fp8,
+    recv, count, handle, event, hook = buf.low_latency_dispatch(x, idx, MAX_TOKENS, ne, use_fp8=use_fp8,
                                                      round_scale=kw.get("round_scale", False),
                                                      async_finish=kw.get("async_finish", False),
                                                      return_recv_hook=kw.get("return_recv_hook", False))
@@ -98,7 +98,7 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, **kw):
         torch.bfloat16) if use_fp8 else data
     for le in range(nle):
         y[le] = expert_fn(src[le], rank * nle + le)
-    out, event, hook = buf.combine(y, idx, w, handle, zero_copy=kw.get("zero_copy", False),
+    out, event, hook = buf.low_latency_combine(y, idx, w, handle, zero_copy=kw.get("zero_copy", False),
                                    async_finish=kw.get("async_finish", False),
                                    return_recv_hook=kw.get("return_recv_hook", False))
     if kw.get("return_recv_hook"):
@@ -168,10 +168,10 @@ def two_rounds_in_flight(rank, world):
     rounds = []
     for seed_tokens in (40, 41):
         x, idx, w = inputs(rank, seed_tokens, hidden, 8)
-        rounds.append((x, idx, w) + buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)[:3])
+        rounds.append((x, idx, w) + buf.low_latency_dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)[:3])
     for x, idx, w, recv, count, handle in rounds:  # combine both after both dispatches
         y = recv.clone()
-        outs.append((buf.combine(y, idx, w, handle)[0], x, idx, w))
+        outs.append((buf.low_latency_combine(y, idx, w, handle)[0], x, idx, w))
     torch.cuda.synchronize()
     for out, x, idx, w in outs:
         want = (w * (idx >= 0)).sum(1, keepdim=True) * x.float()  # identity experts
@@ -186,8 +186,8 @@ def cuda_graph(rank, world, capture_error_mode="global"):
     static_x = x.clone()
 
     def step():
-        recv, count, handle, _, _ = buf.dispatch(static_x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
-        return buf.combine(recv, idx, w, handle)[0]
+        recv, count, handle, _, _ = buf.low_latency_dispatch(static_x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
+        return buf.low_latency_combine(recv, idx, w, handle)[0]
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -215,20 +215,20 @@ def bad_input_raises(rank, world):
     buf = moelink.Buffer(None, MAX_TOKENS, 2048, NUM_EXPERTS)
     x, idx, w = inputs(rank, 8, 2048, 4)
     with pytest.raises(ValueError, match="exceed num_max_dispatch_tokens_per_rank"):
-        buf.dispatch(torch.zeros(MAX_TOKENS + 1, 2048, dtype=torch.bfloat16, device="cuda"),
+        buf.low_latency_dispatch(torch.zeros(MAX_TOKENS + 1, 2048, dtype=torch.bfloat16, device="cuda"),
                      torch.zeros(MAX_TOKENS + 1, 4, dtype=torch.int64, device="cuda"), MAX_TOKENS, NUM_EXPERTS)
     with pytest.raises(TypeError, match="bfloat16"):
-        buf.dispatch(x.float(), idx, MAX_TOKENS, NUM_EXPERTS)
+        buf.low_latency_dispatch(x.float(), idx, MAX_TOKENS, NUM_EXPERTS)
     with pytest.raises(ValueError, match="top-k must be"):
-        buf.dispatch(x, torch.zeros(8, 17, dtype=torch.int64, device="cuda"), MAX_TOKENS, NUM_EXPERTS)
+        buf.low_latency_dispatch(x, torch.zeros(8, 17, dtype=torch.int64, device="cuda"), MAX_TOKENS, NUM_EXPERTS)
     with pytest.raises(ValueError, match="num_experts"):
-        buf.dispatch(x, idx, MAX_TOKENS, 128)
+        buf.low_latency_dispatch(x, idx, MAX_TOKENS, 128)
     with pytest.raises(ValueError, match="multiple of 128"):
         moelink.Buffer(None, MAX_TOKENS, 2000, NUM_EXPERTS)
-    recv, _, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
     with pytest.raises(ValueError, match="the dispatch's"):
-        buf.combine(recv, idx[:4].contiguous(), w[:4].contiguous(), handle)
-    buf.combine(recv, idx, w, handle)  # the refused call launched nothing; the round completes
+        buf.low_latency_combine(recv, idx[:4].contiguous(), w[:4].contiguous(), handle)
+    buf.low_latency_combine(recv, idx, w, handle)  # the refused call launched nothing; the round completes
     check_round(buf, rank, world, 8, 2048, 4, False)  # still works
 
 
@@ -251,7 +251,7 @@ def repeated_experts(rank, world, device="cuda"):
     buf = moelink.Buffer(None, MAX_TOKENS, hidden, NUM_EXPERTS)
     for rnd in range(3):
         x, idx, w = _repeated_inputs(rank, rnd, tokens, hidden, device)
-        recv, count, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
         if device == "cuda":
             torch.cuda.synchronize()
         src_info, layout_range = handle[0].cpu(), handle[1].cpu()
@@ -269,7 +269,7 @@ def repeated_experts(rank, world, device="cuda"):
         y = torch.empty_like(recv)
         for le in range(nle):
             y[le] = expert_fn(recv[le], rank * nle + le)
-        out = buf.combine(y, idx, w, handle)[0]
+        out = buf.low_latency_combine(y, idx, w, handle)[0]
         want = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
         for k in range(4):
             e = idx[:, k]
@@ -286,8 +286,8 @@ def timeout_masks_absent_rank(rank, world, num_experts=NUM_EXPERTS):
     dist.barrier()
     if rank != absent:
         x, idx, w = inputs(rank, 32, hidden, 8, num_experts=num_experts)
-        recv, count, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, num_experts, use_fp8=False, timeout_us=300000)
-        out = buf.combine(recv, idx, w, handle, timeout_us=300000)[0]
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, num_experts, use_fp8=False, timeout_us=300000)
+        out = buf.low_latency_combine(recv, idx, w, handle, timeout_us=300000)[0]
         torch.cuda.synchronize()
         active = buf.active_ranks().tolist()
         assert active[absent] == 0 and all(active[r] == 1 for r in range(world) if r != absent), active
@@ -399,9 +399,15 @@ def host_path(rank, world):
     repeated_experts(rank, world, device="cpu")
     import pytest
     x, idx, w = inputs(rank, 8, 256, 4, device="cpu")
-    recv, _, handle, _, _ = buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
     with pytest.raises(ValueError, match="the dispatch's"):
-        buf.combine(recv, idx[:4], w[:4], handle)
+        buf.low_latency_combine(recv, idx[:4], w[:4], handle)
+    # dispatch / combine are the normal mode's (DeepEP's names): the low-latency arguments are
+    # refused with the name to call, not taken as the other mode.
+    with pytest.raises(TypeError, match="low_latency_dispatch"):
+        buf.dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS)
+    with pytest.raises(TypeError, match="low_latency_combine"):
+        buf.combine(recv, idx, w, handle)
     # update_members on a CPU buffer: nothing to remap (the host path follows the group's
     # mask by itself), and the buffer keeps working.
     buf.update_members()
