@@ -150,16 +150,15 @@ int64_t LowLatencyBuffer::sizeHint(int64_t num_ranks, int64_t max_tokens, int64_
                                   .totalBytes());
 }
 
-LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& key,
-                   int64_t max_tokens, int64_t hidden, int64_t num_experts, const std::vector<int64_t>& active)
+LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                   const std::string& key, int64_t max_tokens, int64_t hidden, int64_t num_experts,
+                                   const std::vector<int64_t>& active)
     : rank_(rank), size_(size), store_(store), key_(key) {
   TORCH_CHECK_VALUE(active.empty() || static_cast<int>(active.size()) == size, "moelink Buffer: the active mask has ",
                     active.size(), " entries for a group of ", size);
   std::vector<bool> on(size, true);
   for (int r = 0; r < static_cast<int>(active.size()); ++r) on[r] = active[r] != 0;
   TORCH_CHECK_VALUE(on[rank], "moelink Buffer: rank ", rank, " is not active in the group");
-  int num_on = 0;
-  for (int r = 0; r < size; ++r) num_on += on[r];
   try {
     layout_ = EpLayout::make(size, static_cast<int>(num_experts), static_cast<int>(max_tokens),
                              static_cast<int>(hidden));
@@ -167,19 +166,31 @@ LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store,
     TORCH_CHECK_VALUE(false, "moelink Buffer: ", e.what());
   }
   std::string ib_mode;
-  int rph = 0;
   try {
     // How long a receiver waits for a source before masking it out when the call passes
     // timeout_us=-1; dispatch messages to NVLink peers go as bulk copies (TMA), measured faster
     // than warp stores (docs/PERF.md), unless MOELINK_EP_TMA=0.
     default_timeout_us_ = static_cast<int64_t>(settings::number("MOELINK_EP_TIMEOUT_US"));
     use_tma_ = settings::flag("MOELINK_EP_TMA");
-    rph = static_cast<int>(settings::number("MOELINK_EP_RANKS_PER_HOST"));
+    ranks_per_host_ = static_cast<int>(settings::number("MOELINK_EP_RANKS_PER_HOST"));
     ib_mode = settings::text("MOELINK_EP_IBGDA");
   } catch (const moelink::Error& e) {
     TORCH_CHECK_VALUE(false, "moelink Buffer: ", e.what());
   }
-  ranks_per_host_ = rph;
+  allocate();
+  // A buffer that the active ranks created before this rank's process existed (this process
+  // replaces a failed rank): no rank can count itself mapped before every rank has published,
+  // so a count already there means this rank joins. It connects to nobody here and waits for
+  // nobody: its update_members() (with the others') connects every pair.
+  const bool joining = store->check({key + "/mapped"}) && store->add(key + "/mapped", 0) > 0;
+  const std::vector<std::string> hosts = publish(on);
+  std::string ib_why = choosePaths(hosts, on, ib_mode);
+  connect(hosts, on, joining, ib_why);
+  finishSetup(on);
+}
+
+// The device memory: the buffer (both halves) and the kernels' scratch, zeroed.
+void LowLatencyBuffer::allocate() {
   cudaCheck(cudaGetDevice(&device_), "cudaGetDevice");
   try {
     kernels::preloadDispatch();  // not at a first launch that could wait for running kernels
@@ -195,13 +206,14 @@ LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store,
   cudaCheck(cudaMalloc(&scratch_, scratch * sizeof(int)), "cudaMalloc(scratch)");
   cudaCheck(cudaMemset(scratch_, 0, scratch * sizeof(int)), "cudaMemset(scratch)");
 
-  // A buffer that the active ranks created before this rank's process existed (this process
-  // replaces a failed rank): no rank can count itself mapped before every rank has published,
-  // so a count already there means this rank joins. It connects to nobody here and waits for
-  // nobody: its update_members() (with the others') connects every pair.
-  const bool joining = store->check({key + "/mapped"}) && store->add(key + "/mapped", 0) > 0;
-  // Exchange host ids and CUDA IPC handles (with the buffer's identity) through the group's
-  // store; inactive ranks are skipped (they may never publish).
+}
+
+// Publishes this rank's buffer (CUDA IPC handle, with a nonce naming this process's buffer) and
+// host id through the group's store; returns the active ranks' host ids.
+std::vector<std::string> LowLatencyBuffer::publish(const std::vector<bool>& on) {
+  const int size = size_, rank = rank_;
+  const std::string& key = key_;
+  const c10::intrusive_ptr<c10d::Store>& store = store_;
   {
     std::random_device rd;
     while (nonce_ == 0)
@@ -219,6 +231,17 @@ LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store,
     auto h = store->get(key + "/host/" + std::to_string(r));
     hosts[r] = std::string(h.begin(), h.end());
   }
+  return hosts;
+}
+
+// Which path each pair of active ranks takes: NVLink on one (virtual) host; across hosts IBGDA
+// where both ends have a NIC it can use (agreed through the store), else the CPU proxy. Sets
+// proxy_pairs_ and ibgda_pairs_; returns why this rank's cross-host pairs do not take IBGDA.
+std::string LowLatencyBuffer::choosePaths(const std::vector<std::string>& hosts, const std::vector<bool>& on,
+                                          const std::string& ib_mode) {
+  const int size = size_, rank = rank_, rph = ranks_per_host_;
+  const std::string& key = key_;
+  const c10::intrusive_ptr<c10d::Store>& store = store_;
   // proxy[a][b]: a and b are different active ranks on different (possibly virtual) hosts;
   // such a pair takes IBGDA instead (ibgda[a][b]) when both ends have a NIC for it.
   std::vector<std::vector<bool>> proxy(size, std::vector<bool>(size, false));
@@ -273,9 +296,7 @@ LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store,
     for (int r = 0; r < size; ++r)
       if (proxy[rank][r] && !ok[r] && ib_why.empty()) ib_why = "rank " + std::to_string(r) + " has no IBGDA NIC";
   }
-  bool any_proxy = false, any_ibgda = false;
-  for (int a = 0; a < size; ++a)
-    for (int b = 0; b < size; ++b) any_proxy = any_proxy || proxy[a][b];
+  bool any_ibgda = false;
   for (int r = 0; r < size; ++r) any_ibgda = any_ibgda || ibgda[rank][r];
   if (!any_ibgda) {  // no peer could take it up
     nic_.reset();
@@ -287,6 +308,22 @@ LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store,
   for (int a = 0; a < size; ++a)
     for (int b = 0; b < size; ++b) pairs_hash_ = (pairs_hash_ ^ (proxy[a][b] + 2u * ibgda[a][b])) * 1099511628211ull;
   pairs_hash_ &= (1ull << 62) - 1;
+  return ib_why;
+}
+
+// Maps (or readies) every active peer on its path: NVLink peers over CUDA IPC, IBGDA peers'
+// queue pairs, the CPU proxy's engine (every rank takes part in its rendezvous).
+void LowLatencyBuffer::connect(const std::vector<std::string>& hosts, const std::vector<bool>& on, bool joining,
+                               const std::string& ib_why) {
+  const int size = size_, rank = rank_;
+  const std::string& key = key_;
+  const c10::intrusive_ptr<c10d::Store>& store = store_;
+  const auto& proxy = proxy_pairs_;
+  const auto& ibgda = ibgda_pairs_;
+  bool any_proxy = false, any_ibgda = false;
+  for (int a = 0; a < size; ++a)
+    for (int b = 0; b < size; ++b) any_proxy = any_proxy || proxy[a][b];
+  for (int r = 0; r < size; ++r) any_ibgda = any_ibgda || ibgda[rank][r];
   peers_.assign(size, nullptr);
   peer_nonce_.assign(size, 0);
   connected_.assign(size, false);
@@ -344,18 +381,25 @@ LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store,
       TORCH_CHECK(false, "moelink Buffer: could not set up the CPU proxy path: ", e.what());
     }
   }
-  buildRoutes(proxy, ibgda);
+}
+
+// The kernels' routes and the active mask on the device; then every active rank waits until
+// every one has mapped every peer (the store doubles as barrier; a joining rank finds the count
+// reached).
+void LowLatencyBuffer::finishSetup(const std::vector<bool>& on) {
+  const int size = size_;
+  int num_on = 0;
+  for (int r = 0; r < size; ++r) num_on += on[r];
+  buildRoutes(proxy_pairs_, ibgda_pairs_);
   {
     std::vector<int> mask(size);
     for (int r = 0; r < size; ++r) mask[r] = on[r] && connected_[r];
     active_ = at::tensor(mask, at::kInt).to(at::Device(at::kCUDA, device_));
   }
   cudaCheck(cudaDeviceSynchronize(), "buffer setup");
-  // Every active rank has mapped every peer before anyone writes (the store doubles as
-  // barrier); a joining rank finds the count reached.
-  store->add(key + "/mapped", 1);
-  auto deadline = std::chrono::steady_clock::now() + store->getTimeout();
-  while (store->add(key + "/mapped", 0) < num_on) {
+  store_->add(key_ + "/mapped", 1);
+  auto deadline = std::chrono::steady_clock::now() + store_->getTimeout();
+  while (store_->add(key_ + "/mapped", 0) < num_on) {
     TORCH_CHECK(std::chrono::steady_clock::now() < deadline,
                 "moelink Buffer: timed out waiting for every rank to create its buffer (a collective call)");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -205,13 +205,10 @@ void NormalBuffer::checkHealthy() {
   }
 }
 
-NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& scales,
-                                            const std::optional<at::Tensor>& topk_idx,
-                                            const std::optional<at::Tensor>& topk_weights,
-                                            const at::Tensor& is_token_in_rank,
-                                            const at::Tensor& num_tokens_per_expert, const NormalShape& shape,
-                                            int64_t num_worst_tokens, int64_t timeout_us) {
-  checkHealthy();
+void NormalBuffer::checkDispatchInputs(const at::Tensor& x, const std::optional<at::Tensor>& scales,
+                                       const std::optional<at::Tensor>& topk_idx,
+                                       const std::optional<at::Tensor>& topk_weights, const at::Tensor& is_token_in_rank,
+                                       const at::Tensor& num_tokens_per_expert) const {
   checkCuda(x, "x", device_);
   checkCuda(is_token_in_rank, "is_token_in_rank", device_);
   checkCuda(num_tokens_per_expert, "num_tokens_per_expert", device_);
@@ -223,14 +220,46 @@ NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::opti
                     "moelink normal mode: is_token_in_rank must be bool [", T, ", ", size_, "]");
   TORCH_CHECK_VALUE(num_tokens_per_expert.scalar_type() == at::kInt && num_tokens_per_expert.numel() == num_experts_,
                     "moelink normal mode: num_tokens_per_expert must be int32 [", num_experts_, "]");
-  const int64_t S = scales ? scales->size(1) : 0;
   if (scales) checkCuda(*scales, "scales", device_);
-  const int64_t K = topk_idx ? topk_idx->size(1) : 0;
   if (topk_idx) {
     TORCH_CHECK_VALUE(topk_weights.has_value(), "moelink normal mode: topk_idx needs topk_weights");
     checkCuda(*topk_idx, "topk_idx", device_);
     checkCuda(*topk_weights, "topk_weights", device_);
   }
+}
+
+// Waits (on the host) for the notify launch `ticket` to report the received counts: the outputs
+// are sized from them. Past twice the kernels' timeout the buffer is given up.
+void NormalBuffer::waitForLayout(int ticket, int64_t timeout_us) {
+  const int64_t limit_ns = timeoutNs(timeout_us) > 0 ? 2 * timeoutNs(timeout_us) : 0;
+  const auto start = std::chrono::steady_clock::now();
+  int spins = 0;
+  while (report_->ticket != ticket && report_->error == 0) {
+    if (++spins > 1024) std::this_thread::yield();
+    if (limit_ns > 0 &&
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count() >
+            limit_ns) {
+      broken_ = true;
+      TORCH_CHECK(false, "moelink normal mode: the layout exchange did not finish (is every rank calling "
+                  "dispatch?); the buffer is unusable");
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  checkHealthy();
+}
+
+NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::optional<at::Tensor>& scales,
+                                            const std::optional<at::Tensor>& topk_idx,
+                                            const std::optional<at::Tensor>& topk_weights,
+                                            const at::Tensor& is_token_in_rank,
+                                            const at::Tensor& num_tokens_per_expert, const NormalShape& shape,
+                                            int64_t num_worst_tokens, int64_t timeout_us) {
+  checkHealthy();
+  checkDispatchInputs(x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert);
+  const int64_t T = x.size(0);
+  const int64_t x_bytes = x.size(1) * x.element_size();
+  const int64_t S = scales ? scales->size(1) : 0;
+  const int64_t K = topk_idx ? topk_idx->size(1) : 0;
   auto L = layoutFor(shape, x_bytes, S, K);
   const int nle = static_cast<int>(num_experts_ / size_);
   auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
@@ -264,20 +293,7 @@ NormalDispatchResult NormalBuffer::dispatch(const at::Tensor& x, const std::opti
   // needs the received count to size the outputs: it waits for the notify's report.
   const bool bounded = num_worst_tokens > 0;
   if (!bounded) {
-    const int64_t limit_ns = timeoutNs(timeout_us) > 0 ? 2 * timeoutNs(timeout_us) : 0;
-    const auto start = std::chrono::steady_clock::now();
-    int spins = 0;
-    while (report_->ticket != n.ticket && report_->error == 0) {
-      if (++spins > 1024) std::this_thread::yield();
-      if (limit_ns > 0 && std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-                                  .count() > limit_ns) {
-        broken_ = true;
-        TORCH_CHECK(false, "moelink normal mode: the layout exchange did not finish (is every rank calling "
-                    "dispatch?); the buffer is unusable");
-      }
-    }
-    std::atomic_thread_fence(std::memory_order_acquire);
-    checkHealthy();
+    waitForLayout(n.ticket, timeout_us);
     res.num_recv = report_->num_recv;
     res.num_recv_per_expert.resize(nle);
     for (int e = 0; e < nle; ++e) res.num_recv_per_expert[e] = report_->per_expert[e];

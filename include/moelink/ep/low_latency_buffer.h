@@ -98,6 +98,14 @@ class LowLatencyBuffer {
   int rank() const { return rank_; }
 
  private:
+  // The constructor's steps (low_latency_buffer.cpp).
+  void allocate();
+  std::vector<std::string> publish(const std::vector<bool>& on);
+  std::string choosePaths(const std::vector<std::string>& hosts, const std::vector<bool>& on,
+                          const std::string& ib_mode);
+  void connect(const std::vector<std::string>& hosts, const std::vector<bool>& on, bool joining,
+               const std::string& ib_why);
+  void finishSetup(const std::vector<bool>& on);
   kernels::Common common(int half, int64_t timeout_us, const std::optional<at::Tensor>& active_ranks, int phases) const;
   // proxy[a][b] / ibgda[a][b]: how rank a reaches rank b (neither: CUDA IPC).
   void drainIbgda() noexcept;

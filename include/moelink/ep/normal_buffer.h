@@ -73,6 +73,11 @@ class NormalBuffer {
  private:
   normal::RingLayout layoutFor(const NormalShape& shape, int64_t x_bytes, int64_t num_scales, int64_t num_topk) const;
   void checkHealthy();  // raises (once) what a kernel reported, and refuses a broken buffer
+  // dispatch()'s steps: its inputs' checks; the host's wait for the notify's counts.
+  void checkDispatchInputs(const at::Tensor& x, const std::optional<at::Tensor>& scales,
+                           const std::optional<at::Tensor>& topk_idx, const std::optional<at::Tensor>& topk_weights,
+                           const at::Tensor& is_token_in_rank, const at::Tensor& num_tokens_per_expert) const;
+  void waitForLayout(int ticket, int64_t timeout_us);
   // A bounded dispatch's overflow the notify kernel reported (rows that arrived), read and
   // cleared at the start of a call; raiseOverflow raises it after the call's launches, so that
   // every rank takes part in the call either way and a call never raises its own overflow.
