@@ -207,14 +207,7 @@ class CpuCollectives final : public Collectives {
 
   Work reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp op, const Call& call) override {
     auto w = makeWork(OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced", outputs);
-    // Block layout [rank][output 0 | output 1 | ...] built from each input's rank slices.
-    Tensors pieces;
-    for (int r = 0; r < size_; ++r)
-      for (size_t i = 0; i < inputs.size(); ++i) {
-        int64_t n = outputs[i].numel();
-        pieces.push_back(inputs[i].reshape({-1}).narrow(0, r * n, n));
-      }
-    at::Tensor in = at::cat(pieces);
+    at::Tensor in = blocksByRank(inputs, outputs, size_);
     w->keep(in);
     const int64_t total = in.numel() / size_;
     at::Tensor out = at::empty({total}, in.options());

@@ -200,4 +200,14 @@ void preMultiplyInPlace(const c10d::ReduceOp& op, at::Tensor& x) {
 
 uint64_t nbytes(const at::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
+at::Tensor blocksByRank(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, int size) {
+  std::vector<at::Tensor> pieces;
+  for (int r = 0; r < size; ++r)
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const int64_t n = outputs[i].numel();
+      pieces.push_back(inputs[i].reshape({-1}).narrow(0, r * n, n));
+    }
+  return at::cat(pieces);
+}
+
 }  // namespace moelink::backend

@@ -62,5 +62,8 @@ at::Tensor preMultiplied(const c10d::ReduceOp& op, const at::Tensor& x);
 void preMultiplyInPlace(const c10d::ReduceOp& op, at::Tensor& x);
 
 uint64_t nbytes(const at::Tensor& t);
+// reduce_scatter_tensor_coalesced's input as one flat reduce-scatter takes it: rank blocks
+// [rank][output 0 | output 1 | ...], block r of each holding inputs[i]'s slice r.
+at::Tensor blocksByRank(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, int size);
 
 }  // namespace moelink::backend

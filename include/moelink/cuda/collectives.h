@@ -2,10 +2,12 @@
 // stream-ordered like NCCL's. EpBackend validates every call and hands the calls on CUDA
 // tensors here; CPU tensors never reach this unit.
 //
-// Files: collectives.cpp (this unit: binding, routes, the ops), exchange.{h,cpp} (the in-host
-// plans: who pushes what where, torch-free), kernels/exchange.cu (the exchange kernel),
-// runtime_support.{h,cpp} (host-mapped words, stream memory ops, the CudaWork and its
-// completion thread, the staging areas mapped over CUDA IPC).
+// Files: unit.h (the unit's class), collectives.cpp (binding the group's device and staging
+// areas, how an op runs: streams, the exchange kernel, the host-staged route), ops.cpp (each op,
+// and the unit's registration), exchange.{h,cpp} (the in-host plans: who pushes what where,
+// torch-free), kernels/exchange.cu (the exchange kernel), work.{h,cpp} (the CudaWork, its end
+// events and completion thread), staging.{h,cpp} (host-mapped words, stream memory ops, the
+// staging areas mapped over CUDA IPC).
 //
 // Two executors, chosen once per group (the first CUDA op; every rank agrees):
 // - in-host ("nvlink"): every rank on this host and every peer's staging area mapped through

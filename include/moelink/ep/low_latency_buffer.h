@@ -1,7 +1,10 @@
-// LowLatencyBuffer: the tensor-facing entry of the EP buffer (this file and ep_buffer.cpp are the
-// only EP code that sees torch). Validates every argument before any launch, owns the GPU
-// buffer and the peers' mappings, and launches the kernels of kernels.h on the current
-// stream. Collective: every rank of the group constructs it with the same arguments.
+// LowLatencyBuffer: the tensor-facing entry of the EP buffer's low-latency mode (with
+// normal_buffer.h, the only EP code that sees torch). Validates every argument before any
+// launch, owns the GPU buffer and the peers' mappings, and launches the kernels of
+// low_latency_kernels.h on the current stream. Collective: every rank of the group constructs it with the same arguments.
+//
+// Files: low_latency_buffer.cpp (set-up, paths, membership), low_latency_calls.cpp (dispatch,
+// combine and their receive halves), kernels/low_latency_{dispatch,combine}.cu.
 //
 // Paths per peer, chosen at construction: "local" (this rank), "nvlink" (same host, CUDA
 // IPC mapping), "proxy" (another host, or another virtual host under
