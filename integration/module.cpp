@@ -11,6 +11,7 @@
 #include "moelink/common/error.h"
 #include "moelink/common/settings.h"
 #include "moelink/ep/ibgda/probe.h"
+#include "moelink/ep/routes.h"
 #ifdef MOELINK_WITH_CUDA
 #include "moelink/ep/low_latency_buffer.h"
 #include "moelink/ep/normal_buffer.h"
@@ -49,6 +50,31 @@ class ReleasedWithoutGil {
  private:
   c10::intrusive_ptr<T> ptr_;
 };
+
+// What the normal-mode route decision needs (moelink/ep/routes.h), gathered from the
+// backend and, when the call's tensors are on a GPU with kernels, from the GPU buffer.
+moelink::ep::RouteFacts routeFacts(const EpBackend& backend, const py::object& impl, bool connected) {
+  moelink::ep::RouteFacts f;
+  f.rank = backend.getRank();
+  f.world = backend.getSize();
+  for (int32_t a : backend.activeMask()) f.active.push_back(a);
+  f.connected = connected;
+  f.two_hop = moelink::settings::flag("MOELINK_EP_TWO_HOP");
+  f.ranks_per_host = static_cast<int>(moelink::settings::numberIfSet("MOELINK_EP_RANKS_PER_HOST").value_or(0));
+#ifdef MOELINK_WITH_CUDA
+  if (!impl.is_none()) {
+    const auto& buffer = impl.cast<const moelink::ep::LowLatencyBuffer&>();
+    f.kernels = true;
+    for (int r = 0; r < f.world; ++r) f.kernel_paths.push_back(buffer.transportOf(r));
+  }
+#else
+  if (!impl.is_none()) throw py::type_error("moelink normal_route: this build has no GPU buffer");
+#endif
+  if (!f.kernels && f.ranks_per_host <= 0) {
+    for (int r = 0; r < f.world; ++r) f.group_paths.push_back(backend.transportOf(r));
+  }
+  return f;
+}
 
 }  // namespace
 
@@ -166,6 +192,26 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
         return d;
       },
       "What this machine offers for IBGDA (see moelink.ibgda_status).");
+
+  m.def(
+      "normal_route",
+      [](const EpBackend& backend, const py::object& impl, bool connected) {
+        try {
+          auto facts = routeFacts(backend, impl, connected);
+          return py::make_tuple(moelink::ep::routeName(moelink::ep::chooseNormalRoute(facts)),
+                                moelink::ep::ranksPerHostSeen(facts));
+        } catch (const moelink::Error& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      py::arg("backend"), py::arg("impl"), py::arg("connected"),
+      "The route of a normal-mode EP call as this rank sees the group, and the ranks per host it sees for the "
+      "two-hop route: ('nvlink' | 'group' | 'ask', int). `impl`: the GPU buffer when the call's tensors are on "
+      "its GPU, else None; `connected`: that buffer is connected at the group's membership epoch. 'ask': the "
+      "two-hop route if every rank sees the same ranks per host (see agreed_ranks_per_host), else the group path.");
+  m.def("agreed_ranks_per_host", &moelink::ep::agreedRanksPerHost, py::arg("highest"), py::arg("lowest"),
+        "The two-hop route's ranks per host given the largest and smallest that the group's ranks see (0: the "
+        "group path).");
 
 #ifdef MOELINK_WITH_CUDA
   using moelink::ep::DispatchOutputs;

@@ -1,6 +1,7 @@
 """The EP buffer's routes and membership (methods of moelink.Buffer, a mixin): which route a
-normal-mode call takes (the NVLink kernels, the two-hop route across hosts, or the group path),
-agreed with the other ranks where it must be; the group's membership applied to the GPU buffer
+normal-mode call takes (the NVLink kernels, the two-hop route across hosts, or the group path;
+decided in C++, src/ep/routes.cpp, from facts the binding gathers), agreed with the other ranks
+where it must be (a collective over the group, so here); the group's membership applied to the GPU buffer
 (a masked-out rank masked out of it at its next call, ``update_members`` after a readmission).
 """
 
@@ -20,35 +21,28 @@ class Routing:
     def _kernels_usable(self, device: torch.device) -> bool:
         return device.type == "cuda" and self._impl is not None and hasattr(_C, "NormalBuffer")
 
-    def _normal_path(self, device: torch.device) -> str:
-        """'nvlink' when the kernels can serve the call (CUDA tensors, every rank of the group on
-        NVLink and active); 'two_hop' when the group spans hosts of several ranks each
-        (two_hop.py; decided with the other ranks once per membership epoch); else 'group'
-        (torch ops + all_to_all_single over the group). A non-cached dispatch is where every
-        rank asks, so the agreement is a collective there."""
-        if not all(self._backend.active_mask()):
-            return "group"
+    def _route_facts(self, device: torch.device) -> tuple:
+        """(route, ranks per host) as this rank sees the group, decided in C++ (moelink/ep/routes.h):
+        route 'nvlink' when the kernels can serve the call (CUDA tensors, every rank of the group
+        on NVLink and active, the GPU buffer connected at the group's epoch), 'group' when they
+        cannot and a rank is masked out or the buffer awaits update_members, else 'ask'."""
         kernels = self._kernels_usable(device)
-        if kernels and self._backend.epoch != self._connected_epoch:
-            return "group"
-        if kernels and self.num_ranks <= 8 and \
-                all(self._impl.transport_of(r) in ("local", "nvlink") for r in range(self.num_ranks)):
-            return "nvlink"
+        return _C.normal_route(self._backend, self._impl if kernels else None,
+                               self._backend.epoch == self._connected_epoch)
+
+    def _normal_path(self, device: torch.device) -> str:
+        """'nvlink', 'two_hop' (two_hop.py: the group spans hosts of several ranks each, agreed
+        with the other ranks once per membership epoch) or 'group' (torch ops + all_to_all_single
+        over the group). A non-cached dispatch is where every rank asks, so the agreement is a
+        collective there."""
+        route, _ = self._route_facts(device)
+        if route != "ask":
+            return route
         return "two_hop" if self._agreed_hosts(device) else "group"
 
     def _hosts_seen_here(self, device: torch.device) -> int:
         """Ranks per host for the two-hop route as this rank sees the group (0: not applicable)."""
-        if not two_hop.enabled():
-            return 0
-        if self._kernels_usable(device):
-            same = [r for r in range(self.num_ranks) if self._impl.transport_of(r) in ("local", "nvlink")]
-        else:
-            per_host = _C.setting("MOELINK_EP_RANKS_PER_HOST")
-            if per_host:
-                same = [r for r in range(self.num_ranks) if r // per_host == self.rank // per_host]
-            else:
-                same = [r for r in range(self.num_ranks) if self._backend.transport_of(r) in ("local", "shm")]
-        return two_hop.hosts_of(self.rank, self.num_ranks, same)
+        return self._route_facts(device)[1]
 
     def _agreed_hosts(self, device: torch.device) -> int:
         key = (device.type, self._backend.epoch)
@@ -56,7 +50,7 @@ class Routing:
             mine = self._hosts_seen_here(device)
             both = torch.tensor([mine, -mine], dtype=torch.int64)
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-            self._hosts[key] = mine if both[0].item() == -both[1].item() else 0
+            self._hosts[key] = _C.agreed_ranks_per_host(int(both[0].item()), -int(both[1].item()))
         return self._hosts[key]
 
     def _route(self, device: torch.device) -> "two_hop.TwoHop":

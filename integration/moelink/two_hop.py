@@ -26,7 +26,8 @@ state both hops replay (cached dispatch, combine).
 
 Used when every rank is active, the group's ranks form hosts of L consecutive ranks (2 <= L
 <= 8, at least two hosts: real hosts, or ``MOELINK_EP_RANKS_PER_HOST=L`` virtual ones), and
-``MOELINK_EP_TWO_HOP`` is not 0; the ranks agree on it once per membership epoch.
+``MOELINK_EP_TWO_HOP`` is not 0 (decided in C++, src/ep/routes.cpp); the ranks agree on it once
+per membership epoch.
 """
 
 from __future__ import annotations
@@ -38,23 +39,6 @@ import torch
 
 from . import _C, normal
 from .normal import Config, NormalState
-
-
-def hosts_of(rank: int, world: int, same_host: List[int]) -> int:
-    """Ranks per host L when ``same_host`` (the ranks on this rank's host, itself included) is
-    the block of L consecutive ranks that holds ``rank``, with 2 <= L <= 8 and at least two
-    hosts of L; else 0 (the two-hop route does not apply)."""
-    n = len(same_host)
-    if n < 2 or n > 8 or world % n or world // n < 2:
-        return 0
-    first = rank // n * n
-    return n if sorted(same_host) == list(range(first, first + n)) else 0
-
-
-def enabled() -> bool:
-    from . import _C
-
-    return _C.setting("MOELINK_EP_TWO_HOP")
 
 
 @dataclass
