@@ -151,15 +151,7 @@ class CpuCollectives final : public Collectives {
     w->keep(flat);
     // outputs[r][j] <- flat[r][input j]: one all-gather of the concatenated inputs.
     w->onSuccess([flat, outputs, inputs, size = size_]() mutable {
-      const int64_t per_rank = flat.numel() / size;
-      for (int r = 0; r < size; ++r) {
-        int64_t off = 0;
-        for (size_t j = 0; j < inputs.size(); ++j) {
-          const int64_t n = inputs[j].numel();
-          outputs[r][j].copy_(flat.narrow(0, r * per_rank + off, n).view(outputs[r][j].sizes()));
-          off += n;
-        }
-      }
+      copyGatheredLists(flat, outputs, inputs, size);
     });
     return enqueue(w, call, allgatherOf(in, flat));
   }

@@ -210,4 +210,17 @@ at::Tensor blocksByRank(const std::vector<at::Tensor>& inputs, const std::vector
   return at::cat(pieces);
 }
 
+void copyGatheredLists(const at::Tensor& gathered, std::vector<std::vector<at::Tensor>>& outputs,
+                       const std::vector<at::Tensor>& inputs, int size) {
+  const int64_t per_rank = gathered.numel() / size;
+  for (int r = 0; r < size; ++r) {
+    int64_t off = 0;
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      const int64_t n = inputs[j].numel();
+      outputs[r][j].copy_(gathered.narrow(0, r * per_rank + off, n).view(outputs[r][j].sizes()));
+      off += n;
+    }
+  }
+}
+
 }  // namespace moelink::backend

@@ -86,15 +86,7 @@ Work CudaCollectives::allgatherLists(std::vector<Tensors>& outputs, Tensors& inp
   at::Tensor out = at::empty({in.numel() * size_}, in.options());
   Work work = allgather(out, in, call);
   work->wait();  // the current stream waits for the op; the copies below follow it
-  const int64_t per_rank = in.numel();
-  for (int r = 0; r < size_; ++r) {
-    int64_t off = 0;
-    for (size_t j = 0; j < inputs.size(); ++j) {
-      const int64_t n = inputs[j].numel();
-      outputs[r][j].copy_(out.narrow(0, r * per_rank + off, n).view(outputs[r][j].sizes()));
-      off += n;
-    }
-  }
+  copyGatheredLists(out, outputs, inputs, size_);
   return work;
 }
 

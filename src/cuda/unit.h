@@ -32,6 +32,7 @@ using backend::Call;
 using backend::Collectives;
 using backend::GroupContext;
 using backend::blocksByRank;
+using backend::copyGatheredLists;
 using backend::nbytes;
 using backend::PairLayout;
 using backend::toDType;

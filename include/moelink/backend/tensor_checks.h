@@ -65,5 +65,9 @@ uint64_t nbytes(const at::Tensor& t);
 // reduce_scatter_tensor_coalesced's input as one flat reduce-scatter takes it: rank blocks
 // [rank][output 0 | output 1 | ...], block r of each holding inputs[i]'s slice r.
 at::Tensor blocksByRank(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs, int size);
+// all_gather_coalesced's outputs from one flat all-gather of the concatenated inputs:
+// outputs[r][j] <- gathered's block r, at input j's place in it.
+void copyGatheredLists(const at::Tensor& gathered, std::vector<std::vector<at::Tensor>>& outputs,
+                       const std::vector<at::Tensor>& inputs, int size);
 
 }  // namespace moelink::backend
