@@ -8,6 +8,7 @@
 #include <torch/version.h>
 
 #include "moelink/backend/ep_backend.h"
+#include "moelink/backend/work.h"
 #include "moelink/common/error.h"
 #include "moelink/common/settings.h"
 #include "moelink/ep/ibgda/probe.h"
@@ -105,6 +106,9 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def("peer_state", &EpBackend::peerState, py::arg("ranks"), py::call_guard<py::gil_scoped_release>(),
            "Per rank in `ranks`, as seen by this rank: 1 when active, or when a replacement process waits to be "
            "readmitted and answers.")
+      .def("mirror_mask", &EpBackend::mirrorMask, py::arg("mirror"),
+           "Keeps `mirror` (CPU int32, at least size() entries) equal to the group's mask, updated by the worker at "
+           "every membership change.")
       .def("num_synced_ranks", &EpBackend::numSyncedRanks, py::call_guard<py::gil_scoped_release>(),
            "Ranks active or with a process waiting to be readmitted, as this rank sees them.")
       .def("recover_ranks", &EpBackend::recoverRanks, py::arg("ranks"), py::call_guard<py::gil_scoped_release>(),
@@ -176,6 +180,14 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       "failed_ranks",
       [](const c10::intrusive_ptr<c10d::Work>& work) { return EpBackend::lostRanksOf(work); },
       py::arg("work"), "The ranks an op of backend 'ep' lost while it ran (None for another backend's work).");
+  m.def(
+      "work_group_size",
+      [](const c10::intrusive_ptr<c10d::Work>& work) -> std::optional<int> {
+        auto* w = dynamic_cast<const moelink::backend::LostRanks*>(work.get());
+        if (w == nullptr) return std::nullopt;
+        return w->groupSize();
+      },
+      py::arg("work"), "The size of the group an op of backend 'ep' ran in (None for another backend's work).");
 
   m.def(
       "ibgda_status",

@@ -87,24 +87,30 @@ class EpOptions:
         return (f"EpOptions(is_extension={self.is_extension}, on_peer_failure={self.on_peer_failure!r}, "
                 f"initial_world_size={self.initial_world_size})")
 
+    def _create(self, dist_opts):
+        """The backend of one group: what the registered creator returns for these options
+        (``dist_opts``: torch's _DistributedBackendOptions). A compatibility layer's options
+        (moelink.compat) override it."""
+        initial = self.initial_world_size or 0
+        if initial > dist_opts.group_size:
+            raise ValueError(f"EpOptions.initial_world_size ({initial}) exceeds the group size ({dist_opts.group_size})")
+        if initial and not self.is_extension and dist_opts.group_rank >= initial:
+            raise ValueError(f"rank {dist_opts.group_rank} is reserved (the group starts with ranks 0..{initial - 1}): "
+                             "join with EpOptions(is_extension=True)")
+        return _C.EpBackend(
+            dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
+            raise_on_peer_failure=self.on_peer_failure == "raise",
+            extension=self.is_extension,
+            initial_size=initial,
+        )
+
 
 def _create_backend(dist_opts, backend_opts):
     if backend_opts is None:
         backend_opts = EpOptions()
     if not isinstance(backend_opts, EpOptions):
         raise TypeError(f"backend 'ep' takes pg_options=moelink.EpOptions(...), got {type(backend_opts).__name__}")
-    initial = backend_opts.initial_world_size or 0
-    if initial > dist_opts.group_size:
-        raise ValueError(f"EpOptions.initial_world_size ({initial}) exceeds the group size ({dist_opts.group_size})")
-    if initial and not backend_opts.is_extension and dist_opts.group_rank >= initial:
-        raise ValueError(f"rank {dist_opts.group_rank} is reserved (the group starts with ranks 0..{initial - 1}): "
-                         "join with EpOptions(is_extension=True)")
-    return _C.EpBackend(
-        dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout,
-        raise_on_peer_failure=backend_opts.on_peer_failure == "raise",
-        extension=backend_opts.is_extension,
-        initial_size=initial,
-    )
+    return backend_opts._create(dist_opts)
 
 
 def _register() -> None:

@@ -242,7 +242,9 @@ class CpuCollectives final : public Collectives {
   using Build = std::function<collective::OpSpec(const algo::AlgoContext&)>;
 
   c10::intrusive_ptr<EpWork> makeWork(OpType type, const char* title, Tensors outputs) const {
-    return c10::make_intrusive<EpWork>(rank_, type, title, std::move(outputs));
+    auto w = c10::make_intrusive<EpWork>(rank_, type, title, std::move(outputs));
+    w->setGroupSize(size_);
+    return w;
   }
 
   Work enqueue(c10::intrusive_ptr<EpWork> work, const Call& call, Build build) const {

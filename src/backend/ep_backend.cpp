@@ -162,6 +162,22 @@ std::vector<int32_t> EpBackend::activeMask() const {
 
 uint64_t EpBackend::epoch() const { return worker().epoch(); }
 
+void EpBackend::mirrorMask(const at::Tensor& mirror) {
+  TORCH_CHECK_VALUE(mirror.device().is_cpu() && mirror.scalar_type() == at::kInt && mirror.is_contiguous() &&
+                        mirror.dim() == 1 && mirror.numel() >= size_,
+                    "moelink: a mask mirror is a contiguous CPU int32 tensor of at least ", size_, " entries");
+  collective::CollectiveWorker* w = &worker();
+  auto write = [w, mirror] {
+    auto* out = mirror.data_ptr<int32_t>();
+    const auto m = w->mask();
+    for (int64_t i = 0; i < mirror.numel(); ++i) {
+      __atomic_store_n(out + i, i < static_cast<int64_t>(m.size()) && m[i] ? 1 : 0, __ATOMIC_RELAXED);
+    }
+  };
+  write();
+  w->onChange(write);  // the worker outlives none of its listeners' callers (shutdown destroys it first)
+}
+
 std::optional<std::vector<int64_t>> EpBackend::lostRanksOf(const c10::intrusive_ptr<c10d::Work>& work) {
   auto* w = dynamic_cast<const LostRanks*>(work.get());
   if (!w) return std::nullopt;

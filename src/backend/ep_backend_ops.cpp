@@ -352,6 +352,7 @@ void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all
 c10::intrusive_ptr<c10d::Work> EpBackend::barrier(const c10d::BarrierOptions& opts) {
   seq_collective_.fetch_add(1, std::memory_order_relaxed);
   auto w = c10::make_intrusive<EpWork>(rank_, c10d::OpType::BARRIER, "ep:barrier", std::vector<at::Tensor>{});
+  w->setGroupSize(size_);
   return submitToWorker(worker(), w, [](const collective::AlgoContext& c) { return collective::barrierOp(c); },
                         timeoutOf(opts.timeout));
 }

@@ -55,6 +55,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduceSparse(std::vector<at::Tensor
   at::Tensor metas = at::empty({meta.numel() * size_}, at::kLong);
   auto mw = c10::make_intrusive<EpWork>(rank_, c10d::OpType::ALLREDUCE, "ep:all_reduce(sparse, sizes)",
                                         std::vector<at::Tensor>{});
+  mw->setGroupSize(size_);
   mw->keep(meta);
   mw->keep(metas);
   submitToWorker(worker(), mw, [=](const collective::AlgoContext& c) {
@@ -90,6 +91,7 @@ c10::intrusive_ptr<c10d::Work> EpBackend::allreduceSparse(std::vector<at::Tensor
 
   auto w = c10::make_intrusive<EpWork>(rank_, c10d::OpType::ALLREDUCE, "ep:all_reduce(sparse)",
                                        std::vector<at::Tensor>{target});
+  w->setGroupSize(size_);
   w->keep(send);
   w->keep(recv);
   const std::vector<int64_t> sizes = mine.sizes().vec();

@@ -250,6 +250,7 @@ Work CudaCollectives::run(const Kind& k, Tensors outputs, const Tensors& used, R
     cudaCheck(cudaStreamWaitEvent(op.stream->stream(), start_, 0), "cudaStreamWaitEvent");
   }
   op.work = c10::make_intrusive<CudaWork>(rank_, k.type, k.title, std::move(outputs), device, events_);
+  op.work->setGroupSize(size_);
   op.work->timeout_ms = static_cast<uint64_t>(call.timeout.count());
   op.work->ranOn(op.stream->stream());
   if (group) {

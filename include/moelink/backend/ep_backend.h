@@ -155,6 +155,9 @@ class EpBackend : public c10d::Backend {
   std::vector<int64_t> activeRanks() const;
   // Per rank: 1 = active (the group's mask), as int32.
   std::vector<int32_t> activeMask() const;
+  // Keeps `mirror` (a CPU int32 tensor of at least size() entries) equal to the group's mask
+  // (entries past size() zero), written now and by the worker at every membership change.
+  void mirrorMask(const at::Tensor& mirror);
   // Per rank in `ranks`: active, or a replacement process waits to be readmitted and is alive.
   std::vector<int32_t> peerState(const std::vector<int64_t>& ranks);
   // Ranks active or with a process waiting to be readmitted, as this rank sees them.

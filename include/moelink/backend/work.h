@@ -32,9 +32,13 @@ class LostRanks {
   virtual ~LostRanks() = default;
   void setLost(const std::vector<int>& ranks) { lost_.assign(ranks.begin(), ranks.end()); }
   std::vector<int64_t> lostRanks() const { return lost_; }
+  // The size of the group the op ran in (the extent of a per-rank failure hint).
+  void setGroupSize(int size) { group_size_ = size; }
+  int groupSize() const { return group_size_; }
 
  private:
   std::vector<int64_t> lost_;
+  int group_size_ = 0;
 };
 
 // What every Work of the backend has (EpWork on the worker, CudaWork on the GPU): its outputs,

@@ -1,0 +1,295 @@
+"""Processes of the Mooncake-compatibility tests (test_mooncake_compat.py): the flows of Mooncake's
+own elastic tests, written against Mooncake's names (``pg.*`` with the group first,
+``MooncakeBackendOptions``, ``ProposalStatus``) with only the imports and the backend name
+changed. Each checks its results against a local computation over the ranks it expects active."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+
+def _init(rank, world, port, options, timeout=60):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout))
+    dist.init_process_group("ep", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout),
+                            pg_options=options)
+
+
+def _wait_until(predicate, what, timeout_s=60.0, poll_s=0.05):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+
+
+def _sum_of(ranks):
+    return sum(r + 1 for r in ranks)
+
+
+def _all_reduce(rank):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1], dtype=torch.int32)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    return int(t.item()), work
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def recovery(rank, world, port, victim, replacement=False):
+    """Mooncake's replacement flow: a rank dies, the survivors go on, a replacement inits with
+    MooncakeBackendOptions(n, True) and calls join_group, the survivors poll get_peer_state and
+    recover_ranks returns ProposalStatus.Applied."""
+    import torch.distributed as dist
+
+    from moelink.compat.mooncake import pg
+
+    res = {"rank": rank}
+    if replacement:
+        _init(rank, world, port, pg.MooncakeBackendOptions(world, True))
+        pg.join_group(dist.group.WORLD)
+        value, work = _all_reduce(rank)
+        assert value == _sum_of(range(world)), value
+        assert pg.get_local_success(work)
+        assert pg.get_active_ranks(dist.group.WORLD).tolist() == [1] * world
+        dist.destroy_process_group()
+        return res
+    import torch
+
+    mirror = torch.zeros(world, dtype=torch.int32)  # SGLang's way: the group keeps this tensor up to date
+    _init(rank, world, port, pg.MooncakeBackendOptions(mirror))
+    backend = dist.group.WORLD
+    value, work = _all_reduce(rank)
+    assert value == _sum_of(range(world)) and pg.get_local_success(work)
+    assert pg.get_failed_ranks_hint(work).tolist() == [0] * world
+    assert mirror.tolist() == [1] * world
+    epoch0 = pg.get_current_epoch(backend)
+    if rank == victim:
+        _die()
+    value, work = _all_reduce(rank)  # the op that finds the victim gone
+    survivors = [r for r in range(world) if r != victim]
+    assert value == _sum_of(survivors), value
+    assert mirror.tolist() == [int(r != victim) for r in range(world)], mirror  # no pg call in between
+    hint = [0] * world
+    hint[victim] = 1
+    assert pg.get_failed_ranks_hint(work).tolist() == hint, pg.get_failed_ranks_hint(work)
+    assert not pg.get_local_success(work)
+    mask = [1] * world
+    mask[victim] = 0
+    assert pg.get_active_ranks(backend).tolist() == mask
+    assert pg.get_current_epoch(backend) > epoch0
+    value, work = _all_reduce(rank)
+    assert value == _sum_of(survivors) and pg.get_local_success(work)
+    _wait_until(lambda: pg.get_peer_state(backend, [victim])[0], "the replacement")
+    resp = pg.recover_ranks(backend, [victim])
+    assert resp.status == pg.ProposalStatus.Applied, resp
+    value, work = _all_reduce(rank)
+    assert value == _sum_of(range(world)), value
+    assert pg.get_active_ranks(backend).tolist() == [1] * world and mirror.tolist() == [1] * world
+    res["epochs"] = [epoch0, pg.get_current_epoch(backend)]
+    dist.destroy_process_group()
+    return res
+
+
+def extension(rank, world, port, replacement=False):
+    """Mooncake's extension flow: ranks [0, world-1) create the group with world_size=world-1 and
+    MooncakeBackendOptions(world); the last rank inits with world_size=world,
+    MooncakeBackendOptions(world, True) and join_group; recover_ranks readmits it. Then p2p both
+    ways with the joiner, all_gather_into_tensor and reduce_scatter_tensor over the whole group,
+    and a subgroup created the same way (the primaries name its first ranks, the joiner all)."""
+    import torch
+    import torch.distributed as dist
+
+    from moelink.compat.mooncake import pg
+
+    joiner = world - 1
+    res = {"rank": rank}
+    if rank < joiner:
+        _init(rank, joiner, port, pg.MooncakeBackendOptions(world))
+        sub = dist.new_group(ranks=list(range(joiner)), backend="ep", pg_options=pg.MooncakeBackendOptions(world))
+        res["world_size_before"] = dist.get_world_size()
+        value, _ = _all_reduce(rank)
+        assert value == _sum_of(range(joiner)), value
+        assert pg.get_active_ranks(dist.group.WORLD).tolist() == [1] * joiner + [0]
+        t = torch.tensor([rank + 1], dtype=torch.int32)
+        dist.all_reduce(t, group=sub)
+        assert t.item() == _sum_of(range(joiner))
+        _wait_until(lambda: all(pg.get_peer_state(dist.group.WORLD, [joiner])), "the joiner")
+        resp = pg.recover_ranks(dist.group.WORLD, [joiner])
+        assert resp.status == pg.ProposalStatus.Applied, resp
+        _wait_until(lambda: pg.get_peer_state(sub, [joiner])[0], "the joiner in the subgroup")
+        resp = pg.recover_ranks(sub, [joiner])
+        assert resp.status == pg.ProposalStatus.Applied, resp
+    else:
+        _init(rank, world, port, pg.MooncakeBackendOptions(world, True))
+        sub = dist.new_group(ranks=list(range(world)), backend="ep", pg_options=pg.MooncakeBackendOptions(world, True))
+        pg.join_group(dist.group.WORLD)
+        pg.join_group(sub)
+    res["world_size_after"] = dist.get_world_size()
+    value, work = _all_reduce(rank)
+    assert value == _sum_of(range(world)) and pg.get_local_success(work), value
+    t = torch.tensor([rank + 1], dtype=torch.int32)
+    dist.all_reduce(t, group=sub)
+    assert t.item() == _sum_of(range(world)), t
+    out = torch.zeros(world, dtype=torch.int32)
+    dist.all_gather_into_tensor(out, torch.tensor([rank + 1], dtype=torch.int32))
+    assert out.tolist() == [r + 1 for r in range(world)], out
+    rs = torch.zeros(1, dtype=torch.int32)
+    dist.reduce_scatter_tensor(rs, torch.arange(1, world + 1, dtype=torch.int32))
+    assert rs.item() == (rank + 1) * world, rs
+    # p2p: the joiner and the last primary, both ways
+    peer = {joiner: joiner - 1, joiner - 1: joiner}.get(rank)
+    if peer is not None:
+        send = torch.full((1024,), rank, dtype=torch.int32)
+        recv = torch.empty(1024, dtype=torch.int32)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)])
+        for w in works:
+            w.wait()
+        assert all(pg.get_local_success(w) for w in works)
+        assert torch.all(recv == peer)
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
+def graceful_leave(rank, world, port, leaver, replacement=False):
+    """A rank deactivates itself and destroys its group; the others mask it out at their next op
+    and readmit a replacement later."""
+    import torch.distributed as dist
+
+    from moelink.compat.mooncake import pg
+
+    res = {"rank": rank}
+    if replacement:
+        _init(rank, world, port, pg.MooncakeBackendOptions(world, True))
+        pg.join_group(dist.group.WORLD)
+        value, _ = _all_reduce(rank)
+        assert value == _sum_of(range(world)), value
+        dist.destroy_process_group()
+        return res
+    _init(rank, world, port, pg.MooncakeBackendOptions(world))
+    value, _ = _all_reduce(rank)
+    assert value == _sum_of(range(world))
+    if rank == leaver:
+        resp = pg.deactivate_ranks(dist.group.WORLD, [rank])
+        assert resp.status == pg.ProposalStatus.Applied, resp
+        try:
+            _all_reduce(rank)
+            raise AssertionError("an op after leaving ran")
+        except RuntimeError as e:
+            res["after_leave"] = str(e)
+        dist.destroy_process_group()
+        return res
+    stayers = [r for r in range(world) if r != leaver]
+    t0 = time.monotonic()
+    value, work = _all_reduce(rank)
+    res["first_op_s"] = time.monotonic() - t0
+    assert value == _sum_of(stayers), value
+    assert pg.get_active_ranks(dist.group.WORLD).tolist() == [int(r != leaver) for r in range(world)]
+    _wait_until(lambda: pg.get_peer_state(dist.group.WORLD, [leaver])[0], "the replacement")
+    assert pg.recover_ranks(dist.group.WORLD, [leaver]).status == pg.ProposalStatus.Applied
+    value, _ = _all_reduce(rank)
+    assert value == _sum_of(range(world)), value
+    dist.destroy_process_group()
+    return res
+
+
+def manual(rank, world, port, victim, replacement=False):
+    """Mooncake's manual flow (auto_deactivate_on_failure=False, auto_sync_on_failure=False):
+    per-op failure hints and local success, sync_after_failure, deactivate_ranks of the failed
+    rank, then a replacement recovered. moelink masks a failed rank out by agreement whatever the
+    options (the README's table), so deactivate_ranks finds it out already."""
+    import torch.distributed as dist
+
+    from moelink.compat.mooncake import pg
+
+    opts = dict(auto_deactivate_on_failure=False, auto_sync_on_failure=False)
+    if replacement:
+        _init(rank, world, port, pg.MooncakeBackendOptions(world, True, **opts))
+        pg.join_group(dist.group.WORLD)
+        value, _ = _all_reduce(rank)
+        assert value == _sum_of(range(world))
+        dist.destroy_process_group()
+        return {"rank": rank}
+    _init(rank, world, port, pg.MooncakeBackendOptions(world, False, **opts))
+    backend = dist.group.WORLD
+    value, work = _all_reduce(rank)
+    assert value == _sum_of(range(world)) and pg.get_local_success(work)
+    assert pg.get_failed_ranks_hint(work).tolist() == [0] * world
+    if rank == victim:
+        _die()
+    survivors = [r for r in range(world) if r != victim]
+    value, work = _all_reduce(rank)
+    assert value == _sum_of(survivors), value
+    assert not pg.get_local_success(work)
+    assert pg.get_failed_ranks_hint(work).tolist() == [int(r == victim) for r in range(world)]
+    resp = pg.sync_after_failure(backend)
+    assert resp.status in (pg.SyncAfterFailureStatus.Reconciled, pg.SyncAfterFailureStatus.NoPending), resp
+    assert not pg.get_peer_state(backend, [victim])[0]
+    resp = pg.deactivate_ranks(backend, [victim])
+    assert resp.status in (pg.ProposalStatus.Applied, pg.ProposalStatus.AppliedWithDroppedRanks), resp
+    value, work = _all_reduce(rank)
+    assert value == _sum_of(survivors) and pg.get_local_success(work)
+    _wait_until(lambda: pg.get_peer_state(backend, [victim])[0], "the replacement")
+    assert pg.recover_ranks(backend, [victim]).status == pg.ProposalStatus.Applied
+    value, _ = _all_reduce(rank)
+    assert value == _sum_of(range(world))
+    dist.destroy_process_group()
+    return {"rank": rank}
+
+
+def refusals(rank, world, port, replacement=False):
+    """What the compat layer refuses, with the group still usable after each: a live rank's
+    eviction and a rank without a waiting replacement (Rejected, agreed by all), out-of-range
+    ranks, the settings moelink has no counterpart for; and the active_ranks mirror tensor."""
+    import torch
+    import torch.distributed as dist
+
+    from moelink.compat.mooncake import pg
+
+    mirror = torch.full((world + 2,), 7, dtype=torch.int32)
+    _init(rank, world, port, pg.MooncakeBackendOptions(mirror, False, world))
+    assert mirror.tolist() == [1] * world + [0, 0], mirror
+    backend = dist.group.WORLD
+    out = {}
+    resp = pg.deactivate_ranks(backend, [(rank + 1) % world])  # every rank names a live peer
+    assert resp.status == pg.ProposalStatus.Rejected and "alive" in resp.reject_reason, resp
+    assert pg.get_active_ranks(backend).tolist() == [1] * world
+    # recover_ranks of an active rank changes nothing and applies
+    assert pg.recover_ranks(backend, [0]).status == pg.ProposalStatus.Applied
+    for call in (lambda: pg.get_peer_state(backend, [world]), lambda: pg.recover_ranks(backend, [-1])):
+        try:
+            call()
+            raise AssertionError("an out-of-range rank was accepted")
+        except ValueError as e:
+            assert isinstance(e, RuntimeError) and "outside the group" in str(e), e
+    for call, word in ((lambda: pg.set_p2p_timeout_us(10), "P2P"),
+                       (lambda: pg.set_fault_reconciliation_window_us(10), "reconciliation"),
+                       (lambda: pg.set_transfer_engine(object()), "TransferEngine"),
+                       (lambda: pg.set_device_filter(["mlx5_0"]), "RDMA")):
+        try:
+            call()
+            raise AssertionError(f"{word}: no error")
+        except RuntimeError as e:
+            assert word in str(e), e
+    pg.set_transfer_engine(None)
+    try:
+        pg.get_active_ranks(object())
+        raise AssertionError("a non-group was accepted")
+    except TypeError:
+        pass
+    value, work = _all_reduce(rank)
+    assert value == _sum_of(range(world)) and pg.get_local_success(work)
+    pg.join_group(backend)  # an original, active rank: nothing to do
+    out["epoch"] = pg.get_current_epoch(backend)
+    out["synced"] = pg.get_num_synced_ranks(backend)
+    dist.destroy_process_group()
+    return out
