@@ -169,8 +169,8 @@ def get_active_ranks(group=None, device="cpu") -> torch.Tensor:
 
 def get_peer_state(ranks, group=None) -> list:
     """Collective over the active ranks of ``group``: per rank in ``ranks``, True when every
-    active rank sees it active, or sees a replacement process of it waiting to be readmitted
-    and alive."""
+    active rank sees it active with its process alive, or sees a replacement process of it
+    waiting to be readmitted and alive."""
     ranks = [int(r) for r in ranks]
     local = torch.tensor(get_backend(group).peer_state(ranks), dtype=torch.int32)
     dist.all_reduce(local, op=dist.ReduceOp.MIN, group=group)
@@ -187,7 +187,13 @@ def recover_ranks(ranks, group=None) -> None:
     if bad:
         raise ValueError(f"moelink recover_ranks: rank(s) {bad} are outside the group of size {backend.size()}")
     active = get_active_ranks(group).tolist()
-    inactive = [r for r in ranks if not active[r]]  # active ones need nothing
+    if any(active[r] for r in ranks):
+        # A listed rank the mask still holds may have died before any op found it gone: one
+        # op over the group agrees it out if so (it runs alike on every active rank, which
+        # all call this), so that its waiting replacement is readmitted below.
+        dist.barrier(group=group)
+        active = get_active_ranks(group).tolist()
+    inactive = [r for r in ranks if not active[r]]  # active (and alive) ones need nothing
     if not inactive:
         return
     missing = [r for r, ok in zip(inactive, get_peer_state(inactive, group)) if not ok]

@@ -77,12 +77,16 @@ void CollectiveWorker::waitAdmission() {
 
 bool CollectiveWorker::peerWaiting(int rank) {
   MOELINK_CHECK(rank >= 0 && rank < world_, "rank ", rank, " is outside the group of size ", world_);
-  if (rank == rank_ || isActive(rank)) return true;
+  if (rank == rank_) return true;
+  const auto timeout = membership_->options().probe_timeout;
   const std::string key = str("member/waiting/", rank);
-  if (!store_.check(key)) return false;
-  const int64_t inc = static_cast<int64_t>(transfer::parseCount(store_.get(key, opts_.timeout), key));
-  if (inc <= seen_incarnation_[rank]) return false;
-  return engine_.probe(rank, membership_->options().probe_timeout, inc).empty();
+  if (store_.check(key)) {
+    const int64_t inc = static_cast<int64_t>(transfer::parseCount(store_.get(key, opts_.timeout), key));
+    if (inc > seen_incarnation_[rank]) return engine_.probe(rank, timeout, inc).empty();
+  }
+  // No newer process waits: an active rank counts while its process answers (one that died
+  // before an op found it gone does not, so that a poll waits for its replacement).
+  return isActive(rank) && engine_.probe(rank, timeout, 0).empty();
 }
 
 void CollectiveWorker::readmit(const std::vector<int>& ranks, OpCallback done, milliseconds timeout) {
@@ -218,8 +222,13 @@ bool CollectiveWorker::pollMembership() {
 
 void CollectiveWorker::detect(Collective& op, const std::vector<int>& waiting) {
   std::vector<int> check;
-  for (int p : waiting)
-    if (membership_->leftAfter(p) < op.seq) check.push_back(p);
+  for (int p : waiting) {
+    if (membership_->leftBefore(p, op.seq)) {  // gone for this op, even where its process lives on
+      membership_->suspect(p, str("it left the group after op #", membership_->leftAfter(p)), true);
+    } else if (membership_->leftAfter(p) < op.seq) {
+      check.push_back(p);
+    }
+  }
   membership_->watch(check, Clock::now() - op.last_progress, mask());
 }
 

@@ -112,6 +112,9 @@ class Membership {
   // The last op that `peer` finished before it left cleanly (0: it has not left, or finished
   // none): its exit is no failure for ops up to this one.
   uint64_t leftAfter(int peer) const { return left_[peer]; }
+  // Whether `peer` left cleanly before op `seq` (it announced LEAVE after finishing an earlier
+  // op): it takes no part in `seq`, whether its process still runs or not.
+  bool leftBefore(int peer, uint64_t seq) const { return left_[peer] > 0 && left_[peer] < seq; }
   // `peer` is dead (as found by the caller; `certain`: its process is known to be gone, so
   // it cannot be on the other side of a partition); starts a round.
   void suspect(int peer, const std::string& why, bool certain);

@@ -102,7 +102,8 @@ class CollectiveWorker {
   std::string outReason() const;
   // During a completion callback: the ranks the op lost while it ran.
   const std::vector<int>& opLost() const { return op_lost_; }
-  // Whether a process that replaces `rank` has joined and waits to be readmitted, and is alive.
+  // Whether a process that replaces `rank` has joined and waits to be readmitted and is alive,
+  // or `rank` is active and its process alive.
   bool peerWaiting(int rank);
   // Readmits `ranks` (each waiting): an op of the active ranks, which all call it; the ranks
   // take part from the next op on.
