@@ -99,6 +99,34 @@ def recovery(rank, world, port, victim, replacement=False):
     return res
 
 
+def undetected(rank, world, port, victim, replacement=False):
+    """A rank dies while the group runs no op (as in EP-only serving, where the kernels, not the
+    group, see it go): get_peer_state turns False for it and True once its replacement waits,
+    and recover_ranks (which agrees the dead process out on the way) readmits the replacement."""
+    import torch.distributed as dist
+
+    from moelink.compat.mooncake import pg
+
+    if replacement:
+        _init(rank, world, port, pg.MooncakeBackendOptions(world, True))
+        pg.join_group(dist.group.WORLD)
+    else:
+        _init(rank, world, port, pg.MooncakeBackendOptions(world))
+        value, _ = _all_reduce(rank)
+        assert value == _sum_of(range(world))
+        if rank == victim:
+            _die()
+        backend = dist.group.WORLD
+        assert pg.get_active_ranks(backend)[victim] == 1  # nothing found it gone yet
+        _wait_until(lambda: pg.get_peer_state(backend, [victim])[0], "the replacement")
+        resp = pg.recover_ranks(backend, [victim])
+        assert resp.status == pg.ProposalStatus.Applied, resp
+    value, _ = _all_reduce(rank)
+    assert value == _sum_of(range(world)), value
+    dist.destroy_process_group()
+    return {"rank": rank}
+
+
 def extension(rank, world, port, replacement=False):
     """Mooncake's extension flow: ranks [0, world-1) create the group with world_size=world-1 and
     MooncakeBackendOptions(world); the last rank inits with world_size=world,
@@ -160,7 +188,7 @@ def extension(rank, world, port, replacement=False):
     return res
 
 
-def graceful_leave(rank, world, port, leaver, replacement=False):
+def graceful_leave(rank, world, port, leaver, linger_s=0.0, replacement=False):
     """A rank deactivates itself and destroys its group; the others mask it out at their next op
     and readmit a replacement later."""
     import torch.distributed as dist
@@ -187,6 +215,7 @@ def graceful_leave(rank, world, port, leaver, replacement=False):
         except RuntimeError as e:
             res["after_leave"] = str(e)
         dist.destroy_process_group()
+        time.sleep(linger_s)  # the process lives on after leaving: the others must not wait for it
         return res
     stayers = [r for r in range(world) if r != leaver]
     t0 = time.monotonic()
@@ -293,3 +322,139 @@ def refusals(rank, world, port, replacement=False):
     out["synced"] = pg.get_num_synced_ranks(backend)
     dist.destroy_process_group()
     return out
+
+
+# ---- the EP buffer (mooncake_ep_buffer.Buffer) ----
+
+class AsDeepEP:
+    """cases_ep.check_round's interface (DeepEP's low-latency names) over Mooncake's Buffer, so
+    that the compat Buffer's rounds are checked by the same independent reference."""
+
+    def __init__(self, buf, active_ranks=None, timeout_us=-1):
+        self.buf, self.active_ranks, self.timeout_us = buf, active_ranks, timeout_us
+
+    def low_latency_dispatch(self, x, idx, max_tokens, num_experts, use_fp8=True, round_scale=False,
+                             async_finish=False, return_recv_hook=False):
+        assert not round_scale, "Mooncake's dispatch has no round_scale"
+        recv, count, handle, event, hook = self.buf.dispatch(x, idx, self.active_ranks, max_tokens, num_experts,
+                                                             self.timeout_us, use_fp8=use_fp8, async_finish=async_finish,
+                                                             return_recv_hook=return_recv_hook)
+        assert (hook is None) != return_recv_hook
+        return recv, count, handle, event, hook
+
+    def low_latency_combine(self, y, idx, w, handle, zero_copy=False, async_finish=False, return_recv_hook=False):
+        out, event, hook = self.buf.combine(y, idx, w, self.active_ranks, self.timeout_us, handle, zero_copy=zero_copy,
+                                            async_finish=async_finish, return_recv_hook=return_recv_hook)
+        return out, event, hook
+
+    def get_next_combine_buffer(self, handle):
+        return self.buf.get_next_combine_buffer(handle)
+
+
+def ep_rounds(rank, world, device="cpu"):
+    """Rounds through Mooncake's Buffer checked against pure torch (cases_ep.check_round): sizes,
+    bf16 and FP8, zero_copy, hooks, two shapes on one Buffer; a caller's active_ranks; bad input."""
+    import warnings
+
+    import pytest
+    import torch
+
+    from moelink.compat.mooncake.mooncake_ep_buffer import Buffer
+
+    import cases_ep
+
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    group = __import__("torch.distributed", fromlist=["group"]).group.WORLD
+    hidden, experts = 256, cases_ep.NUM_EXPERTS
+    size = max(Buffer.get_ep_buffer_size_hint(cases_ep.MAX_TOKENS, h, world, experts) for h in (hidden, 1024))
+    buf = Buffer(group, num_ep_buffer_bytes=size)
+    active = torch.ones(world, dtype=torch.int32, device=device)
+    rounds = AsDeepEP(buf, active_ranks=active)
+    for tokens, topk, fp8 in ((0, 1, False), (17, 8, False), (64, 8, True), (1, 1, True)):
+        cases_ep.check_round(rounds, rank, world, tokens, hidden, topk, fp8, device=device)
+    cases_ep.check_round(rounds, rank, world, 9, hidden, 4, False, device=device, zero_copy=True)
+    cases_ep.check_round(rounds, rank, world, 33, hidden, 4, True, device=device, return_recv_hook=True)
+    cases_ep.check_round(rounds, rank, world, 33, 1024, 16, False, device=device)  # a second shape
+    assert active.tolist() == [1] * world
+    # Mooncake's own test passes a tensor of num_tokens entries: ignored (with a warning), as there
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cases_ep.check_round(AsDeepEP(buf, torch.ones(cases_ep.MAX_TOKENS, dtype=torch.int32, device=device)),
+                             rank, world, 5, hidden, 2, False, device=device)
+    assert any("ignored" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    # refusals, each before anything is sent (every rank refuses alike, so the group stays in step)
+    x, idx, w = cases_ep.inputs(rank, 8, hidden, 4, device=device)
+    with pytest.raises(ValueError, match="int32"):
+        buf.dispatch(x, idx, active.float(), cases_ep.MAX_TOKENS, experts, -1)
+    with pytest.raises(ValueError, match="num_ep_buffer_bytes"):
+        buf.dispatch(torch.zeros(8, 4096, dtype=torch.bfloat16, device=device), idx, active, cases_ep.MAX_TOKENS,
+                     experts, -1)
+    with pytest.raises(ValueError, match="handle"):
+        buf.combine(x, idx, w, active, -1, ("not", "a", "handle"))
+    cases_ep.check_round(rounds, rank, world, 17, hidden, 8, False, device=device)
+    return {"transports": [buf.transport_of(r) for r in range(world)]}
+
+
+def ep_elastic(rank, world, port, victim, device="cpu", replacement=False):
+    """SGLang's elastic EP loop in Mooncake's names: the group's mask mirrored into the tensor the
+    loop passes to every dispatch/combine; a rank dies, the survivors' rounds go on over the
+    others (checked against pure torch over the live experts) and their tensor shows it out;
+    a replacement's new Buffer and the survivors' update_ep_member reconnect it; full rounds."""
+    import torch
+    import torch.distributed as dist
+
+    from moelink.compat.mooncake import pg
+    from moelink.compat.mooncake.mooncake_ep_buffer import Buffer
+
+    import cases_ep
+
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    hidden, experts, max_tokens = 512, 4 * world, cases_ep.MAX_TOKENS
+    mirror = torch.ones(world, dtype=torch.int32, device=device)
+    _init(rank, world, port, pg.MooncakeBackendOptions(mirror, replacement, world))
+    group = dist.group.WORLD
+    size = Buffer.get_ep_buffer_size_hint(max_tokens, hidden, world, experts)
+    res = {"rank": rank}
+
+    def full_round(seed_rank=rank):
+        cases_ep.check_round(AsDeepEP(buf, mirror, timeout_us=10_000_000), rank, world, 24, hidden, 4, False,
+                             device=device, num_experts=experts)
+
+    if replacement:
+        pg.join_group(group)
+        buf = Buffer(group, num_ep_buffer_bytes=size)  # meets the survivors' update_ep_member
+        full_round()
+        res["mirror"] = mirror.tolist()
+        dist.destroy_process_group()
+        return res
+    buf = Buffer(group, num_ep_buffer_bytes=size)
+    full_round()
+    if rank == victim:
+        _die()
+    # The survivors' rounds over the live ranks: tokens for the dead rank's experts come back as nothing.
+    for i in range(3):
+        x, idx, w = cases_ep.inputs(rank, 24, hidden, 4, num_experts=experts, device=device)
+        recv, count, handle, _, _ = buf.dispatch(x, idx, mirror, max_tokens, experts, 2_000_000, use_fp8=False)
+        nle = experts // world
+        y = torch.stack([cases_ep.expert_fn(recv[le], rank * nle + le) for le in range(nle)])
+        out, _, _ = buf.combine(y, idx, w, mirror, 2_000_000, handle)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        live = (idx >= 0) & (idx // nle != victim)
+        want = torch.zeros(x.shape, dtype=torch.float32, device=device)
+        for k in range(idx.shape[1]):
+            e = idx[:, k].clamp(min=0)
+            contrib = (x.float() * (0.125 * (e + 1)).unsqueeze(1)).to(torch.bfloat16).float()
+            want += contrib * (w[:, k] * live[:, k]).unsqueeze(1)
+        err = (out.float() - want).abs().max().item()
+        assert err <= 0.02 * want.abs().max().item() + 0.1, f"round {i} after the loss: off by {err}"
+        assert mirror.tolist() == [int(r != victim) for r in range(world)], (i, mirror.tolist())
+    _wait_until(lambda: pg.get_peer_state(group, [victim])[0], "the replacement")
+    assert pg.recover_ranks(group, [victim]).status == pg.ProposalStatus.Applied
+    buf.update_ep_member()
+    full_round()
+    res["mirror"] = mirror.tolist()
+    dist.destroy_process_group()
+    return res

@@ -24,6 +24,13 @@ def test_recovery_flow(transport):
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_recovery_of_a_death_no_op_found(transport):
+    res = run_elastic(3, cases.undetected, kwargs=dict(victim=1), replacement=1,
+                      env={**ENV, "MOELINK_TRANSPORT": transport})
+    assert set(res) == {"old0", "old2", "new1"}, res
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_extension_flow(transport):
     res = run_elastic(3, cases.extension, env={**ENV, "MOELINK_TRANSPORT": transport})
     # moelink's group has its largest size from the start (the README's "Coming from Mooncake")
@@ -33,9 +40,11 @@ def test_extension_flow(transport):
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_graceful_leave_then_replacement(transport):
-    res = run_elastic(3, cases.graceful_leave, kwargs=dict(leaver=2), replacement=2,
+    res = run_elastic(3, cases.graceful_leave, kwargs=dict(leaver=2, linger_s=10), replacement=2,
                       env={**ENV, "MOELINK_TRANSPORT": transport})
     assert "shut down" in res["old2"]["after_leave"], res["old2"]
+    # its process lingers 10 s after leaving: the others' next op does not wait for it
+    assert all(res[f"old{r}"]["first_op_s"] < 5 for r in (0, 1)), res
     assert set(res) == {"old0", "old1", "old2", "new2"}
 
 
@@ -97,3 +106,18 @@ def test_not_served_imports_name_the_reason():
             getattr(mc, name)
     with pytest.raises(ImportError, match="KV-cache"):
         exec("from moelink.compat.mooncake import store", {})
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_buffer_rounds_cpu(world):
+    from harness import run_group
+
+    res = run_group(world, cases.ep_rounds, timeout=600)
+    assert all(r["transports"][r_i] == "local" for r_i, r in enumerate(res)), res
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_ep_buffer_elastic_cpu(transport):
+    res = run_elastic(3, cases.ep_elastic, kwargs=dict(victim=2), replacement=2,
+                      env={**ENV, "MOELINK_TRANSPORT": transport})
+    assert all(res[k]["mirror"] == [1, 1, 1] for k in ("old0", "old1", "new2")), res

@@ -168,7 +168,7 @@ class MooncakeBackendOptions(moelink.EpOptions):
         if mask is not None and mask.device.type == "cpu":
             backend.mirror_mask(mask)  # the worker writes it at every membership change
         elif mask is not None:
-            _mirrors[id(backend)] = (backend, mask)
+            _mirrors[id(backend)] = [backend, mask, None]
             _refresh(backend)
         if capacity == size:
             return backend
@@ -183,7 +183,7 @@ class MooncakeBackendOptions(moelink.EpOptions):
 
 # ---- the group behind an argument, and the active_ranks mirrors ----
 
-_mirrors = {}  # id(backend) -> (backend, the user's CUDA active_ranks tensor); CPU ones the worker updates
+_mirrors = {}  # id(backend) -> [backend, the user's CUDA active_ranks tensor, epoch copied]; CPU: the worker
 _masks = {}  # id(backend) -> (backend, the CPU tensor get_active_ranks returns, updated by the worker)
 
 
@@ -208,10 +208,13 @@ def _resolve(backend):
 
 
 def _refresh(backend) -> None:
-    """Copies the group's mask into the user's CUDA active_ranks tensor (CPU ones follow by themselves)."""
+    """Copies the group's mask into the user's CUDA active_ranks tensor when the membership
+    changed since the last copy (CPU mirrors the worker writes itself). Between changes the
+    tensor is the user's and the EP kernels': a rank whose timeout_us expired stays 0 in it."""
     held = _mirrors.get(id(backend))
-    if held is None or held[0] is not backend:
+    if held is None or held[0] is not backend or held[2] == backend.epoch:
         return
+    held[2] = backend.epoch
     target = held[1]
     mask = torch.tensor(backend.active_mask(), dtype=torch.int32)
     target[:mask.numel()].copy_(mask, non_blocking=True)
