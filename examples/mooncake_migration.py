@@ -51,8 +51,8 @@ def served(x, idx, w, live_experts) -> torch.Tensor:
     for k in range(idx.shape[1]):
         e = idx[:, k]
         on = (e >= 0) & live_experts[e.clamp(min=0)]
-        want += expert(x, 0).float() * 0 + (x.float() * (0.125 * (e.clamp(min=0) + 1)).unsqueeze(1)).to(
-            torch.bfloat16).float() * (w[:, k] * on).unsqueeze(1)
+        scaled = (x.float() * (0.125 * (e.clamp(min=0) + 1)).unsqueeze(1)).to(torch.bfloat16).float()
+        want += scaled * (w[:, k] * on).unsqueeze(1)
     return want
 
 
@@ -91,14 +91,18 @@ def member(rank, world, port, victim, kill_step, steps, use_cuda, replacement=Fa
         pg.join_group(dist.group.WORLD)
         pg.join_group(cpu_group)
         buf = Buffer(dist.group.WORLD, Buffer.get_ep_buffer_size_hint(MAX_TOKENS, HIDDEN, world, experts))
-        step_t = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(step_t, 0, group=cpu_group)  # where the survivors are
-        step = int(step_t.item())
+        where = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(where, 0, group=cpu_group)  # the survivors' step, and the last one
+        step, end = where.tolist()
     else:
         buf = Buffer(dist.group.WORLD, Buffer.get_ep_buffer_size_hint(MAX_TOKENS, HIDDEN, world, experts))
-        step = 0
+        step, end = 0, steps
     recovered = replacement
-    while step < steps:
+    deadline = time.monotonic() + 120
+    # The survivors serve on without the killed rank until it is back, then `steps - kill_step`
+    # more steps with it (a real server serves on regardless).
+    while step < end or not recovered:
+        assert time.monotonic() < deadline, f"rank {rank}: the restarted rank did not come back"
         if rank == victim and step == kill_step and not replacement:
             os.kill(os.getpid(), signal.SIGKILL)
         err = moe_step(buf, active_ranks, rank, world, step, experts, device)
@@ -118,7 +122,8 @@ def member(rank, world, port, victim, kill_step, steps, use_cuda, replacement=Fa
                 while pg.recover_ranks(cpu_group, [victim]).status != pg.ProposalStatus.Applied:
                     time.sleep(0.05)  # its CPU group is made once the model's group took it back
                 buf.update_ep_member()
-                dist.broadcast(torch.tensor([step], dtype=torch.int64), 0, group=cpu_group)
+                end = step + steps - kill_step
+                dist.broadcast(torch.tensor([step, end], dtype=torch.int64), 0, group=cpu_group)
                 recovered = True
     dist.destroy_process_group()
     return log
@@ -134,12 +139,13 @@ def _run(name, out, *args, **kwargs):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=30, help="steps before the kill and after the restart, in all")
     ap.add_argument("--cpu", action="store_true", help="CPU tensors even where GPUs are present")
     args = ap.parse_args()
     world, victim, kill_step = args.world, args.world - 1, args.steps // 3
     use_cuda = not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() >= world
     os.environ.setdefault("MOELINK_FAILURE_PROBE_MS", "2000")
+    os.environ.setdefault("GLOG_minloglevel", "2")  # moelink's per-rank membership log lines: errors only
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -180,6 +186,9 @@ def main() -> int:
             phases.append([[step, step], mask, serving, err])
     for (a, b), mask, serving, err in phases:
         print(f"{a:>4}-{b:<4}  {str(mask):<22} {serving:>7}  {err:>9.2e}")
+    if [p[1] for p in phases] != [[1] * world, [int(r != victim) for r in range(world)], [1] * world]:
+        print("FAILED: the masks were not whole, then without the killed rank, then whole again")
+        return 1
     print(f"restarted rank {victim} served steps {results['restarted'][1][0][0]}-{results['restarted'][1][-1][0]}")
     return 0
 

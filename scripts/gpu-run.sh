@@ -42,9 +42,12 @@ benchnormal   | 400 | EP normal-mode benchmark beside DeepEP v1 (when .devdeps/d
 cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
 cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
 cudabenchhost | 400 | CUDA collectives over the host route (virtual hosts of 1) beside NCCL
+mooncake      | 400 | Mooncake's API on moelink (moelink.compat.mooncake): its GPU tests, the migration example
+mooncakeown   | 400 | Mooncake's own EP test (its wheel's tests, .devdeps/anchors/mooncake-tests) on moelink, imports changed
+benchmooncake | 400 | EP low-latency benchmark beside Mooncake's EP buffer (its wheel in .devdeps/anchors), GPUS ranks
 "
 # all4: every 4-GPU test and benchmark in one call.
-ALL4="gtestall test ibgda proxy normal cudatest elastic exitgpu quick bench4 benchp benchi benchnormal cudabench cudasmall"
+ALL4="gtestall test ibgda proxy normal cudatest elastic exitgpu quick mooncake bench4 benchp benchi benchnormal cudabench cudasmall"
 
 declare -A TIMEOUT WHAT
 ORDER=()
@@ -120,6 +123,27 @@ stage_cudasmall() { bench_cuda --gpus "${GPUS:-2}" --issue --graph --min-bytes 8
 stage_cudabenchhost() {
   MOELINK_RANKS_PER_HOST=1 bench_cuda --gpus 2 --min-bytes 8192 --max-bytes $((256 << 20)) --ops all_reduce,all_gather \
     --out "$OUT/cuda2host.png"
+}
+
+stage_mooncake() {
+  (cd tests/python && $PYTEST test_mooncake_compat.py -k "gpu or migration")
+  python3 examples/mooncake_migration.py --world "${GPUS:-2}"
+}
+stage_mooncakeown() {
+  # Mooncake's own EP test, run unchanged on moelink but for the imports and the backend name (the
+  # migration the compat layer promises); its files are Mooncake's, fetched into .devdeps, not ours.
+  local dir; dir=$(mktemp -d)
+  cp .devdeps/anchors/mooncake-tests/*.py "$dir"/
+  sed -i 's/^from mooncake.mooncake_ep_buffer import Buffer/from moelink.compat.mooncake.mooncake_ep_buffer import Buffer/' \
+    "$dir/test_mooncake_ep.py"
+  sed -i -e 's/importlib.import_module("mooncake.pg")/importlib.import_module("moelink.compat.mooncake.pg")/' \
+    -e "s/backend='mooncake'/backend='ep'/" "$dir/ep_test_utils.py"
+  diff -r .devdeps/anchors/mooncake-tests "$dir" || true  # the whole migration
+  (cd "$dir" && MASTER_PORT=$((20000 + RANDOM % 20000)) python3 test_mooncake_ep.py)
+}
+stage_benchmooncake() {
+  python3 -m pip install -q --no-deps .devdeps/anchors/mooncake_transfer_engine_cuda13-*.whl
+  bench_ep --gpus "${GPUS:-2}" --mooncake --out "$OUT/ep${GPUS:-2}mooncake.png"
 }
 
 say build

@@ -1,7 +1,9 @@
 """Scaffolding shared by the benchmark scripts: run one process per rank, collect rank 0's
 rows, save a plot."""
 
+import queue
 import socket
+import time
 
 import torch.multiprocessing as mp
 
@@ -17,7 +19,18 @@ def run_ranks(worker, nprocs, args, timeout):
     procs = [ctx.Process(target=worker, args=(r, nprocs, port, *args, q)) for r in range(nprocs)]
     for p in procs:
         p.start()
-    rows = q.get(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:  # rank 0's rows, or an error as soon as a rank has died without them
+        try:
+            rows = q.get(timeout=5)
+            break
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"benchmark ranks {dead} failed (exit codes "
+                                 f"{[procs[r].exitcode for r in dead]})" if dead else f"no result in {timeout} s")
     for p in procs:
         p.join()
     return rows

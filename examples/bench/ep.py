@@ -1,6 +1,7 @@
 """EP buffer latency vs an all_to_all_single (NCCL) dispatch + combine of the same routing.
 
     python examples/bench/ep.py [--gpus 4] [--tokens 128,256] [--experts 256] [--iters 200] [--out ep.png]
+                                [--mooncake]
 
 One process per GPU. Per round: random top-8 of 256 experts per token (hidden 7168), FP8
 dispatch and BF16 combine for moelink; the NCCL pipeline moves bf16 tokens with
@@ -10,7 +11,8 @@ index_add. Every timing is CUDA events around one call, L2 flushed before it, me
 it: dispatch moves (hidden + hidden/128*4 + 16) bytes per selected (token, expert) pair,
 combine hidden*2 bytes per pair. Both figures are that count over the time, not the bytes on
 the links: moelink sends a token once per destination rank in dispatch, and one weighted sum
-per (token, rank) back in combine.
+per (token, rank) back in combine. --mooncake adds Mooncake's EP buffer (its PyPI wheel) on the
+same inputs, timed the same way.
 """
 
 import argparse
@@ -107,7 +109,34 @@ def trace_breakdown(buf, fn, names, flush, barrier, iters=30):
     return [tuple(statistics.median(c[i][j] for c in per_call) for j in range(3)) for i in range(len(names))]
 
 
-def worker(rank, world, port, tokens_list, iters, trace, q):
+def mooncake_times(nccl, x, idx, w, tokens, world, flush, barrier, iters):
+    """Mooncake's EP buffer (its PyPI wheel, mooncake.mooncake_ep_buffer) on the same inputs:
+    FP8 dispatch, BF16 combine, every rank active, GPU time of each call as moelink's."""
+    from mooncake.mooncake_ep_buffer import Buffer as MooncakeBuffer
+
+    mb = MooncakeBuffer(nccl, MooncakeBuffer.get_ep_buffer_size_hint(tokens, HIDDEN, world, EXPERTS))
+    active = torch.ones(world, dtype=torch.int32, device="cuda")
+    y = torch.zeros(EXPERTS // world, world * tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    state = {}
+
+    def dispatch():
+        state["r"] = mb.dispatch(x, idx, active, tokens, EXPERTS, -1, use_fp8=True)
+
+    def combine():
+        mb.combine(y, idx, w, active, -1, state["r"][2])
+
+    for _ in range(3):  # the first call compiles its kernels
+        dispatch()
+        combine()
+    torch.cuda.synchronize()
+    t_disp, t_comb = [], []
+    for _ in range(iters + 10):
+        t_disp += timed(dispatch, flush, 1, 0, barrier)
+        t_comb += timed(combine, flush, 1, 0, barrier)
+    return statistics.median(t_disp[10:]), statistics.median(t_comb[10:])
+
+
+def worker(rank, world, port, tokens_list, iters, trace, mooncake, q):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     import moelink
@@ -175,13 +204,16 @@ def worker(rank, world, port, tokens_list, iters, trace, q):
         t_a2a = timed(lambda: a2a_pipeline(x, idx, w, world, nccl), flush, max(20, iters // 5), 5, barrier,
                       gpu_only=False)
         sel = int((idx >= 0).sum())
+        mc = mooncake_times(nccl, x, idx, w, tokens, world, flush, barrier, iters) if mooncake else (0.0, 0.0)
         meds = torch.tensor([statistics.median(t_disp), statistics.median(t_comb), statistics.median(t_a2a),
-                             statistics.median(t_call)] + [statistics.median(t) for t in t_hook], device="cuda")
+                             statistics.median(t_call)] + [statistics.median(t) for t in t_hook] + list(mc),
+                            device="cuda")
         dist.all_reduce(meds, op=dist.ReduceOp.MAX, group=nccl)
         sel_t = torch.tensor([sel], device="cuda")
         dist.all_reduce(sel_t, group=nccl)
         d, c, a, call, *hook = meds.tolist()
-        rows.append((tokens, d, c, a, call, int(sel_t) / world, hook))
+        hook, mc = hook[:4], hook[4:]
+        rows.append((tokens, d, c, a, call, int(sel_t) / world, hook, mc))
         del buf
         torch.cuda.synchronize()
         dist.barrier()
@@ -198,32 +230,45 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default="ep.png")
     ap.add_argument("--trace", action="store_true", help="also print per-phase times from inside the kernels")
+    ap.add_argument("--mooncake", action="store_true",
+                    help="also Mooncake's EP buffer on the same inputs (its wheel: pip install "
+                         "mooncake-transfer-engine-cuda13; its kernels compile at the first call)")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     global EXPERTS
     EXPERTS = args.experts
     os.environ["MOELINK_BENCH_EXPERTS"] = str(args.experts)
-    rows = run_ranks(worker, args.gpus, (tokens, args.iters, args.trace), timeout=1800)
+    rows = run_ranks(worker, args.gpus, (tokens, args.iters, args.trace, args.mooncake), timeout=1800)
     fp8_bytes, bf16_bytes = HIDDEN + HIDDEN // 128 * 4 + 16, HIDDEN * 2
     print(f"# EP{args.gpus}, hidden {HIDDEN}, top-{TOPK} of {EXPERTS} experts, FP8 dispatch / BF16 combine, "
           f"median of {args.iters} (slowest rank), {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'tokens':>7}{'dispatch us':>13}{'GB/s':>8}{'combine us':>12}{'GB/s':>8}{'d+c call us':>13}"
           f"{'a2a d+c us':>12}{'speed-up':>10}")
-    for tok, d, c, a, call, sel, _ in rows:
+    for tok, d, c, a, call, sel, _, _ in rows:
         print(f"{tok:>7}{d:13.1f}{sel * fp8_bytes / d / 1e3:8.1f}{c:12.1f}{sel * bf16_bytes / c / 1e3:8.1f}"
               f"{call:13.1f}{a:12.1f}{a / call:9.1f}x")
     print("dispatch/combine: GPU time of each call; d+c call: one dispatch + combine end to end (host launch "
           "overhead included), which the speed-up compares with the all_to_all pipeline (end to end)")
     print(f"{'tokens':>7}{'hook: dispatch send':>21}{'recv':>7}{'combine send':>14}{'recv':>7}   (us)")
-    for tok, *_, hook in rows:
+    for tok, *_, hook, _ in rows:
         print(f"{tok:>7}{hook[0]:21.1f}{hook[1]:7.1f}{hook[2]:14.1f}{hook[3]:7.1f}")
+    if args.mooncake:
+        print(f"{'tokens':>7}{'Mooncake dispatch us':>22}{'combine us':>12}{'moelink dispatch':>18}{'combine':>9}"
+              "   (GPU time of each call, same inputs)")
+        for tok, d, c, *_, mc in rows:
+            print(f"{tok:>7}{mc[0]:22.1f}{mc[1]:12.1f}{mc[0] / d:17.2f}x{mc[1] / c:8.2f}x")
     def draw(plt):
         fig, ax = plt.subplots(figsize=(6, 3.6))
         labels = [str(r[0]) for r in rows]
         xs = range(len(rows))
-        ax.bar([i - 0.27 for i in xs], [r[1] for r in rows], 0.27, label="moelink dispatch (FP8)")
-        ax.bar([i for i in xs], [r[2] for r in rows], 0.27, label="moelink combine (BF16)")
-        ax.bar([i + 0.27 for i in xs], [r[3] for r in rows], 0.27, label="all_to_all_single d+c (NCCL, end to end)")
+        bars = [("moelink dispatch (FP8)", [r[1] for r in rows]), ("moelink combine (BF16)", [r[2] for r in rows])]
+        if args.mooncake:
+            bars += [("Mooncake dispatch (FP8)", [r[7][0] for r in rows]),
+                     ("Mooncake combine (BF16)", [r[7][1] for r in rows])]
+        bars.append(("all_to_all_single d+c (NCCL, end to end)", [r[3] for r in rows]))
+        width = 0.8 / len(bars)
+        for j, (label, values) in enumerate(bars):
+            ax.bar([i + (j - (len(bars) - 1) / 2) * width for i in xs], values, width, label=label)
         ax.set_yscale("log")
         ax.set_xticks(list(xs), labels)
         ax.set_xlabel("tokens per rank")

@@ -152,7 +152,7 @@ def get_active_ranks(group=None, device="cpu") -> torch.Tensor:
     """The group's active-rank mask: int32 [group size], 1 = active. ``device="cuda"`` gives a
     CUDA tensor (one per backend and device, refreshed by each call) for the EP buffer."""
     backend = get_backend(group)
-    mask = torch.tensor(backend.active_mask(), dtype=torch.int32)
+    mask = torch.tensor(backend.active_mask(), dtype=torch.int32, device="cpu")
     device = torch.device(device)
     if device.type == "cpu":
         return mask
@@ -172,7 +172,7 @@ def get_peer_state(ranks, group=None) -> list:
     active rank sees it active with its process alive, or sees a replacement process of it
     waiting to be readmitted and alive."""
     ranks = [int(r) for r in ranks]
-    local = torch.tensor(get_backend(group).peer_state(ranks), dtype=torch.int32)
+    local = torch.tensor(get_backend(group).peer_state(ranks), dtype=torch.int32, device="cpu")
     dist.all_reduce(local, op=dist.ReduceOp.MIN, group=group)
     return [bool(v) for v in local.tolist()]
 
@@ -231,7 +231,7 @@ def extend_group_size_to(new_size: int, group=None, timeout: float | None = None
         # One collective per round decides for every active rank: all joined, or someone's
         # deadline passed (so that no rank leaves the loop alone).
         local = backend.peer_state(ranks) + [0 if time.monotonic() > deadline else 1]
-        state = torch.tensor(local, dtype=torch.int32)
+        state = torch.tensor(local, dtype=torch.int32, device="cpu")
         dist.all_reduce(state, op=dist.ReduceOp.MIN, group=group)
         if all(state[:-1].tolist()):
             break

@@ -95,7 +95,7 @@ class Buffer(LowLatencyMode, NormalMode, Routing):
 
     def active_ranks(self) -> torch.Tensor:
         if self._impl is None:
-            return torch.ones(self.num_ranks, dtype=torch.int32)
+            return torch.ones(self.num_ranks, dtype=torch.int32, device="cpu")
         return self._impl.active_ranks()
 
     # ---- DeepEP's normal-mode entry points (the low-latency ones: low_latency.py) ----

@@ -122,7 +122,8 @@ class LowLatencyMode:
     def get_next_combine_buffer(self, handle) -> torch.Tensor:
         """A persistent [local experts, ranks * max tokens, hidden] bf16 tensor (one per buffer
         half) that combine sends from directly: write the expert outputs into it and call
-        combine with it and zero_copy=True, saving a copy into a separate tensor."""
+        combine with zero_copy=True (and x this tensor, or one of its shape and dtype, as DeepEP
+        allows), saving a copy into a separate tensor."""
         return self._combine_buffer(handle[-1])
 
     def _ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True,
@@ -168,8 +169,13 @@ class LowLatencyMode:
     def _ll_combine(self, x, topk_idx, topk_weights, handle, zero_copy=False, async_finish=False,
                     return_recv_hook=False, out=None, timeout_us=-1, active_ranks=None):
         state = handle[-1]
-        if zero_copy and x.data_ptr() != self._combine_buffer(state).data_ptr():
-            raise ValueError("zero_copy=True expects x to be the tensor from get_next_combine_buffer(handle)")
+        if zero_copy:  # the data is in the combine buffer (DeepEP's contract): x, if another tensor, gives its shape
+            staged = self._combine_buffer(state)
+            if x.data_ptr() != staged.data_ptr():
+                if x.dtype != staged.dtype or x.shape != staged.shape:
+                    raise ValueError(f"moelink combine: zero_copy=True sends get_next_combine_buffer(handle) "
+                                     f"({staged.dtype} {tuple(staged.shape)}); x is {x.dtype} {tuple(x.shape)}")
+                x = staged
         if isinstance(state, host_ep.HostState):
             rows = self.num_ranks * self.num_max_dispatch_tokens_per_rank
             if x.dtype != torch.bfloat16 or tuple(x.shape) != (self.num_local_experts, rows, self.hidden):

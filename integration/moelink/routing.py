@@ -48,7 +48,7 @@ class Routing:
         key = (device.type, self._backend.epoch)
         if key not in self._hosts:
             mine = self._hosts_seen_here(device)
-            both = torch.tensor([mine, -mine], dtype=torch.int64)
+            both = torch.tensor([mine, -mine], dtype=torch.int64, device="cpu")
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
             self._hosts[key] = _C.agreed_ranks_per_host(int(both[0].item()), -int(both[1].item()))
         return self._hosts[key]
@@ -67,7 +67,7 @@ class Routing:
             return
         self._epoch = epoch
         mine = self._impl.active_ranks()
-        group = torch.tensor(self._backend.active_mask(), dtype=torch.int32).to(mine.device, non_blocking=True)
+        group = torch.tensor(self._backend.active_mask(), dtype=torch.int32, device="cpu").to(mine.device, non_blocking=True)
         mine.mul_(group)  # stream-ordered before this call's kernels
 
     def update_members(self) -> None:
@@ -93,9 +93,9 @@ class Routing:
         serial = next(self._normal_serial)
         self._updates += 1
         mine = torch.tensor([self._impl.nonce(), self._key_index + 1, serial, self._impl.pairs_hash(), self._updates],
-                            dtype=torch.int64)
+                            dtype=torch.int64, device="cpu")
         cols = mine.numel()
-        every = torch.zeros(self.num_ranks * cols, dtype=torch.int64)
+        every = torch.zeros(self.num_ranks * cols, dtype=torch.int64, device="cpu")
         dist.all_gather_into_tensor(every, mine, group=self.group)  # inactive ranks' slots: zeros
         mask = list(backend.active_mask())
         every = every.view(self.num_ranks, cols).tolist()
@@ -124,7 +124,7 @@ class Routing:
                     step()
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 error = e
-            ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+            ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32, device="cpu")
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)  # nobody goes on before all are ready
             if error is not None:
                 raise error

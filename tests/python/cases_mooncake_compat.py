@@ -118,9 +118,18 @@ def undetected(rank, world, port, victim, replacement=False):
             _die()
         backend = dist.group.WORLD
         assert pg.get_active_ranks(backend)[victim] == 1  # nothing found it gone yet
-        _wait_until(lambda: pg.get_peer_state(backend, [victim])[0], "the replacement")
-        resp = pg.recover_ranks(backend, [victim])
-        assert resp.status == pg.ProposalStatus.Applied, resp
+        # The first poll may still see the victim itself alive, the first recover_ranks agree it
+        # out before its replacement waits: a Rejected answer is agreed by every rank, so the
+        # loop stays in step.
+        deadline = time.monotonic() + 60
+        while True:
+            _wait_until(lambda: pg.get_peer_state(backend, [victim])[0], "the replacement")
+            resp = pg.recover_ranks(backend, [victim])
+            if resp.status == pg.ProposalStatus.Applied:
+                break
+            assert time.monotonic() < deadline and "no replacement process waiting" in resp.reject_reason, resp
+            time.sleep(0.1)
+        assert pg.get_active_ranks(backend).tolist() == [1] * world
     value, _ = _all_reduce(rank)
     assert value == _sum_of(range(world)), value
     dist.destroy_process_group()
@@ -393,6 +402,17 @@ def ep_rounds(rank, world, device="cpu"):
     with pytest.raises(ValueError, match="handle"):
         buf.combine(x, idx, w, active, -1, ("not", "a", "handle"))
     cases_ep.check_round(rounds, rank, world, 17, hidden, 8, False, device=device)
+    # DeepEP's zero_copy idiom (Mooncake's own test uses it): the outputs copied into the combine
+    # buffer, combine called with another tensor of that shape; the same result as without.
+    recv, _, handle, _, _ = buf.dispatch(x, idx, active, cases_ep.MAX_TOKENS, experts, -1, use_fp8=False)
+    nle = experts // world
+    y = torch.stack([cases_ep.expert_fn(recv[le], rank * nle + le) for le in range(nle)])
+    plain = buf.combine(y, idx, w, active, -1, handle)[0].clone()
+    buf.get_next_combine_buffer(handle)[:] = y
+    staged = buf.combine(y.clone(), idx, w, active, -1, handle, zero_copy=True)[0]
+    assert torch.equal(plain, staged)
+    with pytest.raises(ValueError, match="zero_copy"):
+        buf.combine(y[:, :1], idx, w, active, -1, handle, zero_copy=True)
     return {"transports": [buf.transport_of(r) for r in range(world)]}
 
 

@@ -82,6 +82,23 @@ def test_options_surface():
     assert [s.name for s in pg.SyncAfterFailureStatus] == ["Reconciled", "NoPending", "Rejected"]
 
 
+def test_process_wide_settings(monkeypatch):
+    """set_host_ip / set_collective_timeout_us become moelink's settings for groups created
+    afterwards (what the library reads, moelink.settings.value)."""
+    import moelink.settings
+    from moelink.compat.mooncake import pg
+
+    # setenv records what was there, so that teardown restores it after the functions' writes
+    monkeypatch.setenv("MOELINK_HOST_IP", "")
+    monkeypatch.setenv("MOELINK_FAILURE_PROBE_MS", "2000")
+    pg.set_host_ip("10.1.2.3")
+    pg.set_collective_timeout_us(1_500_000)
+    assert moelink.settings.value("MOELINK_HOST_IP") == "10.1.2.3"
+    assert moelink.settings.value("MOELINK_FAILURE_PROBE_MS") == 1500
+    with pytest.raises(ValueError):
+        pg.set_collective_timeout_us(0)
+
+
 def test_invalid_options_raise_at_init():
     """Mooncake's checks at group creation (RuntimeError), here also ValueError; nothing hangs."""
     import torch.distributed as dist
@@ -121,3 +138,45 @@ def test_ep_buffer_elastic_cpu(transport):
     res = run_elastic(3, cases.ep_elastic, kwargs=dict(victim=2), replacement=2,
                       env={**ENV, "MOELINK_TRANSPORT": transport})
     assert all(res[k]["mirror"] == [1, 1, 1] for k in ("old0", "old1", "new2")), res
+
+
+def _gpus():
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_buffer_rounds_gpu(world):
+    """Mooncake's Buffer on a GPU per rank (NVLink kernels), checked like the CPU rounds."""
+    from harness import run_group
+
+    if _gpus() < world:
+        pytest.skip(f"needs {world} GPUs, found {_gpus()}")
+    res = run_group(world, cases.ep_rounds, kwargs=dict(device="cuda"), timeout=600)
+    for r, out in enumerate(res):
+        assert out["transports"] == ["local" if p == r else "nvlink" for p in range(world)], out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ep_buffer_elastic_gpu(world):
+    """SGLang's loop on GPUs: the last rank is killed, the survivors' kernels time it out and the
+    CUDA active_ranks tensor shows it, a replacement is reconnected by update_ep_member."""
+    if _gpus() < world:
+        pytest.skip(f"needs {world} GPUs, found {_gpus()}")
+    res = run_elastic(world, cases.ep_elastic, kwargs=dict(victim=world - 1, device="cuda"), replacement=world - 1,
+                      env=ENV, timeout=300)
+    assert all(v["mirror"] == [1] * world for v in res.values()), res
+
+
+def test_migration_example():
+    """examples/mooncake_migration.py (Mooncake's API, imports changed) end to end: 3 ranks on
+    CPU tensors, one killed and restarted; its exit status says every step was right."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "..", "..", "examples", "mooncake_migration.py")
+    out = subprocess.run([sys.executable, script, "--world", "3", "--steps", "15", "--cpu"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "restarted rank 2 served steps" in out.stdout, out.stdout

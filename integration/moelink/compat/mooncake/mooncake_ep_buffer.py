@@ -78,7 +78,7 @@ class Buffer:
     def _connect(self) -> None:
         """Collective: brings this Buffer to the shapes the other ranks have (a replacement
         process's new Buffer, or update_ep_member on every rank) and reconnects each."""
-        count = torch.tensor([len(self._shapes)], dtype=torch.int64)
+        count = torch.tensor([len(self._shapes)], dtype=torch.int64, device="cpu")
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         store = self._ep.store
         for i in range(len(self._shapes), int(count.item())):
@@ -138,13 +138,13 @@ class Buffer:
             raise ValueError(f"active_ranks is on {active_ranks.device}, the call's tensors on {device}")
         if device.type == "cuda" and self._ep.epoch != self._epoch:
             self._epoch = self._ep.epoch
-            group = torch.tensor(self._ep.active_mask(), dtype=torch.int32).to(device, non_blocking=True)
+            group = torch.tensor(self._ep.active_mask(), dtype=torch.int32, device="cpu").to(device, non_blocking=True)
             active_ranks.mul_(group)  # stream-ordered before the kernels
         return active_ranks
 
     def _after_host_call(self, active_ranks: Optional[torch.Tensor]) -> None:
         if active_ranks is not None and active_ranks.device.type == "cpu" and active_ranks.numel() == self.group_size:
-            active_ranks.copy_(torch.tensor(self._ep.active_mask(), dtype=torch.int32))
+            active_ranks.copy_(torch.tensor(self._ep.active_mask(), dtype=torch.int32, device="cpu"))
 
     # ---- Mooncake's entry points ----
 
@@ -179,7 +179,8 @@ class Buffer:
                 active_ranks: Optional[torch.Tensor], timeout_us: int, handle, zero_copy: bool = False,
                 async_finish: bool = False, return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
         """-> ``(combined_x, event, hook)``: ``combined_x[t] = sum_k topk_weights[t, k] *
-        x(token t at expert topk_idx[t, k])``. ``zero_copy``: x is get_next_combine_buffer(handle)."""
+        x(token t at expert topk_idx[t, k])``. ``zero_copy``: the expert outputs are in
+        get_next_combine_buffer(handle) (x that tensor, or one of its shape)."""
         buf = self._handle_buffer(handle)
         mask = self._mask(active_ranks, x.device)
         combined, ev, hook = buf.low_latency_combine(

@@ -216,7 +216,7 @@ def _refresh(backend) -> None:
         return
     held[2] = backend.epoch
     target = held[1]
-    mask = torch.tensor(backend.active_mask(), dtype=torch.int32)
+    mask = torch.tensor(backend.active_mask(), dtype=torch.int32, device="cpu")
     target[:mask.numel()].copy_(mask, non_blocking=True)
     if target.numel() > mask.numel():
         target[mask.numel():].zero_()
@@ -238,7 +238,7 @@ def get_active_ranks(backend) -> torch.Tensor:
     _, ep = _resolve(backend)
     held = _masks.get(id(ep))
     if held is None or held[0] is not ep:
-        held = _masks[id(ep)] = (ep, torch.zeros(ep.size(), dtype=torch.int32))
+        held = _masks[id(ep)] = (ep, torch.zeros(ep.size(), dtype=torch.int32, device="cpu"))
         ep.mirror_mask(held[1])
     _refresh(ep)
     return held[1]
@@ -362,7 +362,7 @@ def get_failed_ranks_hint(work) -> Optional[torch.Tensor]:
     lost = _settled(work)
     if lost is None:
         return None
-    hint = torch.zeros(int(_C.work_group_size(work)), dtype=torch.int32)
+    hint = torch.zeros(int(_C.work_group_size(work)), dtype=torch.int32, device="cpu")
     for r in lost:
         hint[r] = 1
     return hint
