@@ -186,14 +186,22 @@ def recover_ranks(ranks, group=None) -> None:
     bad = [r for r in ranks if not 0 <= r < backend.size()]
     if bad:
         raise ValueError(f"moelink recover_ranks: rank(s) {bad} are outside the group of size {backend.size()}")
-    active = get_active_ranks(group).tolist()
-    if any(active[r] for r in ranks):
+    def held():
+        """Which listed ranks some active rank's mask still holds: agreed by one collective,
+        so that every rank takes the same steps below (masks change between ops, on their own
+        where a tcp connection breaks)."""
+        mask = backend.active_mask()
+        view = torch.tensor([mask[r] for r in ranks], dtype=torch.int32, device="cpu")
+        dist.all_reduce(view, op=dist.ReduceOp.MAX, group=group)
+        return view.tolist()
+
+    view = held()
+    if any(view):
         # A listed rank the mask still holds may have died before any op found it gone: one
-        # op over the group agrees it out if so (it runs alike on every active rank, which
-        # all call this), so that its waiting replacement is readmitted below.
+        # op over the group agrees it out if so, so that its waiting replacement is readmitted.
         dist.barrier(group=group)
-        active = get_active_ranks(group).tolist()
-    inactive = [r for r in ranks if not active[r]]  # active (and alive) ones need nothing
+        view = held()
+    inactive = [r for r, h in zip(ranks, view) if not h]  # active (and alive) ones need nothing
     if not inactive:
         return
     missing = [r for r, ok in zip(inactive, get_peer_state(inactive, group)) if not ok]

@@ -44,6 +44,23 @@ def _die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _rejoin(rank, world, port, **options):
+    """A replacement process's whole part in Mooncake's flows: init with
+    MooncakeBackendOptions(world, True, ...), join_group, then one all_reduce over every rank."""
+    import torch.distributed as dist
+
+    from moelink.compat.mooncake import pg
+
+    _init(rank, world, port, pg.MooncakeBackendOptions(world, True, **options))
+    pg.join_group(dist.group.WORLD)
+    value, work = _all_reduce(rank)
+    assert value == _sum_of(range(world)), value
+    assert pg.get_local_success(work)
+    assert pg.get_active_ranks(dist.group.WORLD).tolist() == [1] * world
+    dist.destroy_process_group()
+    return {"rank": rank}
+
+
 def recovery(rank, world, port, victim, replacement=False):
     """Mooncake's replacement flow: a rank dies, the survivors go on, a replacement inits with
     MooncakeBackendOptions(n, True) and calls join_group, the survivors poll get_peer_state and
@@ -52,16 +69,9 @@ def recovery(rank, world, port, victim, replacement=False):
 
     from moelink.compat.mooncake import pg
 
-    res = {"rank": rank}
     if replacement:
-        _init(rank, world, port, pg.MooncakeBackendOptions(world, True))
-        pg.join_group(dist.group.WORLD)
-        value, work = _all_reduce(rank)
-        assert value == _sum_of(range(world)), value
-        assert pg.get_local_success(work)
-        assert pg.get_active_ranks(dist.group.WORLD).tolist() == [1] * world
-        dist.destroy_process_group()
-        return res
+        return _rejoin(rank, world, port)
+    res = {"rank": rank}
     import torch
 
     mirror = torch.zeros(world, dtype=torch.int32)  # SGLang's way: the group keeps this tensor up to date
@@ -108,28 +118,26 @@ def undetected(rank, world, port, victim, replacement=False):
     from moelink.compat.mooncake import pg
 
     if replacement:
-        _init(rank, world, port, pg.MooncakeBackendOptions(world, True))
-        pg.join_group(dist.group.WORLD)
-    else:
-        _init(rank, world, port, pg.MooncakeBackendOptions(world))
-        value, _ = _all_reduce(rank)
-        assert value == _sum_of(range(world))
-        if rank == victim:
-            _die()
-        backend = dist.group.WORLD
-        assert pg.get_active_ranks(backend)[victim] == 1  # nothing found it gone yet
-        # The first poll may still see the victim itself alive, the first recover_ranks agree it
-        # out before its replacement waits: a Rejected answer is agreed by every rank, so the
-        # loop stays in step.
-        deadline = time.monotonic() + 60
-        while True:
-            _wait_until(lambda: pg.get_peer_state(backend, [victim])[0], "the replacement")
-            resp = pg.recover_ranks(backend, [victim])
-            if resp.status == pg.ProposalStatus.Applied:
-                break
-            assert time.monotonic() < deadline and "no replacement process waiting" in resp.reject_reason, resp
-            time.sleep(0.1)
-        assert pg.get_active_ranks(backend).tolist() == [1] * world
+        return _rejoin(rank, world, port)
+    _init(rank, world, port, pg.MooncakeBackendOptions(world))
+    value, _ = _all_reduce(rank)
+    assert value == _sum_of(range(world))
+    if rank == victim:
+        _die()
+    backend = dist.group.WORLD
+    assert pg.get_active_ranks(backend)[victim] == 1  # nothing found it gone yet
+    # The first poll may still see the victim itself alive, the first recover_ranks agree it
+    # out before its replacement waits: a Rejected answer is agreed by every rank, so the
+    # loop stays in step.
+    deadline = time.monotonic() + 60
+    while True:
+        _wait_until(lambda: pg.get_peer_state(backend, [victim])[0], "the replacement")
+        resp = pg.recover_ranks(backend, [victim])
+        if resp.status == pg.ProposalStatus.Applied:
+            break
+        assert time.monotonic() < deadline and "no replacement process waiting" in resp.reject_reason, resp
+        time.sleep(0.1)
+    assert pg.get_active_ranks(backend).tolist() == [1] * world
     value, _ = _all_reduce(rank)
     assert value == _sum_of(range(world)), value
     dist.destroy_process_group()
@@ -204,14 +212,9 @@ def graceful_leave(rank, world, port, leaver, linger_s=0.0, replacement=False):
 
     from moelink.compat.mooncake import pg
 
-    res = {"rank": rank}
     if replacement:
-        _init(rank, world, port, pg.MooncakeBackendOptions(world, True))
-        pg.join_group(dist.group.WORLD)
-        value, _ = _all_reduce(rank)
-        assert value == _sum_of(range(world)), value
-        dist.destroy_process_group()
-        return res
+        return _rejoin(rank, world, port)
+    res = {"rank": rank}
     _init(rank, world, port, pg.MooncakeBackendOptions(world))
     value, _ = _all_reduce(rank)
     assert value == _sum_of(range(world))
@@ -251,12 +254,7 @@ def manual(rank, world, port, victim, replacement=False):
 
     opts = dict(auto_deactivate_on_failure=False, auto_sync_on_failure=False)
     if replacement:
-        _init(rank, world, port, pg.MooncakeBackendOptions(world, True, **opts))
-        pg.join_group(dist.group.WORLD)
-        value, _ = _all_reduce(rank)
-        assert value == _sum_of(range(world))
-        dist.destroy_process_group()
-        return {"rank": rank}
+        return _rejoin(rank, world, port, **opts)
     _init(rank, world, port, pg.MooncakeBackendOptions(world, False, **opts))
     backend = dist.group.WORLD
     value, work = _all_reduce(rank)

@@ -20,6 +20,10 @@ the tensor given to ``MooncakeBackendOptions(active_ranks)`` is the group's mask
 at each change (SGLang's way). A tensor of another length is ignored, as Mooncake ignores it
 (a warning says so). With CPU tensors the group's mask is written into it after the call.
 
+``disable_p2p=True`` makes every rank its own (virtual) host for this Buffer's GPU buffers
+(MOELINK_EP_RANKS_PER_HOST=1 while they are made): peers are reached by IBGDA or the CPU proxy,
+not NVLink, as Mooncake then uses RDMA.
+
 ``update_ep_member()`` after ``pg.recover_ranks`` (the survivors) and the replacement's new
 ``Buffer(group, ...)`` meet in one collective that reconnects the replacement in place
 (moelink.Buffer.update_members); no dispatch or combine may be in flight.
