@@ -177,6 +177,26 @@ def get_peer_state(ranks, group=None) -> list:
     return [bool(v) for v in local.tolist()]
 
 
+def _still_held(ranks, group=None) -> list:
+    """Collective over the active ranks: per rank in ``ranks``, whether the group's mask still
+    holds it once a death no op had found yet is agreed out (one barrier, when some rank's mask
+    holds a listed rank: it may have died unseen). Decided by all_reduce, so that every rank
+    gets the same answer (masks change between ops, on their own where a tcp connection breaks)."""
+    backend = get_backend(group)
+
+    def held():
+        mask = backend.active_mask()
+        view = torch.tensor([mask[r] for r in ranks], dtype=torch.int32, device="cpu")
+        dist.all_reduce(view, op=dist.ReduceOp.MAX, group=group)
+        return [bool(v) for v in view.tolist()]
+
+    view = held()
+    if any(view):
+        dist.barrier(group=group)
+        view = held()
+    return view
+
+
 def recover_ranks(ranks, group=None) -> None:
     """Collective over the active ranks of ``group``: readmits ``ranks``, whose replacement
     processes joined with ``EpOptions(is_extension=True)``. Their first op is the next op the
@@ -186,21 +206,7 @@ def recover_ranks(ranks, group=None) -> None:
     bad = [r for r in ranks if not 0 <= r < backend.size()]
     if bad:
         raise ValueError(f"moelink recover_ranks: rank(s) {bad} are outside the group of size {backend.size()}")
-    def held():
-        """Which listed ranks some active rank's mask still holds: agreed by one collective,
-        so that every rank takes the same steps below (masks change between ops, on their own
-        where a tcp connection breaks)."""
-        mask = backend.active_mask()
-        view = torch.tensor([mask[r] for r in ranks], dtype=torch.int32, device="cpu")
-        dist.all_reduce(view, op=dist.ReduceOp.MAX, group=group)
-        return view.tolist()
-
-    view = held()
-    if any(view):
-        # A listed rank the mask still holds may have died before any op found it gone: one
-        # op over the group agrees it out if so, so that its waiting replacement is readmitted.
-        dist.barrier(group=group)
-        view = held()
+    view = _still_held(ranks, group)
     inactive = [r for r, h in zip(ranks, view) if not h]  # active (and alive) ones need nothing
     if not inactive:
         return

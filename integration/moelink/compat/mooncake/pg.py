@@ -305,12 +305,9 @@ def deactivate_ranks(backend, ranks) -> ProposeViewUpdateResponse:
         _refresh(ep)
         ep.shutdown()  # its peers find it gone at their next op and agree on a mask without it
         return ProposeViewUpdateResponse(ProposalStatus.Applied, epoch)
-    mask = ep.active_mask()
-    if any(mask[r] for r in ranks):
-        dist.barrier(group=group)  # a failed rank in the mask is found and agreed out on the way
-        mask = ep.active_mask()
+    held = moelink._still_held(ranks, group)  # a failed rank in the mask is agreed out on the way
     _refresh(ep)
-    alive = sorted({r for r in ranks if mask[r]})
+    alive = sorted({r for r, h in zip(ranks, held) if h})
     if alive:
         return ProposeViewUpdateResponse(
             ProposalStatus.Rejected, ep.epoch,
