@@ -175,7 +175,7 @@ void EpBackend::mirrorMask(const at::Tensor& mirror) {
     }
   };
   write();
-  w->onChange(write);  // the worker outlives none of its listeners' callers (shutdown destroys it first)
+  w->onChange(write);  // lives as long as the worker, holding the tensor
 }
 
 std::optional<std::vector<int64_t>> EpBackend::lostRanksOf(const c10::intrusive_ptr<c10d::Work>& work) {
