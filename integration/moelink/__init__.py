@@ -292,15 +292,20 @@ from .events import EventOverlap  # noqa: E402
 from .normal import Config, combine_with_grad, dispatch_with_grad  # noqa: E402
 
 
+def _group_of(backend: "_C.EpBackend"):
+    """The live process group served by ``backend`` (ValueError if none: destroyed)."""
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        try:
+            if get_backend(pg) is backend:
+                return pg
+        except (ValueError, RuntimeError):
+            continue
+    raise ValueError("this backend belongs to no live process group (destroyed?)")
+
+
 def _ep_buffer(self, num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=256):
     """The EP buffer of this backend's group (a collective call, as moelink.Buffer)."""
-    for pg in dist.distributed_c10d._world.pg_map:
-        try:
-            if pg._get_backend(torch.device("cpu")) is self:
-                return Buffer(pg, num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        except RuntimeError:
-            continue
-    raise ValueError("this backend belongs to no live process group")
+    return Buffer(_group_of(self), num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
 
 _C.EpBackend.ep_buffer = _ep_buffer

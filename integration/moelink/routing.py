@@ -15,6 +15,13 @@ import torch.distributed as dist
 from . import _C, two_hop
 
 
+def mask_out_inactive(backend, mask: torch.Tensor) -> None:
+    """Zeroes, in a GPU mask tensor (int32 per rank), the ranks the group has masked out;
+    stream-ordered before the kernels launched after it."""
+    group = torch.tensor(backend.active_mask(), dtype=torch.int32, device="cpu").to(mask.device, non_blocking=True)
+    mask.mul_(group)
+
+
 class Routing:
     """See the module docstring."""
 
@@ -66,9 +73,7 @@ class Routing:
         if epoch == self._epoch or self._impl is None:
             return
         self._epoch = epoch
-        mine = self._impl.active_ranks()
-        group = torch.tensor(self._backend.active_mask(), dtype=torch.int32, device="cpu").to(mine.device, non_blocking=True)
-        mine.mul_(group)  # stream-ordered before this call's kernels
+        mask_out_inactive(self._backend, self._impl.active_ranks())
 
     def update_members(self) -> None:
         """Collective over the group's active ranks: brings the GPU buffer up to the group's

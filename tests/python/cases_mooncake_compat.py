@@ -325,6 +325,13 @@ def refusals(rank, world, port, replacement=False):
     value, work = _all_reduce(rank)
     assert value == _sum_of(range(world)) and pg.get_local_success(work)
     pg.join_group(backend)  # an original, active rank: nothing to do
+    # the backend object stands for its group, as Mooncake's functions accept either
+    import moelink
+
+    ep = moelink.get_backend()
+    assert pg.get_active_ranks(ep) is pg.get_active_ranks(backend)
+    assert pg.get_current_epoch(ep) == pg.get_current_epoch(backend)
+    assert ep.ep_buffer(8, 256, 4 * world).group is backend  # moelink's own lookup of the same group
     out["epoch"] = pg.get_current_epoch(backend)
     out["synced"] = pg.get_num_synced_ranks(backend)
     dist.destroy_process_group()

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import moelink
 from moelink import _C
 from moelink.events import EventOverlap, event
+from moelink.routing import mask_out_inactive
 
 from . import pg as _pg
 
@@ -86,7 +87,12 @@ class Buffer:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         store = self._ep.store
         for i in range(len(self._shapes), int(count.item())):
-            self._make(tuple(json.loads(store.get(_shape_key(self._index, i)).decode())))
+            record = store.get(_shape_key(self._index, i)).decode()
+            shape = json.loads(record)
+            if not (isinstance(shape, list) and len(shape) == 3 and all(type(v) is int and v > 0 for v in shape)):
+                raise ValueError(f"Mooncake Buffer: the group's shape record {i} is {record!r}, not three positive "
+                                 "integers (tokens per rank, hidden, experts)")
+            self._make(tuple(shape))
         for shape in self._shapes:
             self._buffers[shape].update_members()
         self._epoch = self._ep.epoch
@@ -142,8 +148,7 @@ class Buffer:
             raise ValueError(f"active_ranks is on {active_ranks.device}, the call's tensors on {device}")
         if device.type == "cuda" and self._ep.epoch != self._epoch:
             self._epoch = self._ep.epoch
-            group = torch.tensor(self._ep.active_mask(), dtype=torch.int32, device="cpu").to(device, non_blocking=True)
-            active_ranks.mul_(group)  # stream-ordered before the kernels
+            mask_out_inactive(self._ep, active_ranks)
         return active_ranks
 
     def _after_host_call(self, active_ranks: Optional[torch.Tensor]) -> None:

@@ -192,13 +192,10 @@ def _resolve(backend):
     if backend is None:
         backend = dist.distributed_c10d._get_default_group()
     if isinstance(backend, _C.EpBackend):
-        for group in list(dist.distributed_c10d._world.pg_map):
-            try:
-                if moelink.get_backend(group) is backend:
-                    return group, backend
-            except (ValueError, RuntimeError):
-                continue
-        raise InvalidArgument("this backend belongs to no live process group (destroyed?)")
+        try:
+            return moelink._group_of(backend), backend
+        except ValueError as e:
+            raise InvalidArgument(f"moelink.compat.mooncake.pg: {e}") from None
     if isinstance(backend, dist.ProcessGroup):
         try:
             return backend, moelink.get_backend(backend)
