@@ -10,7 +10,7 @@
 #   bash scripts/gpu-run.sh list                 # the table
 #
 # Env: GPUS (ranks of cudabench/cudasmall/benchnormal, default 2), ITERS (benchmark iterations),
-# TRACE=1 (phase breakdown in bench4), NK (a pytest -k filter for the normal stage), EPT (EP
+# TRACE=1 (phase breakdown in bench4), NK / CK (pytest -k filters for the normal / cudatest stages), EPT (EP
 # timeout in us for the EP tests), STAGE_TIMEOUT (seconds, overrides every stage's own).
 # MOELINK_TEST_SHARE_GPU=1 runs the multi-GPU tests as processes sharing one GPU.
 # On the lent GPU machine (no apt), `.devdeps/unpack.sh` (from ../shared/tools/device-deps.sh)
@@ -41,6 +41,7 @@ benchi        | 200 | EP low-latency benchmark, 4 GPUs as 2 virtual hosts (emula
 benchnormal   | 400 | EP normal-mode benchmark beside DeepEP v1 (when .devdeps/deepep is there)
 cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
 cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
+cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
 cudabenchhost | 400 | CUDA collectives over the host route (virtual hosts of 1) beside NCCL
 mooncake      | 400 | Mooncake's API on moelink (moelink.compat.mooncake): its GPU tests, the migration example
 mooncakeown   | 400 | Mooncake's own EP test (its wheel's tests, .devdeps/anchors/mooncake-tests) on moelink, imports changed
@@ -96,7 +97,7 @@ stage_test() { ep_env; cd tests/python && $PYTEST test_ep_buffer.py -k 'not ibgd
 stage_ibgda() { ep_env; cd tests/python && $PYTEST test_ep_buffer.py -k ibgda; }
 stage_proxy() { ep_env; cd tests/python && $PYTEST test_ep_buffer.py -k proxy; }
 stage_normal() { ep_env; cd tests/python && $PYTEST test_ep_normal_gpu.py ${NK:+-k "$NK"} --durations=5; }
-stage_cudatest() { cd tests/python && $PYTEST test_cuda_collectives.py; }
+stage_cudatest() { cd tests/python && $PYTEST test_cuda_collectives.py ${CK:+-k "$CK"}; }
 stage_elastic() { cd tests/python && $PYTEST test_elastic.py; }
 stage_elasticgpu() { cd tests/python && $PYTEST test_elastic.py -k gpu; }
 stage_exitgpu() { cd tests/python && $PYTEST test_exit_status.py -k cuda; }
@@ -120,6 +121,13 @@ stage_benchnormal() {
 bench_cuda() { python3 examples/bench/collectives.py --device cuda --iters "${ITERS:-20}" "$@"; }
 stage_cudabench() { bench_cuda --gpus "${GPUS:-2}" --min-bytes 8192 --max-bytes $((1 << 30)) --out "$OUT/cuda${GPUS:-2}.png"; }
 stage_cudasmall() { bench_cuda --gpus "${GPUS:-2}" --issue --graph --min-bytes 8192 --max-bytes 262144 --out "$OUT/cudasmall${GPUS:-2}.png"; }
+stage_cudasweep() {
+  for l in 0 262144; do
+    echo "== MOELINK_CUDA_LAMPORT_BYTES=$l"
+    MOELINK_CUDA_LAMPORT_BYTES=$l bench_cuda --gpus "${GPUS:-2}" --graph --min-bytes 8192 --max-bytes 262144 \
+      --out "$OUT/sweep${GPUS:-2}-lamport$l.png"
+  done
+}
 stage_cudabenchhost() {
   MOELINK_RANKS_PER_HOST=1 bench_cuda --gpus 2 --min-bytes 8192 --max-bytes $((256 << 20)) --ops all_reduce,all_gather \
     --out "$OUT/cuda2host.png"

@@ -73,6 +73,12 @@ const std::vector<Setting> kSettings = {
            "ranks x this"),
     number("MOELINK_CUDA_ONESHOT_BYTES", "collectives", 1 * kMiB, 0, UINT64_MAX,
            "groups of more than 2: up to this size allreduce is one exchange, above it reduce-scatter + all-gather"),
+    number("MOELINK_CUDA_LAMPORT_BYTES", "collectives", 0, 0, 256 * kKiB,
+           "in-host CUDA ops whose every (source, destination) pair moves at most this many bytes (all-to-all "
+           "excepted) send their data as 16-byte lines that carry the op's number (the Lamport protocol: one NVLink "
+           "crossing, no flags or acknowledgements, twice the bytes); `0`: never; at most 262144; the same on "
+           "every rank",
+           "per group size: 262144 up to 4 ranks, 65536 above"),
     number("MOELINK_RANKS_PER_HOST", "collectives", 0, 1, 1u << 20,
            "CUDA collectives: group ranks into virtual hosts of this size (any split makes the group host-staged); "
            "the EP buffer has its own, `MOELINK_EP_RANKS_PER_HOST`, so that either unit's cross-host path can be "

@@ -41,7 +41,7 @@ void CudaCollectives::bind(int device, const char* opname) {
   TORCH_CHECK_VALUE(cs == cudaStreamCaptureStatusNone, "moelink ", opname, ": the first CUDA op of a group sets up "
                     "its GPU buffers and cannot be captured; run one CUDA collective on this group before capturing");
   try {
-    tuning_ = ExchangeTuning::fromEnv();
+    tuning_ = ExchangeTuning::fromEnv(size_);
   } catch (const moelink::Error& e) {
     TORCH_CHECK_VALUE(false, "moelink: ", e.what());
   }

@@ -204,8 +204,18 @@ std::vector<std::pair<uint64_t, uint64_t>> droppedRanges(const Exchange& x, cons
   return out;
 }
 
-ExchangeTuning ExchangeTuning::fromEnv() {
+uint64_t lamportDefault(int n) {
+  // From the sweeps in docs/PERF.md (graph replay, 8-256 KiB, every op beside NCCL): at 2 and 4
+  // ranks the Lamport protocol is ahead of the staged one at every size it can carry. Larger
+  // groups push n - 1 lines per 8 bytes from each rank; no sweep has run there yet, so they take
+  // it for the smaller pairs only.
+  return n <= 4 ? kLamportMaxBytes : 64 << 10;
+}
+
+ExchangeTuning ExchangeTuning::fromEnv(int n) {
   ExchangeTuning t;
+  const auto lamport = settings::numberIfSet("MOELINK_CUDA_LAMPORT_BYTES");
+  t.lamport_bytes = lamport ? *lamport : lamportDefault(n);
   t.round_bytes = settings::number("MOELINK_CUDA_ROUND_BYTES");
   t.blocks = static_cast<int>(settings::number("MOELINK_CUDA_BLOCKS"));
   t.one_shot_bytes = settings::number("MOELINK_CUDA_ONESHOT_BYTES");
@@ -225,7 +235,8 @@ ExchangeLayout ExchangeLayout::make(int n, uint64_t round_bytes) {
   const uint64_t flag_bytes = 2ull * kExchangeMaxRanks * kExchangeMaxBlocks * sizeof(uint64_t);
   l.acks = l.flags + flag_bytes;
   l.data = alignUp(l.acks + flag_bytes, 4096);
-  l.total = l.data + 2ull * n * round_bytes;
+  l.lamport = l.data + 2ull * n * round_bytes;
+  l.total = l.lamport + 2ull * n * kLamportSourceBytes;
   return l;
 }
 
@@ -237,6 +248,17 @@ uint64_t longestPair(const Exchange& x) {
   return longest;
 }
 }  // namespace
+
+bool exchangeLamport(const Exchange& x, const ExchangeTuning& t) {
+  if (x.kind == OpKind::kAlltoall || t.lamport_bytes == 0) return false;
+  if (longestPair(x) > std::min(t.lamport_bytes, kLamportMaxBytes)) return false;
+  return x.mode == ExchangeMode::kCopy || elementSize(x.dtype) <= 8;
+}
+
+int lamportBlocks(const Exchange& x) {
+  const uint64_t lines = (longestPair(x) + 7) / 8;
+  return static_cast<int>(std::max<uint64_t>(1, (lines + 1023) / 1024));
+}
 
 bool exchangeSplits(const Exchange& x, const ExchangeTuning& t) {
   return t.split && longestPair(x) > t.round_bytes;
@@ -266,6 +288,7 @@ ExchangeHeader exchangeHeader(const Exchange& x, int peer, const ExchangeTuning&
   h.root = x.root;
   h.blocks = static_cast<uint32_t>(t.blocks);
   h.split = t.split ? 1 : 0;
+  h.lamport_bytes = t.lamport_bytes;
   return h;
 }
 
@@ -284,6 +307,9 @@ std::string describeMismatch(const ExchangeHeader& mine, const ExchangeHeader& t
     return str(who, " uses MOELINK_CUDA_ROUND_BYTES=", theirs.round_bytes, " MOELINK_CUDA_BLOCKS=", theirs.blocks,
                " MOELINK_CUDA_SPLIT=", theirs.split, ", this rank ", mine.round_bytes, ", ", mine.blocks, " and ",
                mine.split, "; set them alike on every rank");
+  if (theirs.lamport_bytes != mine.lamport_bytes)
+    return str(who, " uses MOELINK_CUDA_LAMPORT_BYTES=", theirs.lamport_bytes, ", this rank ", mine.lamport_bytes,
+               "; set it alike on every rank");
   return "";
 }
 

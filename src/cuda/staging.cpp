@@ -88,13 +88,14 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
   s->areas_.assign(size, nullptr);
   cudaCheck(cudaMalloc(&s->areas_[rank], s->layout_.total), "cudaMalloc(staging)");
   cudaCheck(cudaMemset(s->areas_[rank], 0, s->layout_.total), "cudaMemset(staging)");
-  // The handle, then the round size that shapes the area: peers write into it before they
-  // have checked an op's header (exchange.cu), so every rank must lay it out alike.
+  // The handle, then the round size that shapes the area and the Lamport threshold that picks
+  // the protocol: peers write into it before they have checked an op's header (exchange.cu,
+  // lamport.cu), so every rank must lay it out and choose alike.
   cudaIpcMemHandle_t handle;
   cudaCheck(cudaIpcGetMemHandle(&handle, s->areas_[rank]), "cudaIpcGetMemHandle");
   std::vector<uint8_t> published = bytesOf(&handle, sizeof handle);
-  const uint64_t round_bytes = tuning.round_bytes;
-  const std::vector<uint8_t> rb = bytesOf(&round_bytes, sizeof round_bytes);
+  const uint64_t shape[2] = {tuning.round_bytes, tuning.lamport_bytes};
+  const std::vector<uint8_t> rb = bytesOf(shape, sizeof shape);
   published.insert(published.end(), rb.begin(), rb.end());
   store->set(prefix + "ipc/" + std::to_string(rank), published);
   std::string mine;
@@ -105,16 +106,22 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
       if (why_not) *why_not = "rank " + std::to_string(q) + " did not set up its staging area";
       return nullptr;
     }
-    if (h.size() != sizeof(cudaIpcMemHandle_t) + sizeof(uint64_t)) {
+    if (h.size() != sizeof(cudaIpcMemHandle_t) + sizeof shape) {
       mine = "rank " + std::to_string(q) + " published a malformed handle";
       break;
     }
-    uint64_t theirs = 0;
-    std::memcpy(&theirs, h.data() + sizeof(cudaIpcMemHandle_t), sizeof theirs);
-    if (theirs != round_bytes) {
-      mine = "rank " + std::to_string(q) + " stages rounds of " + std::to_string(theirs) + " bytes, rank " +
-             std::to_string(rank) + " of " + std::to_string(round_bytes) +
+    uint64_t theirs[2] = {0, 0};
+    std::memcpy(theirs, h.data() + sizeof(cudaIpcMemHandle_t), sizeof theirs);
+    if (theirs[0] != shape[0]) {
+      mine = "rank " + std::to_string(q) + " stages rounds of " + std::to_string(theirs[0]) + " bytes, rank " +
+             std::to_string(rank) + " of " + std::to_string(shape[0]) +
              " (MOELINK_CUDA_ROUND_BYTES must be the same on every rank)";
+      break;
+    }
+    if (theirs[1] != shape[1]) {
+      mine = "rank " + std::to_string(q) + " sends pairs of up to " + std::to_string(theirs[1]) +
+             " bytes by the Lamport protocol, rank " + std::to_string(rank) + " up to " + std::to_string(shape[1]) +
+             " (MOELINK_CUDA_LAMPORT_BYTES must be the same on every rank)";
       break;
     }
     cudaIpcMemHandle_t ph;

@@ -319,6 +319,102 @@ def round_size_disagreement(rank, world):
             os.environ["MOELINK_CUDA_ROUND_BYTES"] = old
 
 
+def lamport_threshold(world):
+    """The largest pair the Lamport protocol carries in a group of `world` (moelink's table)."""
+    if "MOELINK_CUDA_LAMPORT_BYTES" in os.environ:
+        return int(os.environ["MOELINK_CUDA_LAMPORT_BYTES"])
+    return 262144 if world <= 4 else 65536
+
+
+def lamport_boundaries(rank, world):
+    """Every op whose pairs are one element below, at and above the Lamport threshold (so both
+    protocols, back to back, in one group), in dtypes of 1, 2, 4 and 8 bytes and every reduce op
+    that a dtype takes; and an op whose pairs are longer on some ranks than on others (one rank
+    Lamport, the other staged) fails on every rank with the mismatch, the group usable after."""
+    d = dev(rank)
+    limit = lamport_threshold(world)
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float64):
+        es = torch.empty(0, dtype=dtype).element_size()
+        at = limit // es
+        for n in (at - 1, at, at + 1):
+            for op in ("SUM", "MAX", "AVG", "PRODUCT"):
+                if not valid(dtype, op):
+                    continue
+                xs = [value(r, n, dtype, d) for r in range(world)]
+                x = xs[rank].clone()
+                dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
+                same(x, reduce_ref(xs, op, world), f"all_reduce {dtype} {op} n={n}")
+            xs = [value(r, n, dtype, d, salt=3) for r in range(world)]
+            g = torch.empty(world * n, dtype=dtype, device=d)
+            dist.all_gather_into_tensor(g, xs[rank])
+            same(g, torch.cat(xs), f"all_gather {dtype} n={n}")
+            b = xs[rank].clone()
+            dist.broadcast(b, src=world - 1)
+            same(b, xs[world - 1], f"broadcast {dtype} n={n}")
+            ins = [value(r, n * world, dtype, d, salt=5) for r in range(world)]
+            out = torch.empty(n, dtype=dtype, device=d)
+            dist.reduce_scatter_tensor(out, ins[rank])
+            same(out, reduce_ref(ins, "SUM", world).view(world, -1)[rank], f"reduce_scatter {dtype} n={n}")
+            r = xs[rank].clone()
+            dist.reduce(r, dst=0)
+            if rank == 0:
+                same(r, reduce_ref(xs, "SUM", world), f"reduce {dtype} n={n}")
+            gl = [torch.empty(n, dtype=dtype, device=d) for _ in range(world)] if rank == 0 else None
+            dist.gather(xs[rank], gather_list=gl, dst=0)
+            if rank == 0:
+                for q in range(world):
+                    same(gl[q], xs[q], f"gather {dtype} n={n} from {q}")
+            s = torch.empty(n, dtype=dtype, device=d)
+            dist.scatter(s, scatter_list=[ins[0][q * n:(q + 1) * n] for q in range(world)] if rank == 0 else None,
+                         src=0)
+            same(s, ins[0][rank * n:(rank + 1) * n], f"scatter {dtype} n={n}")
+    # complex: a SUM takes the Lamport protocol (complex64) or the staged one (complex128's
+    # 16-byte elements); a copy op the Lamport protocol either way
+    for dtype in (torch.complex64, torch.complex128):
+        n = 100
+        xs = [torch.complex(value(r, n, torch.float64, d), value(r, n, torch.float64, d, salt=1)).to(dtype)
+              for r in range(world)]
+        x = xs[rank].clone()
+        dist.all_reduce(x)
+        same(x, sum(xs), f"all_reduce {dtype}")
+        g = torch.empty(world * n, dtype=dtype, device=d)
+        dist.all_gather_into_tensor(g, xs[rank])
+        same(g, torch.cat(xs), f"all_gather {dtype}")
+    # one rank below the threshold, the others above: the protocols differ, the op fails with
+    # the header check's words on every rank (not at its deadline)
+    n = limit // 4 + (1 if rank else 0)
+    w = dist.all_reduce(torch.ones(n, device=d), async_op=True)
+    try:
+        w.get_future().wait()
+        raise AssertionError("an all_reduce of different sizes across the Lamport threshold passed")
+    except RuntimeError as e:
+        assert "expects" in str(e) and "rank" in str(e), e
+    y = torch.ones(16, device=d)
+    dist.all_reduce(y)
+    same(y, torch.full_like(y, float(world)), "all_reduce after a mismatch across protocols")
+
+
+def lamport_disagreement(rank, world):
+    """Ranks with different MOELINK_CUDA_LAMPORT_BYTES would pick different protocols for one op:
+    the group takes the host-staged route, exact, and says why."""
+    import moelink
+
+    old = os.environ.get("MOELINK_CUDA_LAMPORT_BYTES")
+    os.environ["MOELINK_CUDA_LAMPORT_BYTES"] = "0" if rank == 0 else "65536"
+    try:
+        g = dist.new_group()
+        x = torch.full((1024,), rank + 1.0, device=dev(rank))
+        dist.all_reduce(x, group=g)
+        same(x, torch.full_like(x, float(sum(r + 1 for r in range(world)))), "all_reduce")
+        assert moelink.get_backend(g).cuda_path() == "host", moelink.get_backend(g).cuda_path()
+        dist.destroy_process_group(g)
+    finally:
+        if old is None:
+            del os.environ["MOELINK_CUDA_LAMPORT_BYTES"]
+        else:
+            os.environ["MOELINK_CUDA_LAMPORT_BYTES"] = old
+
+
 def graph_capture(rank, world):
     if os.environ.get("MOELINK_RANKS_PER_HOST"):
         return  # the host-staged route refuses capture (tested in errors)
@@ -384,16 +480,34 @@ def point_to_point(rank, world):
         dist.send(torch.full((10,), 1.0, device=d), 0)
 
 
+def near_sum(ours, nccl, parts, what):
+    """float32: ours equals NCCL's. Half types: NCCL rounds to the dtype after every addition (in
+    its ring's order), ep once after summing in float32: each within the rounding of len(parts)
+    additions of the exact sum of `parts`."""
+    if ours.dtype == torch.float32:
+        same(ours, nccl, what)
+        return
+    exact = sum(v.float() for v in parts)
+    eps = 2.0 ** -8 if ours.dtype == torch.bfloat16 else 2.0 ** -11
+    bound = len(parts) * eps * sum(v.float().abs() for v in parts) + 1e-6
+    for got, who in ((ours, "ep"), (nccl, "nccl")):
+        err = (got.float() - exact).abs()
+        assert bool((err <= bound).all()), (f"{what}: {who} is off the exact sum by {err.max().item()} (bound "
+                                            f"there {bound[err.argmax()].item()})")
+
+
 def against_nccl(rank, world):
     d = dev(rank)
     nccl = dist.new_group(backend="nccl")
     for dtype in [torch.float32, torch.bfloat16, torch.float16]:
         n = (1 << 20) + 5
-        x = torch.randn(n, device=d, generator=torch.Generator(device=d).manual_seed(rank)).to(dtype)
+        xs = [torch.randn(n, device=d, generator=torch.Generator(device=d).manual_seed(r)).to(dtype)
+              for r in range(world)]
+        x = xs[rank]
         a, b = x.clone(), x.clone()
         dist.all_reduce(a)
         dist.all_reduce(b, group=nccl)
-        same(a, b, f"all_reduce vs nccl {dtype}")
+        near_sum(a, b, xs, f"all_reduce vs nccl {dtype}")
         ga = torch.empty(world * n, dtype=dtype, device=d)
         gb = torch.empty_like(ga)
         dist.all_gather_into_tensor(ga, x)
@@ -404,7 +518,7 @@ def against_nccl(rank, world):
         rb = torch.empty_like(ra)
         dist.reduce_scatter_tensor(ra, x[:m].contiguous())
         dist.reduce_scatter_tensor(rb, x[:m].contiguous(), group=nccl)
-        same(ra, rb, f"reduce_scatter vs nccl {dtype}")
+        near_sum(ra, rb, [v[:m].view(world, -1)[rank] for v in xs], f"reduce_scatter vs nccl {dtype}")
     dist.destroy_process_group(nccl)
 
 
@@ -542,6 +656,6 @@ def fsdp2_matches_local(rank, world):
 
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
-         "round_size_disagreement", "graph_capture", "point_to_point", "against_nccl", "bad_input",
+         "round_size_disagreement", "lamport_boundaries", "lamport_disagreement", "graph_capture", "point_to_point", "against_nccl", "bad_input",
          "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "sparse_all_reduce",
          "functional_and_dtensor", "fsdp2_matches_local"]

@@ -1,7 +1,9 @@
 """Collectives on CUDA tensors over backend "ep" on 2 GPUs (one process per GPU): the in-host
 NVLink path, and the host-staged path with MOELINK_RANKS_PER_HOST=1 (every peer a virtual
-remote host). Each case checks its results against what every rank computes itself (and a
-subset against NCCL). Skipped without 2 GPUs."""
+remote host); and the NVLink path of 4 ranks where there are 4 GPUs (its kernels choose
+protocols and thresholds by group size; the host-staged route is the CPU collectives', tested
+at 4 ranks on the CPU). Each case checks its results against what every rank computes itself
+(and a subset against NCCL). Skipped without 2 GPUs (the 4-rank group without 4)."""
 
 import functools
 import os
@@ -20,16 +22,19 @@ PATHS = {"nvlink": {}, "host": {"MOELINK_RANKS_PER_HOST": "1"}}
 
 
 @functools.lru_cache(maxsize=None)
-def results(path):
-    return run_group(2, run_cases, kwargs={"cases_mod": "cases_cuda", "names": cases_cuda.CASES},
+def results(path, world):
+    return run_group(world, run_cases, kwargs={"cases_mod": "cases_cuda", "names": cases_cuda.CASES},
                      env=PATHS[path], timeout=900, pg_timeout=120)
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("case", cases_cuda.CASES)
-def test_cuda_collectives(path, case):
-    if GPUS < 2:
-        pytest.skip(f"needs 2 GPUs, found {GPUS}")
+def test_cuda_collectives(world, path, case):
+    if world > 2 and path != "nvlink":
+        pytest.skip("the host-staged route of 4 ranks is the CPU collectives' (tests/python/test_collectives.py)")
+    if GPUS < world:
+        pytest.skip(f"needs {world} GPUs, found {GPUS}")
     if SHARED and "nccl" in case:
         pytest.skip("NCCL refuses two ranks on one GPU")
-    assert_case_passed(results(path), case)
+    assert_case_passed(results(path, world), case)

@@ -10,6 +10,11 @@
 // most `round_bytes` per (source, destination) pair and two halves, so round r+1 travels
 // while round r is consumed.
 //
+// Small exchanges (exchangeLamport) travel by the Lamport protocol instead: each 8 bytes of
+// a pair go as one 16-byte line that carries the op's number beside the data, written into
+// the receiver's Lamport area (two parities by op number), so the receiver polls the data
+// itself: no flag after the data, no acknowledgement, no wait before the next op writes.
+//
 // Every rank writes its op header into each peer's header slot and checks the headers it
 // receives (kind, dtype, reduce op, root, total bytes, the bytes of each pair, and the
 // tunables that shape the rounds) before it consumes anything a peer sent, and before it
@@ -41,6 +46,12 @@ constexpr int kExchangeMaxRanks = 8;    // in-host groups larger than this are h
 constexpr int kExchangeMaxBlocks = 64;  // upper bound of MOELINK_CUDA_BLOCKS
 // A block takes at least this many bytes of a round, so that small messages use few blocks.
 constexpr uint64_t kExchangeMinPiece = 16 << 10;
+// The Lamport protocol: pairs of at most this many bytes (MOELINK_CUDA_LAMPORT_BYTES' upper
+// bound; the Lamport area holds them), each 8 bytes one 16-byte line, behind the header's lines.
+constexpr uint64_t kLamportMaxBytes = 256 << 10;
+constexpr uint64_t kLamportLineBytes = 16;
+constexpr uint64_t kLamportHeaderLines = 8;  // an ExchangeHeader, 8 data bytes per line
+constexpr uint64_t kLamportSourceBytes = (kLamportHeaderLines + kLamportMaxBytes / 8) * kLamportLineBytes;
 
 enum class ExchangeMode : uint8_t { kCopy, kReduce };
 
@@ -108,10 +119,25 @@ struct ExchangeTuning {
   // copy or reduction (ops of more than one round, exchangeSplits); 0: every block does both
   // in turn.
   bool split = true;
-  // Reads MOELINK_CUDA_* over the defaults; throws moelink::Error on a bad value.
-  static ExchangeTuning fromEnv();
+  // MOELINK_CUDA_LAMPORT_BYTES: exchanges whose pairs are all at most this long take the
+  // Lamport protocol (0: never). Unset: lamportDefault(group size).
+  uint64_t lamport_bytes = 0;
+  // Reads MOELINK_CUDA_* over the defaults for a group of `n` ranks; throws moelink::Error on
+  // a bad value.
+  static ExchangeTuning fromEnv(int n = 2);
   bool oneShot(int n, uint64_t bytes) const { return n <= 2 || bytes <= one_shot_bytes; }
 };
+// The Lamport threshold per group size where MOELINK_CUDA_LAMPORT_BYTES is unset (docs/PERF.md
+// has the sweeps it comes from).
+uint64_t lamportDefault(int n);
+// Whether `x` takes the Lamport protocol: every pair and the reduction within
+// t.lamport_bytes, and an exchange whose pair sizes every rank derives from the sizes they
+// agree on (all-to-all excluded: one rank's pairs may be small where another's are not, and
+// both ends of a pair must run the same protocol). Reductions of 16-byte elements
+// (complex128) stay on the staged protocol (a line carries 8 bytes).
+bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
+// Blocks of a Lamport launch (512 threads, two lines of the longest pair per thread).
+int lamportBlocks(const Exchange& x);
 
 // Where things live in a rank's staging area (the same on every rank of the group).
 struct ExchangeLayout {
@@ -120,6 +146,7 @@ struct ExchangeLayout {
   uint64_t flags = 0;    // [2 halves][kExchangeMaxRanks source][kExchangeMaxBlocks] uint64
   uint64_t acks = 0;     // [2 halves][kExchangeMaxRanks consumer][kExchangeMaxBlocks] uint64
   uint64_t data = 0;     // [2 halves][n source][round_bytes]
+  uint64_t lamport = 0;  // [2 parities][n source][kLamportSourceBytes]
   uint64_t round_bytes = 0;
   uint64_t total = 0;
   static ExchangeLayout make(int n, uint64_t round_bytes);
@@ -172,7 +199,7 @@ struct ExchangeHeader {
   int32_t root;
   uint32_t blocks;
   uint32_t split;
-  uint64_t reserved;
+  uint64_t lamport_bytes;  // the tuning's threshold (the protocol must be alike on both ends)
   uint64_t seq;  // op number on this group's exchange path, from 1
 };
 static_assert(sizeof(ExchangeHeader) == 64, "one header slot is 64 bytes");

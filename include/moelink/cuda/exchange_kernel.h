@@ -24,6 +24,9 @@ struct ExchangeLaunch {
   // (the largest), so that a small exchange runs on a few blocks.
   int rank = 0, size = 0, blocks = 1, launched = 1;
   int roles = 1;  // 2: blocks [0, launched) push, [launched, 2 * launched) consume (exchangeSplits)
+  // The Lamport protocol (exchangeLamport; src/cuda/kernels/lamport.cu): `launched` blocks move
+  // the data, one more writes the header slots.
+  bool lamport = false;
   uint8_t mode = 0, dtype = 0, redop = 0;
   const char* in = nullptr;
   char* out = nullptr;
@@ -42,6 +45,8 @@ struct ExchangeLaunch {
 
 // Fills the launch from an exchange (pointers and staging set by the caller).
 void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, ExchangeLaunch& l);
+// Launches the staged kernel, or the Lamport kernel when `l.lamport`.
 cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream);
+cudaError_t launchLamport(const ExchangeLaunch& l, cudaStream_t stream);
 
 }  // namespace moelink::cuda

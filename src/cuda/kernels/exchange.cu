@@ -20,72 +20,14 @@
 // Counter::single_ok). Its headers are still checked before anything that arrived is
 // consumed, so a disagreement fails the op as before (what a peer pushed stays in the
 // staging area, within the size every rank agreed on at set-up).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include "moelink/cuda/exchange_kernel.h"
-#include "moelink/common/device_sync.cuh"
+#include "exchange_common.cuh"
 
 namespace moelink::cuda {
 
 namespace {
 
-struct Counter {
-  unsigned long long seq;  // ops completed on this staging area
-  unsigned int done;       // blocks of the current launch that have finished
-  unsigned int failed;     // seq of a failed launch (blocks stop waiting)
-  // seq of the latest launch that succeeded with every pair in one round (0: none): the
-  // next launch may push before it has seen its peers' headers (exchangeKernel).
-  unsigned long long single_ok;
-};
-
 __device__ __forceinline__ uint64_t tagOf(uint64_t seq, uint64_t round) { return (seq << 24) | (round + 1); }
 
-struct Ctx {
-  const ExchangeLaunch* a;
-  uint64_t seq;
-  Counter* counter;
-  uint64_t start_ns;
-};
-
-// Records a failure once per launch (the first block to fail writes the status).
-__device__ void fail(const Ctx& c, uint32_t code, int peer, const ExchangeHeader* theirs) {
-  const ExchangeLaunch& a = *c.a;
-  if (atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq)) < static_cast<unsigned>(c.seq) && a.status) {
-    ExchangeStatus* s = a.status;
-    s->peer = peer;
-    s->seq = c.seq;
-    s->mine = a.header[peer];
-    s->mine.seq = c.seq;
-    if (theirs) s->theirs = *theirs;
-    __threadfence_system();
-    *reinterpret_cast<volatile uint32_t*>(&s->code) = code;
-    __threadfence_system();
-  }
-}
-
-// Spins until *p >= want. False when the launch failed or the deadline passed (recorded).
-__device__ bool waitAtLeast(const Ctx& c, const uint64_t* p, uint64_t want, int peer) {
-  uint32_t spins = 0;
-  while (device::ldAcquireSys64(p) < want) {
-    if ((++spins & 1023) == 0) {
-      if (*reinterpret_cast<volatile unsigned*>(&c.counter->failed) >= static_cast<unsigned>(c.seq)) return false;
-      if (c.a->timeout_ns && device::globalTimerNs() - c.start_ns > c.a->timeout_ns) {
-        fail(c, ExchangeStatus::kTimeout, peer, nullptr);
-        return false;
-      }
-      if (c.a->abort && *reinterpret_cast<const volatile uint32_t*>(c.a->abort)) {
-        fail(c, ExchangeStatus::kAborted, peer, nullptr);
-        return false;
-      }
-    }
-  }
-  return true;
-}
-
-__device__ __forceinline__ ExchangeHeader* headerSlot(char* staging, const ExchangeLayout& l, uint64_t seq, int src) {
-  return reinterpret_cast<ExchangeHeader*>(staging + l.header) + (seq & 1) * kExchangeMaxRanks + src;
-}
 __device__ __forceinline__ uint64_t* flagSlot(char* staging, const ExchangeLayout& l, int half, int src, int b) {
   return reinterpret_cast<uint64_t*>(staging + l.flags) + (half * kExchangeMaxRanks + src) * kExchangeMaxBlocks + b;
 }
@@ -94,13 +36,6 @@ __device__ __forceinline__ uint64_t* ackSlot(char* staging, const ExchangeLayout
 }
 __device__ __forceinline__ char* dataSlot(char* staging, const ExchangeLayout& l, int n, int half, int src) {
   return staging + l.data + (static_cast<uint64_t>(half) * n + src) * l.round_bytes;
-}
-
-__device__ bool sameHeader(const ExchangeHeader& m, const ExchangeHeader& t) {
-  return m.kind == t.kind && m.dtype == t.dtype && m.redop == t.redop && m.mode == t.mode && m.root == t.root &&
-         (m.op_bytes == 0 || t.op_bytes == 0 || m.op_bytes == t.op_bytes) && t.send_bytes == m.recv_bytes &&
-         t.recv_bytes == m.send_bytes && m.round_bytes == t.round_bytes && m.blocks == t.blocks &&
-         m.split == t.split;
 }
 
 // Block-wide copy; 16-byte vectors when everything is aligned.
@@ -121,59 +56,6 @@ __device__ void copyBytes(char* dst, const char* src, uint64_t len) {
   } else {
     for (uint64_t i = threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];
   }
-}
-
-// ---- reductions, in an accumulator type, rank order ----
-
-template <typename T> struct AccOf { using type = T; };
-template <> struct AccOf<__half> { using type = float; };
-template <> struct AccOf<__nv_bfloat16> { using type = float; };
-
-template <typename T> __device__ __forceinline__ typename AccOf<T>::type toAcc(T v) { return v; }
-template <> __device__ __forceinline__ float toAcc(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float toAcc(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T fromAcc(typename AccOf<T>::type v) { return static_cast<T>(v); }
-template <> __device__ __forceinline__ __half fromAcc<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 fromAcc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-template <typename A> __device__ __forceinline__ bool isNan(A v) {
-  if constexpr (std::is_floating_point_v<A>) return v != v;
-  return false;
-}
-
-template <typename A> __device__ __forceinline__ A apply(A x, A y, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg: return static_cast<A>(x + y);
-    case ReduceOp::kProduct: return static_cast<A>(x * y);
-    case ReduceOp::kMin:
-      if (isNan(x) || isNan(y)) return isNan(x) ? x : y;
-      return y < x ? y : x;
-    case ReduceOp::kMax:
-      if (isNan(x) || isNan(y)) return isNan(x) ? x : y;
-      return y > x ? y : x;
-    default: break;
-  }
-  if constexpr (std::is_integral_v<A>) {
-    switch (op) {
-      case ReduceOp::kBand: return static_cast<A>(x & y);
-      case ReduceOp::kBor: return static_cast<A>(x | y);
-      case ReduceOp::kBxor: return static_cast<A>(x ^ y);
-      default: break;
-    }
-  }
-  return x;
-}
-
-// Bool: stored as bytes 0/1; SUM/MAX/BOR = or, PRODUCT/MIN/BAND = and, BXOR = xor.
-struct Bool {};
-template <> struct AccOf<Bool> { using type = bool; };
-
-template <typename T>
-__device__ __forceinline__ T finishAcc(typename AccOf<T>::type acc, ReduceOp op, int avg_n) {
-  using A = typename AccOf<T>::type;
-  if (op == ReduceOp::kAvg) acc = static_cast<A>(acc / static_cast<A>(avg_n));
-  return fromAcc<T>(acc);
 }
 
 // out = op over the n sources, in source order. When every pointer and the length are
@@ -281,18 +163,6 @@ struct ReduceComplex {
 struct CopyOnly {
   __device__ static void run(char*, const char* const*, int, uint64_t, ReduceOp, int) {}
 };
-
-// Whether this launch has failed, decided once for the whole block (a barrier).
-__device__ bool blockFailed(const Ctx& c) {
-  __shared__ int failed;
-  __syncthreads();
-  if (threadIdx.x == 0)
-    failed = *reinterpret_cast<volatile unsigned*>(&c.counter->failed) >= static_cast<unsigned>(c.seq);
-  __syncthreads();
-  const bool f = failed;
-  __syncthreads();
-  return f;
-}
 
 __device__ int roundsOf(const ExchangeLaunch& a, int q) {
   uint64_t bytes = a.send_bytes[q] > a.recv_bytes[q] ? a.send_bytes[q] : a.recv_bytes[q];
@@ -473,23 +343,7 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
   // (2) Rounds.
   if (!bad) runRounds<Reduce>(c, early);
 
-  // The last block to finish numbers the next op (a launch of one block needs no count: the
-  // kernel's end publishes its writes to the next launch).
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    bool last = gridDim.x == 1;
-    if (!last) {
-      __threadfence();
-      last = atomicAdd(&counter->done, 1u) == gridDim.x - 1;
-      if (last) counter->done = 0;
-    }
-    if (last) {
-      const bool ok = *reinterpret_cast<volatile unsigned*>(&counter->failed) < static_cast<unsigned>(c.seq);
-      counter->single_ok = ok && single ? c.seq : 0;
-      counter->seq = c.seq;
-      if (gridDim.x > 1) __threadfence();
-    }
-  }
+  finishLaunch(c, single);
 }
 
 }  // namespace
@@ -501,6 +355,11 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   l.blocks = t.blocks;
   l.roles = exchangeSplits(x, t) ? 2 : 1;
   l.launched = exchangeBlocksWithWork(x, t);
+  l.lamport = exchangeLamport(x, t);
+  if (l.lamport) {
+    l.roles = 1;
+    l.launched = lamportBlocks(x);
+  }
   l.mode = static_cast<uint8_t>(x.mode);
   l.dtype = static_cast<uint8_t>(x.dtype);
   l.redop = static_cast<uint8_t>(x.redop);
@@ -515,6 +374,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
 }
 
 cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream) {
+  if (l.lamport) return launchLamport(l, stream);
   const int grid = l.launched * l.roles;
   if (l.mode != static_cast<uint8_t>(ExchangeMode::kReduce)) {
     exchangeKernel<CopyOnly><<<grid, 512, 0, stream>>>(l);

@@ -421,9 +421,55 @@ TEST(ExchangePiece, LaunchedBlocksAndRolesFollowTheLongestPair) {
 TEST(ExchangeLayout, FitsTheRoundsAndAligns) {
   auto l = ExchangeLayout::make(4, 8 << 20);
   EXPECT_EQ(l.data % 4096, 0u);
-  EXPECT_EQ(l.total, l.data + 2ull * 4 * (8 << 20));
+  EXPECT_EQ(l.lamport, l.data + 2ull * 4 * (8 << 20));
+  EXPECT_EQ(l.lamport % 16, 0u);  // lines are 16-byte stores
+  EXPECT_EQ(l.total, l.lamport + 2ull * 4 * kLamportSourceBytes);
   EXPECT_GE(l.flags, l.counter + 24);  // seq, done, failed, single_ok (exchange.cu)
   EXPECT_THROW(ExchangeLayout::make(kExchangeMaxRanks + 1, 1 << 20), moelink::Error);
+}
+
+TEST(ExchangeLamport, TakesSmallAgreedExchangesOnly) {
+  ExchangeTuning t;
+  t.lamport_bytes = 64 << 10;
+  for (int n : {2, 4, 8}) {
+    const uint64_t at = (64 << 10) / 4;  // float32 elements of a full pair
+    EXPECT_TRUE(exchangeLamport(exchangeAllreduceOneShot(n, 1, at, DType::kFloat32, ReduceOp::kSum), t));
+    EXPECT_FALSE(exchangeLamport(exchangeAllreduceOneShot(n, 1, at + 1, DType::kFloat32, ReduceOp::kSum), t));
+    EXPECT_TRUE(exchangeLamport(exchangeAllgather(n, 0, 64 << 10), t));
+    EXPECT_FALSE(exchangeLamport(exchangeAllgather(n, 0, (64 << 10) + 1), t));
+    EXPECT_TRUE(exchangeLamport(exchangeBroadcast(n, n - 1, 64 << 10, 0), t));
+    EXPECT_FALSE(exchangeLamport(exchangeBroadcast(n, 0, (64 << 10) + 1, 0), t));
+    EXPECT_TRUE(exchangeLamport(exchangeReduceScatter(n, 0, at, DType::kFloat32, ReduceOp::kMax), t));
+    EXPECT_FALSE(exchangeLamport(exchangeReduceScatter(n, 0, at + 1, DType::kFloat32, ReduceOp::kMax), t));
+    EXPECT_TRUE(exchangeLamport(exchangeGather(n, 1, 100, 0), t));
+    EXPECT_TRUE(exchangeLamport(exchangeScatter(n, 0, 100, 0), t));
+    EXPECT_TRUE(exchangeLamport(exchangeReduce(n, 0, 100, DType::kInt8, ReduceOp::kBxor, 1), t));
+    // a pair of an all-to-all may be small on one rank and large on the other's other pairs
+    std::vector<uint64_t> off(n, 0), bytes(n, 64);
+    for (int q = 0; q < n; ++q) off[q] = 64ull * q;
+    EXPECT_FALSE(exchangeLamport(exchangeAlltoall(n, 0, off, bytes, off, bytes), t));
+    // a line carries 8 bytes: complex128 moves but does not reduce by lines
+    EXPECT_TRUE(exchangeLamport(exchangeAllgather(n, 0, 1600), t));
+    EXPECT_FALSE(exchangeLamport(exchangeAllreduceOneShot(n, 0, 100, DType::kComplex128, ReduceOp::kSum), t));
+    EXPECT_TRUE(exchangeLamport(exchangeAllreduceOneShot(n, 0, 100, DType::kComplex64, ReduceOp::kSum), t));
+    // empty ops too (their header lines still meet every peer)
+    EXPECT_TRUE(exchangeLamport(exchangeAllreduceOneShot(n, 0, 0, DType::kFloat32, ReduceOp::kSum), t));
+  }
+  ExchangeTuning off = t;
+  off.lamport_bytes = 0;
+  EXPECT_FALSE(exchangeLamport(exchangeAllreduceOneShot(2, 0, 1, DType::kFloat32, ReduceOp::kSum), off));
+  // the area holds kLamportMaxBytes per pair whatever the setting says
+  ExchangeTuning big = t;
+  big.lamport_bytes = UINT64_MAX;
+  EXPECT_TRUE(exchangeLamport(exchangeAllgather(2, 0, kLamportMaxBytes), big));
+  EXPECT_FALSE(exchangeLamport(exchangeAllgather(2, 0, kLamportMaxBytes + 1), big));
+  // two lines per thread of 512-thread blocks
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 0)), 1);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 8192)), 1);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 8193)), 2);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, kLamportMaxBytes)), 32);
+  EXPECT_EQ(kLamportSourceBytes, (kLamportHeaderLines + kLamportMaxBytes / 8) * kLamportLineBytes);
+  EXPECT_GE(kLamportHeaderLines * 8, sizeof(ExchangeHeader));
 }
 
 TEST(ExchangeHeader, MismatchesReadLikeTheCpuPath) {
@@ -446,6 +492,12 @@ TEST(ExchangeHeader, MismatchesReadLikeTheCpuPath) {
   auto other = exchangeHeader(exchangeAllreduceOneShot(2, 1, 2048, DType::kFloat32, ReduceOp::kSum), 0, unsplit);
   other.seq = 17;
   EXPECT_NE(describeMismatch(mine, other, 1).find("MOELINK_CUDA_SPLIT=0, this rank 8388608, 64 and 1"),
+            std::string::npos);
+  ExchangeTuning lamport;
+  lamport.lamport_bytes = 4096;
+  auto other_lamport = exchangeHeader(exchangeAllreduceOneShot(2, 1, 2048, DType::kFloat32, ReduceOp::kSum), 0, lamport);
+  other_lamport.seq = 17;
+  EXPECT_NE(describeMismatch(mine, other_lamport, 1).find("MOELINK_CUDA_LAMPORT_BYTES=4096, this rank 0"),
             std::string::npos);
   ExchangeStatus s{};
   s.code = ExchangeStatus::kTimeout;
@@ -475,6 +527,15 @@ TEST(ExchangeTuning, ReadsAndChecksTheEnvironment) {
   EXPECT_FALSE(t.oneShot(4, 2ull << 20));
   unsetenv("MOELINK_CUDA_BLOCKS");
   unsetenv("MOELINK_CUDA_ROUND_BYTES");
+  // the Lamport threshold: per group size unless set, at most what the area holds
+  EXPECT_EQ(ExchangeTuning::fromEnv(2).lamport_bytes, lamportDefault(2));
+  EXPECT_EQ(ExchangeTuning::fromEnv(8).lamport_bytes, lamportDefault(8));
+  setenv("MOELINK_CUDA_LAMPORT_BYTES", "0", 1);
+  EXPECT_EQ(ExchangeTuning::fromEnv(4).lamport_bytes, 0u);
+  setenv("MOELINK_CUDA_LAMPORT_BYTES", "262145", 1);
+  EXPECT_THROW(ExchangeTuning::fromEnv(4), moelink::Error);
+  unsetenv("MOELINK_CUDA_LAMPORT_BYTES");
+  for (int n = 1; n <= kExchangeMaxRanks; ++n) EXPECT_LE(lamportDefault(n), kLamportMaxBytes);
 }
 
 }  // namespace
