@@ -72,7 +72,8 @@ const std::vector<Setting> kSettings = {
            "staging bytes per (source, destination) pair and round (a multiple of 16); the staging area is 2 x "
            "ranks x this"),
     number("MOELINK_CUDA_ONESHOT_BYTES", "collectives", 1 * kMiB, 0, UINT64_MAX,
-           "groups of more than 2: up to this size allreduce is one exchange, above it reduce-scatter + all-gather"),
+           "groups of more than 2: up to this size allreduce and broadcast are one exchange, above it allreduce is "
+           "reduce-scatter + all-gather and broadcast the root's scatter + all-gather"),
     number("MOELINK_CUDA_LAMPORT_BYTES", "collectives", 0, 0, 256 * kKiB,
            "in-host CUDA ops whose every (source, destination) pair moves at most this many bytes (all-to-all "
            "excepted) send their data as 16-byte lines that carry the op's number (the Lamport protocol: one NVLink "

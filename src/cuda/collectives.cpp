@@ -272,6 +272,26 @@ void CudaCollectives::flat(Op& op, const Exchange& x, const at::Tensor& in, cons
     hostFlat(op, in, out, host);
 }
 
+void CudaCollectives::broadcastFlat(Op& op, const at::Tensor& buf, int root) {
+  const uint64_t bytes = nbytes(buf);
+  const int n = static_cast<int>(members_.size());
+  if (!inHost() || tuning_.oneShot(n, bytes)) {
+    flat(op, exchangeBroadcast(size_, rank_, bytes, root), buf, buf,
+         [=](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, bytes, root); });
+    return;
+  }
+  // Over the active ranks: the root's position among them builds the halves; their headers
+  // name the root by its rank in the group, as every rank's do.
+  const auto it = std::lower_bound(members_.begin(), members_.end(), root);
+  TORCH_CHECK_VALUE(it != members_.end() && *it == root, "moelink: root rank ", root,
+                    " is not active in the group (it left; moelink.recover_ranks readmits it)");
+  const int r = static_cast<int>(it - members_.begin());
+  Exchange scatter = exchangeBroadcastScatter(n, me_, bytes, r), gather = exchangeBroadcastGather(n, me_, bytes, r);
+  scatter.root = gather.root = root;
+  exchange(op, scatter, ptr(buf), ptr(buf));
+  exchange(op, gather, ptr(buf), ptr(buf));
+}
+
 void CudaCollectives::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop) {
   const auto t = toDType(buf.scalar_type());
   const uint64_t count = static_cast<uint64_t>(buf.numel());

@@ -97,6 +97,36 @@ Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t) {
   return x;
 }
 
+Exchange exchangeBroadcastScatter(int n, int me, uint64_t bytes, int root) {
+  Exchange x = base(OpKind::kBroadcast, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, root, bytes);
+  auto blocks = allreduceBlocks(n, bytes, DType::kBytes);
+  for (int q = 0; q < n; ++q) {
+    const uint64_t len = blocks[q].second - blocks[q].first;
+    if (me == root && q != root) {
+      x.send_off[q] = blocks[q].first;
+      x.send_bytes[q] = len;
+    }
+    if (me != root && q == root) {
+      x.recv_off[q] = blocks[me].first;
+      x.recv_bytes[q] = blocks[me].second - blocks[me].first;
+    }
+  }
+  return x;
+}
+
+Exchange exchangeBroadcastGather(int n, int me, uint64_t bytes, int root) {
+  Exchange x = base(OpKind::kBroadcast, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, root, bytes);
+  auto blocks = allreduceBlocks(n, bytes, DType::kBytes);
+  for (int q = 0; q < n; ++q) {
+    if (q == me) continue;
+    x.send_off[q] = blocks[me].first;
+    x.send_bytes[q] = blocks[me].second - blocks[me].first;
+    x.recv_off[q] = blocks[q].first;
+    x.recv_bytes[q] = blocks[q].second - blocks[q].first;
+  }
+  return x;
+}
+
 Exchange exchangeReduce(int n, int me, uint64_t count, DType t, ReduceOp op, int root) {
   uint64_t bytes = count * elementSize(t);
   Exchange x = base(OpKind::kReduce, ExchangeMode::kReduce, n, t, op, root, bytes);
@@ -250,9 +280,14 @@ uint64_t longestPair(const Exchange& x) {
 }  // namespace
 
 bool exchangeLamport(const Exchange& x, const ExchangeTuning& t) {
-  if (x.kind == OpKind::kAlltoall || t.lamport_bytes == 0) return false;
+  if (t.lamport_bytes == 0) return false;
   if (longestPair(x) > std::min(t.lamport_bytes, kLamportMaxBytes)) return false;
   return x.mode == ExchangeMode::kCopy || elementSize(x.dtype) <= 8;
+}
+
+uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t) {
+  if (x.mode != ExchangeMode::kCopy) return 0;
+  return std::min(t.lamport_bytes, kLamportMaxBytes);
 }
 
 int lamportBlocks(const Exchange& x) {

@@ -8,8 +8,7 @@ namespace moelink::cuda {
 Work CudaCollectives::broadcast(at::Tensor& t, int root, const Call& call) {
   return run({"broadcast", OpType::BROADCAST, "ep:broadcast"}, {t}, {t}, Route::kGroup, call, [&](Op& op) {
     at::Tensor buf = t.contiguous();
-    flat(op, exchangeBroadcast(size_, rank_, nbytes(buf), root), buf, buf,
-         [=](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, nbytes(buf), root); });
+    broadcastFlat(op, buf, root);
     settle(t, buf);
   });
 }

@@ -154,6 +154,9 @@ class CudaCollectives final : public Collectives {
   // The completion callback of a host op: records the outcome, then raises the done word.
   std::function<void(const std::string&, int)> doneCallback(Op& op, uint32_t ticket);
   void allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop);
+  // Broadcast: one exchange, or above the one-shot size in groups of more than 2 (in-host) the
+  // root's scatter and an all-gather.
+  void broadcastFlat(Op& op, const at::Tensor& buf, int root);
 
   GroupContext g_;
   const int rank_, size_;

@@ -166,6 +166,52 @@ def uneven_all_to_all(rank, world):
         same(outs[q], torch.full((2, 4), float(q * 10 + rank), device=d), "all_to_all list")
 
 
+def all_to_all_mixed_protocols(rank, world):
+    """An all-to-all whose pairs are long for some ranks and short for others: a rank with a long
+    pair runs the staged kernel and sends its short pairs as Lamport lines, a rank whose pairs
+    are all short runs the Lamport kernel; every rank gets every block, several times in a row
+    (both parities of the Lamport area) and around ops of the other protocols."""
+    d = dev(rank)
+    limit = lamport_threshold(world)
+    big = limit // 4 + 1000  # float32 elements: longer than any Lamport pair
+
+    def count(src, dst):  # rank 0 -> rank 1 is long; the rest short (some empty)
+        if src == 0 and dst == 1 % world:
+            return big
+        return (src * 7 + dst * 3) % 11 * 5
+
+    for it in range(4):
+        send = [count(rank, q) for q in range(world)]
+        recv = [count(q, rank) for q in range(world)]
+        inp = torch.cat([torch.arange(send[q], device=d, dtype=torch.float32) + 1000 * rank + 100 * q + it
+                         for q in range(world)])
+        out = torch.full((sum(recv),), -1.0, device=d)
+        dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send)
+        ref = torch.cat([torch.arange(recv[q], device=d, dtype=torch.float32) + 1000 * q + 100 * rank + it
+                         for q in range(world)])
+        same(out, ref, f"mixed all_to_all #{it}")
+        x = torch.full((100,), float(rank + it), device=d)
+        dist.all_reduce(x)
+        same(x, torch.full_like(x, float(sum(r + it for r in range(world)))), f"all_reduce after #{it}")
+
+
+def broadcast_two_step(rank, world):
+    """Broadcast above the one-shot size (groups of more than 2: the root's scatter, then an
+    all-gather) from every root, at the boundary +-1 element, and at a size whose last block is
+    short enough for Lamport lines while the others are not (the rank that owns it meets the
+    root on the Lamport kernel, the root on the staged one)."""
+    d = dev(rank)
+    one_shot = int(os.environ.get("MOELINK_CUDA_ONESHOT_BYTES", 1 << 20))
+    cases = [(torch.float32, one_shot // 4 + k) for k in (-1, 0, 1)]
+    cases += [(torch.uint8, one_shot + 20), (torch.float32, (4 << 20) // 4 + 3)]
+    for dtype, n in cases:
+        for root in range(world):
+            xs = [value(r, n, dtype, d, salt=root) for r in range(world)]
+            x = xs[rank].clone()
+            dist.broadcast(x, src=root)
+            same(x, xs[root], f"broadcast {dtype} n={n} from {root}")
+
+
 def stream_order(rank, world):
     """Inputs written behind a long sleep, outputs read on the stream with no host sync."""
     d = dev(rank)
@@ -655,7 +701,7 @@ def fsdp2_matches_local(rank, world):
 
 
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
-         "uneven_all_to_all", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
+         "uneven_all_to_all", "all_to_all_mixed_protocols", "broadcast_two_step", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
          "round_size_disagreement", "lamport_boundaries", "lamport_disagreement", "graph_capture", "point_to_point", "against_nccl", "bad_input",
          "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "sparse_all_reduce",
          "functional_and_dtensor", "fsdp2_matches_local"]

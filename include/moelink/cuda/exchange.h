@@ -84,6 +84,11 @@ Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t);
 // Element ranges [begin, end) of the two-shot blocks: count split as evenly as 16-byte
 // alignment of the block starts allows.
 std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count, DType t);
+// Broadcast above the one-shot size in groups of more than 2: the root scatters the buffer's
+// blocks (allreduceBlocks of bytes), then every rank sends its block to all (in place), so
+// that every rank's links carry the data instead of the root's alone.
+Exchange exchangeBroadcastScatter(int n, int me, uint64_t bytes, int root);
+Exchange exchangeBroadcastGather(int n, int me, uint64_t bytes, int root);
 Exchange exchangeReduce(int n, int me, uint64_t count, DType t, ReduceOp op, int root);
 // in: `bytes`; out: n blocks of `bytes` in rank order.
 Exchange exchangeAllgather(int n, int me, uint64_t bytes);
@@ -113,7 +118,9 @@ std::vector<std::pair<uint64_t, uint64_t>> droppedRanges(const Exchange& x, cons
 struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
   int blocks = 64;                  // MOELINK_CUDA_BLOCKS (per role: the kernel holds 2 x blocks SMs when split)
-  uint64_t one_shot_bytes = 1 << 20;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always)
+  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always): allreduce and broadcast above it take two
+  // exchanges.
+  uint64_t one_shot_bytes = 1 << 20;
   // MOELINK_CUDA_SPLIT: pushing to the peers and consuming what they sent run on separate
   // blocks (`blocks` of each), so that the next round's NVLink writes overlap this round's
   // copy or reduction (ops of more than one round, exchangeSplits); 0: every block does both
@@ -131,11 +138,18 @@ struct ExchangeTuning {
 // has the sweeps it comes from).
 uint64_t lamportDefault(int n);
 // Whether `x` takes the Lamport protocol: every pair and the reduction within
-// t.lamport_bytes, and an exchange whose pair sizes every rank derives from the sizes they
-// agree on (all-to-all excluded: one rank's pairs may be small where another's are not, and
-// both ends of a pair must run the same protocol). Reductions of 16-byte elements
-// (complex128) stay on the staged protocol (a line carries 8 bytes).
+// t.lamport_bytes (and kLamportMaxBytes). Reductions of 16-byte elements (complex128) stay on
+// the staged protocol (a line carries 8 bytes).
 bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
+// A copy exchange on the staged kernel (some pair of this rank is too long for lines) sends and
+// receives its pairs of at most this many bytes as Lamport lines all the same (0: none; a
+// reduction has none). Both ends of a pair know its size, so a peer whose pairs are all short
+// (on the Lamport kernel) and this rank move it alike: an all-to-all, where each rank knows
+// only its own pairs, and a broadcast's scatter half, whose last block may be short where the
+// others are long. A reduction takes one protocol on every rank: each rank sends or receives
+// its longest pair (one-shot, reduce and reduce-scatter pairs are all alike; in the two-shot
+// scatter half the owner of the longest block receives it and every other rank sends it).
+uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t);
 // Blocks of a Lamport launch (512 threads, two lines of the longest pair per thread).
 int lamportBlocks(const Exchange& x);
 

@@ -164,6 +164,11 @@ struct CopyOnly {
   __device__ static void run(char*, const char* const*, int, uint64_t, ReduceOp, int) {}
 };
 
+// Whether a pair of `bytes` travels as Lamport lines (exchangeLamportPairs).
+__device__ __forceinline__ bool linePair(const ExchangeLaunch& a, uint64_t bytes) {
+  return bytes != 0 && bytes <= a.lamport_pairs;
+}
+
 __device__ int roundsOf(const ExchangeLaunch& a, int q) {
   uint64_t bytes = a.send_bytes[q] > a.recv_bytes[q] ? a.send_bytes[q] : a.recv_bytes[q];
   return static_cast<int>((bytes + a.layout.round_bytes - 1) / a.layout.round_bytes);
@@ -189,6 +194,13 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
   // Starting after this rank, so that peers are not all written at once by everyone.
   for (int k = 1; k < n; ++k) {
     const int p = (me + k) % n;
+    if (linePair(a, a.send_bytes[p])) {  // all of it in round 0, as Lamport lines
+      if (r == 0)
+        pushPairLines(c, p, a.in + a.send_off[p], a.send_bytes[p], static_cast<uint32_t>(c.seq),
+                      static_cast<int>(c.seq & 1), static_cast<uint64_t>(b) * blockDim.x + threadIdx.x,
+                      static_cast<uint64_t>(a.launched) * blockDim.x);
+      continue;
+    }
     uint64_t len = exchangeRoundLen(a.send_bytes[p], r, R), lo, hi;
     exchangePiece(len, b, G, &lo, &hi);
     if (lo >= hi) continue;
@@ -263,6 +275,15 @@ __device__ bool runRounds(const Ctx& c, bool pushed_first) {
       // What the peers sent.
       for (int k = 1; k < n; ++k) {
         const int q = (me + n - k) % n;
+        if (linePair(a, a.recv_bytes[q])) {
+          if (r != 0) continue;
+          if (!takePairLines(c, q, a.out + a.recv_off[q], a.recv_bytes[q], static_cast<uint32_t>(c.seq),
+                             static_cast<int>(c.seq & 1), static_cast<uint64_t>(b) * blockDim.x + threadIdx.x,
+                             static_cast<uint64_t>(a.launched) * blockDim.x))
+            atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+          if (blockFailed(c)) return false;
+          continue;
+        }
         uint64_t ql = exchangeRoundLen(a.recv_bytes[q], r, R), qlo, qhi;
         exchangePiece(ql, b, G, &qlo, &qhi);
         if (qlo >= qhi) continue;
@@ -321,6 +342,9 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
     for (int i = 0; i < 7; ++i) dst[i] = src[i];
     device::stReleaseSys64(&h->seq, c.seq);  // the header's words before its seq (release)
   }
+  // Peers that run the Lamport kernel for this op (exchangeLamportPairs) check its header
+  // from lines.
+  if (a.lamport_pairs) pushHeaderLines(c, static_cast<uint32_t>(c.seq), static_cast<int>(c.seq & 1));
   if (early && !pushRound(c, 0, blockIdx.x)) bad = 1;  // (roles == 1: block b is piece b)
   if (threadIdx.x < n && threadIdx.x != me) {
     const int q = threadIdx.x;
@@ -359,6 +383,8 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   if (l.lamport) {
     l.roles = 1;
     l.launched = lamportBlocks(x);
+  } else {
+    l.lamport_pairs = exchangeLamportPairs(x, t);
   }
   l.mode = static_cast<uint8_t>(x.mode);
   l.dtype = static_cast<uint8_t>(x.dtype);

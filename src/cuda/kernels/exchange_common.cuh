@@ -144,6 +144,115 @@ __device__ bool blockFailed(const Ctx& c) {
   return f;
 }
 
+// ---- Lamport lines (lamport.cu; the small pairs of a staged all-to-all, exchange.cu) ----
+
+__device__ __forceinline__ char* lamportArea(char* staging, const ExchangeLayout& l, int n, int parity, int src) {
+  return staging + l.lamport + (static_cast<uint64_t>(parity) * n + src) * kLamportSourceBytes;
+}
+
+__device__ __forceinline__ void putLine(char* line, uint64_t v, uint32_t flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line), "r"(static_cast<uint32_t>(v)),
+               "r"(flag), "r"(static_cast<uint32_t>(v >> 32)), "r"(flag)
+               : "memory");
+}
+
+// True, with the line's 8 bytes in *v, when the line carries `flag` in both halves.
+__device__ __forceinline__ bool takeLine(const char* line, uint32_t flag, uint64_t* v) {
+  uint32_t lo, f0, hi, f1;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(lo), "=r"(f0), "=r"(hi), "=r"(f1)
+               : "l"(line)
+               : "memory");
+  *v = static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+  return f0 == flag && f1 == flag;
+}
+
+// The peer's header in this rank's header slot for op c.seq, when the peer has written it and it
+// disagrees with this rank's (a peer on the staged kernel, or a Lamport peer whose lines have
+// not all come): recorded as a failure. True when the launch should stop waiting.
+__device__ bool slotDisagrees(const Ctx& c, int q) {
+  const ExchangeLaunch& a = *c.a;
+  ExchangeHeader* h = headerSlot(a.staging[a.rank], a.layout, c.seq, q);
+  const uint64_t seq = device::ldAcquireSys64(&h->seq);
+  if (seq < c.seq) return false;
+  ExchangeHeader theirs = *h;
+  if (seq > c.seq) {
+    fail(c, ExchangeStatus::kAhead, q, &theirs);
+    return true;
+  }
+  if (sameHeader(a.header[q], theirs)) return false;
+  fail(c, ExchangeStatus::kMismatch, q, &theirs);
+  return true;
+}
+
+// Spins until `line` carries this op's flag. False when the launch failed, its deadline passed
+// or it was aborted; `watch_slot`: also when peer q's header slot disagrees.
+__device__ bool awaitLine(const Ctx& c, const char* line, uint32_t flag, int q, uint64_t* v, bool watch_slot) {
+  uint32_t spins = 0;
+  while (!takeLine(line, flag, v)) {
+    if ((++spins & 1023) == 0) {
+      if (!keepWaiting(c, q)) return false;
+      if (watch_slot && slotDisagrees(c, q)) return false;
+    }
+  }
+  return true;
+}
+
+// `len` (1..8) bytes at p, little-endian in a word.
+__device__ __forceinline__ uint64_t load8(const char* p, uint64_t len) {
+  if (len == 8 && (reinterpret_cast<uintptr_t>(p) & 7) == 0) return *reinterpret_cast<const uint64_t*>(p);
+  uint64_t v = 0;
+  for (uint64_t i = 0; i < len; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+__device__ __forceinline__ void store8(char* p, uint64_t v, uint64_t len) {
+  if (len == 8 && (reinterpret_cast<uintptr_t>(p) & 7) == 0) {
+    *reinterpret_cast<uint64_t*>(p) = v;
+    return;
+  }
+  for (uint64_t i = 0; i < len; ++i) p[i] = static_cast<char>(v >> (8 * i));
+}
+
+// Every pair's header lines (block 0's threads [0, n * kLamportHeaderLines)).
+__device__ void pushHeaderLines(const Ctx& c, uint32_t flag, int parity) {
+  const ExchangeLaunch& a = *c.a;
+  const int me = a.rank, n = a.size;
+  if (blockIdx.x != 0 || threadIdx.x >= n * kLamportHeaderLines) return;
+  const int p = threadIdx.x / kLamportHeaderLines, w = threadIdx.x % kLamportHeaderLines;
+  if (p == me) return;
+  ExchangeHeader h = a.header[p];
+  h.seq = c.seq;
+  putLine(lamportArea(a.staging[p], a.layout, n, parity, me) + w * kLamportLineBytes,
+          reinterpret_cast<const uint64_t*>(&h)[w], flag);
+}
+
+// Lines [first, ..., step first + k * stride) of the pair to p: `bytes` from `src`.
+__device__ void pushPairLines(const Ctx& c, int p, const char* src, uint64_t bytes, uint32_t flag, int parity,
+                              uint64_t first, uint64_t stride) {
+  const ExchangeLaunch& a = *c.a;
+  char* area = lamportArea(a.staging[p], a.layout, a.size, parity, a.rank) + kLamportHeaderLines * kLamportLineBytes;
+  for (uint64_t i = first; i * 8 < bytes; i += stride) {
+    const uint64_t len = bytes - i * 8 < 8 ? bytes - i * 8 : 8;
+    putLine(area + i * kLamportLineBytes, load8(src + i * 8, len), flag);
+  }
+}
+
+// The same lines of the pair from q, `bytes` into `dst` as they arrive. False when the launch
+// failed (recorded).
+__device__ bool takePairLines(const Ctx& c, int q, char* dst, uint64_t bytes, uint32_t flag, int parity,
+                              uint64_t first, uint64_t stride) {
+  const ExchangeLaunch& a = *c.a;
+  const char* area =
+      lamportArea(a.staging[a.rank], a.layout, a.size, parity, q) + kLamportHeaderLines * kLamportLineBytes;
+  for (uint64_t i = first; i * 8 < bytes; i += stride) {
+    uint64_t v;
+    if (!awaitLine(c, area + i * kLamportLineBytes, flag, q, &v, false)) return false;
+    const uint64_t len = bytes - i * 8 < 8 ? bytes - i * 8 : 8;
+    store8(dst + i * 8, v, len);
+  }
+  return true;
+}
+
 // Ends a block of the launch; the last block to finish numbers the next op (a launch of one
 // block needs no count: the kernel's end publishes its writes to the next launch), and
 // records whether this op succeeded with every pair in one round (exchangePushesEarly).

@@ -200,6 +200,21 @@ TEST_P(ExchangePlan, AllgatherGatherScatterBroadcast) {
   model(bc, io, io, small());
   for (int r = 0; r < n; ++r) ASSERT_EQ(io[r], in[root]);
 
+  // the two-step broadcast (the root's scatter, then an all-gather), every root, in place
+  for (int rt = 0; rt < n; ++rt) {
+    std::vector<Exchange> s1, s2;
+    for (int r = 0; r < n; ++r) {
+      s1.push_back(exchangeBroadcastScatter(n, r, bytes, rt));
+      s2.push_back(exchangeBroadcastGather(n, r, bytes, rt));
+      EXPECT_EQ(s1.back().root, rt);
+      EXPECT_EQ(s2.back().op_bytes, bytes);
+    }
+    std::vector<Bytes> two = in;
+    model(s1, two, two, small());
+    model(s2, two, two, small());
+    for (int r = 0; r < n; ++r) ASSERT_EQ(two[r], in[rt]) << "two-step broadcast from " << rt << " on " << r;
+  }
+
   std::vector<Bytes> sin(n);
   sin[root] = Bytes(n * bytes);
   for (int q = 0; q < n && bytes; ++q) std::memcpy(sin[root].data() + q * bytes, in[q].data(), bytes);
@@ -428,7 +443,12 @@ TEST(ExchangeLayout, FitsTheRoundsAndAligns) {
   EXPECT_THROW(ExchangeLayout::make(kExchangeMaxRanks + 1, 1 << 20), moelink::Error);
 }
 
-TEST(ExchangeLamport, TakesSmallAgreedExchangesOnly) {
+ExchangeTuning off_tuning(ExchangeTuning t) {
+  t.lamport_bytes = 0;
+  return t;
+}
+
+TEST(ExchangeLamport, TakesSmallExchangesAndTheShortPairsOfStagedCopies) {
   ExchangeTuning t;
   t.lamport_bytes = 64 << 10;
   for (int n : {2, 4, 8}) {
@@ -444,10 +464,22 @@ TEST(ExchangeLamport, TakesSmallAgreedExchangesOnly) {
     EXPECT_TRUE(exchangeLamport(exchangeGather(n, 1, 100, 0), t));
     EXPECT_TRUE(exchangeLamport(exchangeScatter(n, 0, 100, 0), t));
     EXPECT_TRUE(exchangeLamport(exchangeReduce(n, 0, 100, DType::kInt8, ReduceOp::kBxor, 1), t));
-    // a pair of an all-to-all may be small on one rank and large on the other's other pairs
+    // an all-to-all whose pairs are all small: Lamport; one with a long pair: staged, its small
+    // pairs as lines (so that a peer whose pairs are all small, on the Lamport kernel, meets it)
     std::vector<uint64_t> off(n, 0), bytes(n, 64);
     for (int q = 0; q < n; ++q) off[q] = 64ull * q;
-    EXPECT_FALSE(exchangeLamport(exchangeAlltoall(n, 0, off, bytes, off, bytes), t));
+    EXPECT_TRUE(exchangeLamport(exchangeAlltoall(n, 0, off, bytes, off, bytes), t));
+    std::vector<uint64_t> big = bytes, big_off = off;
+    big[1] = (64 << 10) + 1;
+    for (int q = 2; q < n; ++q) big_off[q] = big_off[q - 1] + big[q - 1];
+    auto mixed = exchangeAlltoall(n, 0, big_off, big, off, bytes);
+    EXPECT_FALSE(exchangeLamport(mixed, t));
+    EXPECT_EQ(exchangeLamportPairs(mixed, t), 64u << 10);
+    EXPECT_EQ(exchangeLamportPairs(mixed, off_tuning(t)), 0u);
+    // every staged copy exchange (a broadcast's scatter half may have a short last block); no
+    // reduction (each rank meets its longest pair, so all take one protocol)
+    EXPECT_EQ(exchangeLamportPairs(exchangeBroadcastScatter(n, 0, (1 << 20) + 16, 0), t), 64u << 10);
+    EXPECT_EQ(exchangeLamportPairs(exchangeAllreduceScatter(n, 0, 1 << 20, DType::kFloat32, ReduceOp::kSum), t), 0u);
     // a line carries 8 bytes: complex128 moves but does not reduce by lines
     EXPECT_TRUE(exchangeLamport(exchangeAllgather(n, 0, 1600), t));
     EXPECT_FALSE(exchangeLamport(exchangeAllreduceOneShot(n, 0, 100, DType::kComplex128, ReduceOp::kSum), t));
