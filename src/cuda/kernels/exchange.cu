@@ -342,9 +342,12 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
     for (int i = 0; i < 7; ++i) dst[i] = src[i];
     device::stReleaseSys64(&h->seq, c.seq);  // the header's words before its seq (release)
   }
-  // Peers that run the Lamport kernel for this op (exchangeLamportPairs) check its header
-  // from lines.
-  if (a.lamport_pairs) pushHeaderLines(c, static_cast<uint32_t>(c.seq), static_cast<int>(c.seq & 1));
+  // A peer that runs the Lamport kernel for this op (exchangeLamportPairs) checks this rank's
+  // header from lines: sent now when the Lamport kernel's rule allows it (linesEarly), else once
+  // the peers' headers have come (below). A pushing block sends its short pairs' lines in round
+  // 0, which comes after the headers unless this rank pushes early, which implies linesEarly.
+  const bool lines_now = a.lamport_pairs && linesEarly(c);
+  if (lines_now) pushHeaderLines(c, static_cast<uint32_t>(c.seq), static_cast<int>(c.seq & 1));
   if (early && !pushRound(c, 0, blockIdx.x)) bad = 1;  // (roles == 1: block b is piece b)
   if (threadIdx.x < n && threadIdx.x != me) {
     const int q = threadIdx.x;
@@ -363,6 +366,8 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
     }
   }
   __syncthreads();
+  if (!bad && a.lamport_pairs && !lines_now)
+    pushHeaderLines(c, static_cast<uint32_t>(c.seq), static_cast<int>(c.seq & 1));
 
   // (2) Rounds.
   if (!bad) runRounds<Reduce>(c, early);

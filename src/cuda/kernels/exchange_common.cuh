@@ -21,6 +21,10 @@ struct Counter {
   // seq of the latest launch that succeeded with every pair in one round (0: none): the
   // next launch may push before it has seen its peers' headers (exchangeKernel).
   unsigned long long single_ok;
+  // seq of the latest launch that succeeded (0: none): this rank saw every peer's header or
+  // lines of it, so every peer had ended the op before it, and the next op may write the
+  // Lamport parity that op used before it has seen its peers' headers (lamport.cu).
+  unsigned long long any_ok;
 };
 
 struct Ctx {
@@ -213,6 +217,32 @@ __device__ __forceinline__ void store8(char* p, uint64_t v, uint64_t len) {
   for (uint64_t i = 0; i < len; ++i) p[i] = static_cast<char>(v >> (8 * i));
 }
 
+// Whether op c.seq may write Lamport lines before it has seen its peers' headers: this rank's
+// previous op succeeded (Counter::any_ok), so every peer has ended the op before that, the last
+// one that wrote the parity this op writes.
+__device__ bool linesEarly(const Ctx& c) {
+  return c.seq >= 1 && *reinterpret_cast<volatile unsigned long long*>(&c.counter->any_ok) == c.seq - 1;
+}
+
+// Otherwise (after a failed op) a block waits until every peer has written its header of this
+// op into this rank's header slot, which it does only once its previous op has ended; a header
+// that disagrees fails the op here. False when the launch failed.
+__device__ bool awaitPeersStarted(const Ctx& c) {
+  const ExchangeLaunch& a = *c.a;
+  if (threadIdx.x < a.size && static_cast<int>(threadIdx.x) != a.rank) {
+    const int q = threadIdx.x;
+    const ExchangeHeader* h = headerSlot(a.staging[a.rank], a.layout, c.seq, q);
+    if (waitAtLeast(c, &h->seq, c.seq, q)) {
+      ExchangeHeader theirs = *h;
+      if (theirs.seq > c.seq)
+        fail(c, ExchangeStatus::kAhead, q, &theirs);
+      else if (!sameHeader(a.header[q], theirs))
+        fail(c, ExchangeStatus::kMismatch, q, &theirs);
+    }
+  }
+  return !blockFailed(c);
+}
+
 // Every pair's header lines (block 0's threads [0, n * kLamportHeaderLines)).
 __device__ void pushHeaderLines(const Ctx& c, uint32_t flag, int parity) {
   const ExchangeLaunch& a = *c.a;
@@ -269,6 +299,7 @@ __device__ void finishLaunch(const Ctx& c, bool single) {
     if (last) {
       const bool ok = *reinterpret_cast<volatile unsigned*>(&counter->failed) < static_cast<unsigned>(c.seq);
       counter->single_ok = ok && single ? c.seq : 0;
+      counter->any_ok = ok ? c.seq : 0;
       counter->seq = c.seq;
       if (gridDim.x > 1) __threadfence();
     }

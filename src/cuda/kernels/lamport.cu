@@ -10,11 +10,11 @@
 // peer's header before it consumes anything: a disagreement fails the op on every rank with
 // the staged kernel's words (exchange.cu).
 //
-// Reuse: op seq writes the parity that op seq - 2 used. A rank starts op seq only after its op
-// seq - 1 has ended, which needed every peer's lines of seq - 1, which a peer writes only
-// after its own op seq - 2 has ended: nothing of seq - 2 is still being read. (After a failed
-// op that reasoning has no premise; a line of a later op carries another number, so a slow
-// reader then waits until its deadline instead of reading it.)
+// Reuse: op seq writes the parity that op seq - 2 used. When this rank's op seq - 1 succeeded
+// (linesEarly), it saw every peer's header or lines of seq - 1, which a peer writes only after
+// its own op seq - 2 has ended: nothing of seq - 2 is still being read, and the lines go out at
+// once. After a failed op, the blocks first wait for every peer's header of seq in the header
+// slots (awaitPeersStarted; the extra block writes this rank's at the start of every launch).
 //
 // The staged protocol on the other end: a rank also writes its header into the peer's header
 // slot (the extra block, off the data's path), and while it waits for a peer's lines it
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kLamportThreads) lamportKernel(const __grid_co
       for (int i = 0; i < 7; ++i) dst[i] = src[i];
       device::stReleaseSys64(&h->seq, c.seq);
     }
-  } else {
+  } else if (linesEarly(c) || awaitPeersStarted(c)) {
     pushLines(c, flag, parity);
     if (checkHeaders(c, flag, parity)) consumeLines<Reduce>(c, flag, parity);
   }

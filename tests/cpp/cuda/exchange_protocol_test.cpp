@@ -37,16 +37,19 @@ struct Area {  // one rank's staging area
   uint64_t flag[2][kMaxN] = {};    // [half][source]
   uint64_t ack[2][kMaxN] = {};     // [half][consumer]
   Slot data[2][kMaxN];             // [half][source]
+  Slot lines[2][kMaxN];            // [op parity][source]: a Lamport op's lines (round 0)
 };
 
 struct Op {
   int rounds;               // of every pair (0: nothing to move)
   std::vector<bool> fails;  // per rank: its header check fails (a disagreement it sees)
+  bool lamport = false;     // the Lamport kernel (lamport.cu): lines, no flags or acks
 };
 
 struct Rank {
   uint64_t done = 0;       // ops ended (the kernel's Counter::seq)
   uint64_t single_ok = 0;  // Counter::single_ok
+  uint64_t any_ok = 0;     // Counter::any_ok
   int phase = 0;           // 0: start the op, 1: wait for the headers, 2: rounds
   bool early = false;
   int round = 0;
@@ -56,13 +59,20 @@ struct Rank {
 
 // exchangePushesEarly's signature: (seq, single_ok, one_round, roles).
 using EarlyRule = std::function<bool(uint64_t, uint64_t, bool, int)>;
+// When a Lamport op writes its lines: kind of lamport.cu (at once after an op that succeeded,
+// else once every peer's header of this op is in), or at once whatever came before.
+enum class LinesRule { kAfterSuccess, kAlways };
 
 class Protocol {
  public:
-  Protocol(int n, std::vector<Op> ops, uint32_t seed, EarlyRule rule = exchangePushesEarly)
-      : n_(n), ops_(std::move(ops)), rng_(seed), rule_(std::move(rule)), areas_(n), ranks_(n) {}
+  Protocol(int n, std::vector<Op> ops, uint32_t seed, EarlyRule rule = exchangePushesEarly,
+           LinesRule lines = LinesRule::kAfterSuccess)
+      : n_(n), ops_(std::move(ops)), rng_(seed), rule_(std::move(rule)), lines_rule_(lines), areas_(n), ranks_(n) {}
   // The first broken guarantee ("" when none).
   const std::string& violation() const { return violation_; }
+
+  // Lamport ops that ended with their lines read (the test wants some).
+  int lamportOps() const { return lamport_ops_; }
 
   void run() {
     const uint64_t total = ops_.size();
@@ -111,6 +121,7 @@ class Protocol {
     Rank& k = ranks_[me];
     const uint64_t s = current(me);
     const Op& o = op(me);
+    if (o.lamport) return lamportStep(me);
     if (k.phase == 0) {
       for (int p = 0; p < n_; ++p)
         if (p != me) areas_[p].header[s & 1][me] = s;
@@ -168,6 +179,63 @@ class Protocol {
     return true;
   }
 
+  // The Lamport kernel: the extra block writes the header slots, the data blocks push every
+  // peer's lines at once (parity s & 1), then read every peer's lines of op s; a disagreement
+  // ends the op as soon as the lines of the peer it concerns are in (or earlier: the model ends
+  // it at once, which lets the other peers' reads of an earlier op lag the furthest).
+  bool lamportStep(int me) {
+    const uint64_t s = current(me);
+    const Op& o = op(me);
+    Rank& k = ranks_[me];
+    const int parity = static_cast<int>(s & 1);
+    if (k.phase == 0) {
+      for (int p = 0; p < n_; ++p)
+        if (p != me) areas_[p].header[parity][me] = s;
+      k.phase = 1;
+      return true;
+    }
+    if (k.phase == 1) {
+      // linesEarly, else awaitPeersStarted (lamport.cu)
+      if (!(lines_rule_ == LinesRule::kAlways || k.any_ok == s - 1))
+        for (int q = 0; q < n_; ++q)
+          if (q != me && areas_[me].header[parity][q] < s) return false;
+      for (int p = 0; p < n_; ++p) {
+        if (p == me) continue;
+        Slot& d = areas_[p].lines[parity][me];
+        if (!(d.consumed || ranks_[p].done >= d.seq))
+          report() << "rank " << me << " Lamport op " << s << " overwrites rank " << p << "'s unread lines of op "
+                   << d.seq << " (rank " << p << " has ended op " << ranks_[p].done << ")";
+        d = {s, 0, false};
+      }
+      k.phase = 2;
+      return true;
+    }
+    if (o.fails[me]) {
+      end(me, false);
+      return true;
+    }
+    for (int q = 0; q < n_; ++q) {
+      if (q == me) continue;
+      const Slot& d = areas_[me].lines[parity][q];
+      if (d.seq == s) continue;
+      if (areas_[me].header[parity][q] > s) {  // the header slot watch: kAhead
+        end(me, false);
+        return true;
+      }
+      return false;
+    }
+    for (int q = 0; q < n_; ++q) {
+      if (q == me) continue;
+      Slot& d = areas_[me].lines[parity][q];
+      if (d.consumed)
+        report() << "rank " << me << " Lamport op " << s << " reads rank " << q << "'s lines twice";
+      d.consumed = true;
+    }
+    lamport_ops_++;
+    end(me, true);
+    return true;
+  }
+
   void push(int me, int r) {
     const uint64_t s = current(me);
     const int half = exchangeHalf(s, r);
@@ -187,7 +255,9 @@ class Protocol {
   void end(int me, bool ok) {
     Rank& k = ranks_[me];
     const uint64_t s = current(me);
-    k.single_ok = ok && op(me).rounds <= 1 ? s : 0;
+    // The Lamport kernel reads no staged half: it counts as one round (finishLaunch).
+    k.single_ok = ok && (op(me).lamport || op(me).rounds <= 1) ? s : 0;
+    k.any_ok = ok ? s : 0;
     k.done = s;
     k.phase = 0;
     k.round = 0;
@@ -213,17 +283,24 @@ class Protocol {
   std::vector<Op> ops_;
   std::mt19937 rng_;
   EarlyRule rule_;
+  LinesRule lines_rule_;
   std::vector<Area> areas_;
   std::vector<Rank> ranks_;
   std::string violation_;
+  int lamport_ops_ = 0;
 };
 
-std::vector<Op> randomOps(int n, size_t count, uint32_t seed, int fail_one_in) {
+// `lamport_one_in`: about one op in this many takes the Lamport kernel (0: none).
+std::vector<Op> randomOps(int n, size_t count, uint32_t seed, int fail_one_in, int lamport_one_in = 0) {
   std::mt19937 rng(seed);
   const int rounds[] = {0, 1, 1, 1, 1, 2, 3};
   std::vector<Op> ops;
   for (size_t i = 0; i < count; ++i) {
     Op o{rounds[rng() % 7], std::vector<bool>(n, false)};
+    if (lamport_one_in && rng() % lamport_one_in == 0) {
+      o.lamport = true;
+      o.rounds = 1;
+    }
     if (fail_one_in && rng() % fail_one_in == 0) {
       // A disagreement between two ranks: both see it.
       int a = static_cast<int>(rng() % n), b = static_cast<int>(rng() % n);
@@ -245,6 +322,33 @@ TEST_P(ExchangeProtocol, PushesNeverOverwriteUnreadDataAndReadsFindTheirOp) {
     ASSERT_EQ(m.violation(), "") << "seed " << seed;
     EXPECT_GT(m.earlyOps(), 0) << "seed " << seed;
   }
+}
+
+// Lamport ops among staged ones of every length, with disagreements and waits that time out:
+// lines never overwrite lines a peer may still read, a staged op that follows a Lamport op
+// pushes early into a free half, and every read finds its own op's data.
+TEST_P(ExchangeProtocol, LamportOpsAmongStagedOnes) {
+  const int n = GetParam();
+  for (uint32_t seed = 1; seed <= 40; ++seed) {
+    Protocol m(n, randomOps(n, 300, seed, seed % 2 ? 12 : 0, 2 + seed % 3), seed * 104729);
+    m.run();
+    ASSERT_EQ(m.violation(), "") << "seed " << seed;
+    EXPECT_GT(m.lamportOps(), 0) << "seed " << seed;
+    EXPECT_GT(m.earlyOps(), 0) << "seed " << seed;
+  }
+}
+
+// Lines written at once after a failed op overwrite lines of the op before it that a slower peer
+// has yet to read (it would then wait for them until its deadline): the model catches it.
+TEST_P(ExchangeProtocol, CatchesLinesWrittenAtOnceAfterAFailure) {
+  const int n = GetParam();
+  int caught = 0;
+  for (uint32_t seed = 1; seed <= 40; ++seed) {
+    Protocol m(n, randomOps(n, 300, seed, 12, 2), seed * 104729, exchangePushesEarly, LinesRule::kAlways);
+    m.run();
+    caught += !m.violation().empty();
+  }
+  EXPECT_GT(caught, 0);
 }
 
 // The same model catches a rule that pushes early without looking at the previous op: then a

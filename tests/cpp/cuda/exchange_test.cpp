@@ -439,7 +439,7 @@ TEST(ExchangeLayout, FitsTheRoundsAndAligns) {
   EXPECT_EQ(l.lamport, l.data + 2ull * 4 * (8 << 20));
   EXPECT_EQ(l.lamport % 16, 0u);  // lines are 16-byte stores
   EXPECT_EQ(l.total, l.lamport + 2ull * 4 * kLamportSourceBytes);
-  EXPECT_GE(l.flags, l.counter + 24);  // seq, done, failed, single_ok (exchange.cu)
+  EXPECT_GE(l.flags, l.counter + 32);  // seq, done, failed, single_ok, any_ok (exchange_common.cuh)
   EXPECT_THROW(ExchangeLayout::make(kExchangeMaxRanks + 1, 1 << 20), moelink::Error);
 }
 
