@@ -6,7 +6,7 @@
 // sender); the flag is the op's number. A receiver polls each line until both flags carry
 // this op's number (a line is written at once, and each 8-byte half of it is seen whole), so
 // no flag follows the data and nothing is acknowledged. The op's header travels the same way,
-// as the first kExchangeLamportHeaderLines lines of every pair, and every block checks every
+// as the first kLamportHeaderLines lines of every pair, and every block checks every
 // peer's header before it consumes anything: a disagreement fails the op on every rank with
 // the staged kernel's words (exchange.cu).
 //
@@ -20,8 +20,9 @@
 // slot (the extra block, off the data's path), and while it waits for a peer's lines it
 // watches that peer's header slot too, so that when the ranks disagree about the op and one
 // of them runs the staged kernel, both fail with the mismatch instead of waiting for their
-// deadline. Ops that agree take the same protocol on every rank (exchangeLamport depends only
-// on what the header check compares).
+// deadline. Ops that agree take the same protocol on every rank, but for copies whose pairs
+// differ in length from rank to rank (an all-to-all, a broadcast's scatter half): there a rank
+// on the staged kernel moves its short pairs as lines (exchangeLamportPairs), so the two meet.
 #include "exchange_common.cuh"
 
 namespace moelink::cuda {
