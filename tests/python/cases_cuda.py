@@ -343,26 +343,31 @@ def small_op_burst(rank, world):
         same(t, want if isinstance(want, torch.Tensor) else torch.full_like(t, want), what)
 
 
-def round_size_disagreement(rank, world):
-    """Ranks that stage rounds of different sizes (MOELINK_CUDA_ROUND_BYTES) cannot share
-    staging areas: the group takes the host-staged route, exact, instead of writing past a
-    peer's area."""
+def host_route_on_disagreement(rank, world, name, value):
+    """Ranks whose `name` differs (`value` of their rank) cannot share staging areas: a new group
+    takes the host-staged route, exact, and says why."""
     import moelink
 
-    old = os.environ.get("MOELINK_CUDA_ROUND_BYTES")
-    os.environ["MOELINK_CUDA_ROUND_BYTES"] = str((1 << 20) * (rank + 1))
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         g = dist.new_group()
         x = torch.full((4096,), rank + 1.0, device=dev(rank))
         dist.all_reduce(x, group=g)
-        same(x, torch.full_like(x, float(sum(r + 1 for r in range(world)))), "all_reduce")
+        same(x, torch.full_like(x, float(sum(r + 1 for r in range(world)))), f"all_reduce ({name})")
         assert moelink.get_backend(g).cuda_path() == "host", moelink.get_backend(g).cuda_path()
         dist.destroy_process_group(g)
     finally:
         if old is None:
-            del os.environ["MOELINK_CUDA_ROUND_BYTES"]
+            del os.environ[name]
         else:
-            os.environ["MOELINK_CUDA_ROUND_BYTES"] = old
+            os.environ[name] = old
+
+
+def round_size_disagreement(rank, world):
+    """Ranks that stage rounds of different sizes (MOELINK_CUDA_ROUND_BYTES) would write past a
+    peer's area: the host-staged route instead."""
+    host_route_on_disagreement(rank, world, "MOELINK_CUDA_ROUND_BYTES", str((1 << 20) * (rank + 1)))
 
 
 def lamport_threshold(world):
@@ -442,23 +447,8 @@ def lamport_boundaries(rank, world):
 
 def lamport_disagreement(rank, world):
     """Ranks with different MOELINK_CUDA_LAMPORT_BYTES would pick different protocols for one op:
-    the group takes the host-staged route, exact, and says why."""
-    import moelink
-
-    old = os.environ.get("MOELINK_CUDA_LAMPORT_BYTES")
-    os.environ["MOELINK_CUDA_LAMPORT_BYTES"] = "0" if rank == 0 else "65536"
-    try:
-        g = dist.new_group()
-        x = torch.full((1024,), rank + 1.0, device=dev(rank))
-        dist.all_reduce(x, group=g)
-        same(x, torch.full_like(x, float(sum(r + 1 for r in range(world)))), "all_reduce")
-        assert moelink.get_backend(g).cuda_path() == "host", moelink.get_backend(g).cuda_path()
-        dist.destroy_process_group(g)
-    finally:
-        if old is None:
-            del os.environ["MOELINK_CUDA_LAMPORT_BYTES"]
-        else:
-            os.environ["MOELINK_CUDA_LAMPORT_BYTES"] = old
+    the host-staged route instead."""
+    host_route_on_disagreement(rank, world, "MOELINK_CUDA_LAMPORT_BYTES", "0" if rank == 0 else "65536")
 
 
 def graph_capture(rank, world):
