@@ -370,6 +370,20 @@ def round_size_disagreement(rank, world):
     host_route_on_disagreement(rank, world, "MOELINK_CUDA_ROUND_BYTES", str((1 << 20) * (rank + 1)))
 
 
+def mismatch_fails_then_usable(world, d, n, what):
+    """An all_reduce of `n` elements, which the ranks disagree about, fails on this rank with the
+    header check's words (through its future); an all_reduce after it is exact."""
+    w = dist.all_reduce(torch.ones(n, device=d), async_op=True)
+    try:
+        w.get_future().wait()
+        raise AssertionError(f"an all_reduce of different sizes {what} passed")
+    except RuntimeError as e:
+        assert "expects" in str(e) and "rank" in str(e), e
+    y = torch.ones(16, device=d)
+    dist.all_reduce(y)
+    same(y, torch.full_like(y, float(world)), f"all_reduce after a mismatch {what}")
+
+
 def lamport_threshold(world):
     """The largest pair the Lamport protocol carries in a group of `world` (moelink's table)."""
     if "MOELINK_CUDA_LAMPORT_BYTES" in os.environ:
@@ -433,16 +447,7 @@ def lamport_boundaries(rank, world):
         same(g, torch.cat(xs), f"all_gather {dtype}")
     # one rank below the threshold, the others above: the protocols differ, the op fails with
     # the header check's words on every rank (not at its deadline)
-    n = limit // 4 + (1 if rank else 0)
-    w = dist.all_reduce(torch.ones(n, device=d), async_op=True)
-    try:
-        w.get_future().wait()
-        raise AssertionError("an all_reduce of different sizes across the Lamport threshold passed")
-    except RuntimeError as e:
-        assert "expects" in str(e) and "rank" in str(e), e
-    y = torch.ones(16, device=d)
-    dist.all_reduce(y)
-    same(y, torch.full_like(y, float(world)), "all_reduce after a mismatch across protocols")
+    mismatch_fails_then_usable(world, d, limit // 4 + (1 if rank else 0), "across the Lamport threshold")
 
 
 def lamport_disagreement(rank, world):
@@ -574,16 +579,7 @@ def bad_input(rank, world):
             assert "cuda:" in str(e), e
     # a disagreement fails the op on every rank, with the CPU path's wording, and the group
     # stays usable
-    x = torch.ones(4096 if rank == 0 else 8192, device=d)
-    w = dist.all_reduce(x, async_op=True)
-    try:
-        w.get_future().wait()
-        raise AssertionError("a size mismatch went unnoticed")
-    except RuntimeError as e:
-        assert "expects" in str(e) and "rank" in str(e), e
-    y = torch.ones(16, device=d)
-    dist.all_reduce(y)
-    same(y, torch.full_like(y, float(world)), "all_reduce after a mismatch")
+    mismatch_fails_then_usable(world, d, 4096 if rank == 0 else 8192, "of 4096 / 8192 elements")
 
 
 def cpu_and_cuda_in_one_group(rank, world):
