@@ -42,7 +42,9 @@ benchnormal   | 400 | EP normal-mode benchmark beside DeepEP v1 (when .devdeps/d
 cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
 cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
 cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
-cudabenchhost | 400 | CUDA collectives over the host route (virtual hosts of 1) beside NCCL
+cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, tcp between them) beside NCCL on its socket transport, 4 MiB-256 MiB, GPUS ranks, MOELINK_TCP_STREAMS 1 and the default
+tcpbench      | 200 | the tcp transport's own loopback bandwidth by number of streams (examples/bench/tcp_transport.py)
+cpubench      | 500 | CPU collectives over tcp beside gloo, 4 ranks, 4 MiB-256 MiB, MOELINK_TCP_STREAMS 1 and the default
 mooncake      | 400 | Mooncake's API on moelink (moelink.compat.mooncake): its GPU tests, the migration example
 mooncakeown   | 400 | Mooncake's own EP test (its wheel's tests, .devdeps/anchors/mooncake-tests) on moelink, imports changed
 benchmooncake | 400 | EP low-latency benchmark beside Mooncake's EP buffer (its wheel in .devdeps/anchors), GPUS ranks
@@ -129,8 +131,19 @@ stage_cudasweep() {
   done
 }
 stage_cudabenchhost() {
-  MOELINK_RANKS_PER_HOST=1 bench_cuda --gpus 2 --min-bytes 8192 --max-bytes $((256 << 20)) --ops all_reduce,all_gather \
-    --out "$OUT/cuda2host.png"
+  for st in 1 ""; do
+    echo "== MOELINK_TCP_STREAMS=${st:-default}"
+    MOELINK_TCP_STREAMS=$st MOELINK_RANKS_PER_HOST=1 bench_cuda --gpus "${GPUS:-2}" --nccl-socket --transport auto \
+      --min-bytes $((4 << 20)) --max-bytes $((256 << 20)) --out "$OUT/cuda${GPUS:-2}host-s${st:-default}.png"
+  done
+}
+stage_tcpbench() { python3 examples/bench/tcp_transport.py --streams 1,2,4,8,16 --build build-dev --out "$OUT/tcp_transport.png"; }
+stage_cpubench() {
+  for st in 1 ""; do
+    echo "== MOELINK_TCP_STREAMS=${st:-default}"
+    MOELINK_TCP_STREAMS=$st python3 examples/bench/collectives.py --nproc 4 --transport tcp --iters "${ITERS:-10}" \
+      --min-bytes $((4 << 20)) --max-bytes $((256 << 20)) --cpu --out "$OUT/cpu_tcp-s${st:-default}.png"
+  done
 }
 
 stage_mooncake() {

@@ -24,6 +24,13 @@ one CUDA graph and replayed (from a synchronized start to torch.cuda.synchronize
 `iters` replays, slowest rank), the latency a caller that replays graphs sees (a serving
 engine's decode step): no host work per op, so the GPU's own time is what is left.
 
+With --nccl-socket (CUDA tensors), the anchor is NCCL held to its socket transport over loopback,
+tuned as its users tune it (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1
+NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4): the anchor of
+ep's host route across (virtual) hosts. Under MOELINK_RANKS_PER_HOST=n each virtual host of n
+ranks also gets its own MOELINK_HOST_ID, so that ep's transfer engine talks tcp between virtual
+hosts as it would between real ones (shared memory inside one).
+
 With --cpu, a table of the CPU time per op: user + system time of every thread of every rank
 (getrusage around the op, summed over ranks; median of `iters`). When the ranks share fewer cores
 than there are ranks, a CPU op's time is bounded by this sum over the cores.
@@ -32,6 +39,7 @@ than there are ranks, a CPU op's time is bounded by this sum over the cores.
 import argparse
 import os
 import resource
+import socket
 import statistics
 import sys
 import time
@@ -191,9 +199,18 @@ def graph_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
     return [statistics.median(t) for t in times]
 
 
-def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, issue, graph, q):
+NCCL_SOCKET = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
+               "NCCL_SOCKET_IFNAME": "lo", "NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
+
+
+def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, issue, graph, nccl_socket, q):
     os.environ["MOELINK_TRANSPORT"] = transport
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if nccl_socket:
+        os.environ.update(NCCL_SOCKET)
+    rph = int(os.environ.get("MOELINK_RANKS_PER_HOST", "0") or 0)
+    if rph:
+        os.environ["MOELINK_HOST_ID"] = f"{socket.gethostname()}-vhost{rank // rph}"
     import moelink  # noqa: F401
 
     if device == "cuda":
@@ -244,6 +261,8 @@ def main():
     ap.add_argument("--no-gloo", "--no-anchor", action="store_true", help="time backend ep only")
     ap.add_argument("--issue", action="store_true", help="CUDA: also the host time to issue one op")
     ap.add_argument("--graph", action="store_true", help="CUDA: also the time per op replayed in a CUDA graph")
+    ap.add_argument("--nccl-socket", action="store_true",
+                    help="CUDA: the anchor is NCCL on its socket transport over loopback, 4x4 sockets")
     ap.add_argument("--cpu", action="store_true",
                     help="also the CPU time per op (all ranks' threads summed): what a ratio costs in cores")
     ap.add_argument("--out", default="collectives.png")
@@ -260,14 +279,16 @@ def main():
     anchor = "gloo"
     if args.device == "cuda":
         n = args.gpus or torch.cuda.device_count()
-        anchor = "nccl"
+        anchor = "nccl-socket" if args.nccl_socket else "nccl"
     if (args.issue or args.graph) and args.device != "cuda":
         ap.error("--issue and --graph need --device cuda")
     rows, layers = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device, args.issue,
-                                 args.graph), timeout=3600)
+                                 args.graph, args.nccl_socket), timeout=3600)
     path = os.environ.get("MOELINK_RANKS_PER_HOST")
     print(f"# {n} ranks, {args.device} tensors, ep transport={args.transport}"
-          f"{', MOELINK_RANKS_PER_HOST=' + path if path else ''}, median of {args.iters} (max over ranks), "
+          f"{', MOELINK_RANKS_PER_HOST=' + path if path else ''}"
+          f"{', MOELINK_TCP_STREAMS=' + os.environ['MOELINK_TCP_STREAMS'] if os.environ.get('MOELINK_TCP_STREAMS') else ''}"
+          f", median of {args.iters} (max over ranks), "
           f"torch {torch.__version__}")
     print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep GB/s':>10}{anchor + ' GB/s':>11}"
           f"{'ep/' + anchor:>9}")

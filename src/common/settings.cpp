@@ -41,6 +41,12 @@ const std::vector<Setting> kSettings = {
          "e.g. a tunnel, and on multi-tenant hosts: Trust model)"),
     text("MOELINK_HOST_ID", "collectives", "hostname + boot id",
          "the same-host test (ranks with equal ids use shared memory)"),
+    number("MOELINK_TCP_STREAMS", "collectives", 0, 1, 16,
+           "tcp connections per peer, each driven by its own progress thread; writes of at least "
+           "`MOELINK_TCP_STRIPE_BYTES` are striped over them",
+           "`4`, or `1` on a host with fewer than 8 cores"),
+    number("MOELINK_TCP_STRIPE_BYTES", "collectives", 256 * kKiB, 1, UINT64_MAX,
+           "tcp writes of at least this size are cut into parts (of at least 64 KiB), one per connection"),
     number("MOELINK_CHUNK_BYTES", "collectives", 512 * kKiB, 64, 1ull << 30,
            "mailbox slot size: large ops move in pieces of this size"),
     number("MOELINK_MAILBOX_DEPTH", "collectives", 4, 1, 64, "slots per peer pair (how far a sender may run ahead)"),

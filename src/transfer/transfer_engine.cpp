@@ -164,7 +164,8 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
   peer_doorbells_.assign(opts_.world_size, nullptr);
   doorbell_ = static_cast<DoorbellWord*>(allocateSegment(kDoorbellSegment, sizeof(DoorbellWord)));
   tcp_ = std::make_unique<tcp::TcpTransport>(opts_.rank, opts_.world_size, secret_, local_, opts_.timeout,
-                                             [this] { ringDoorbell(doorbell_); }, opts_.listen_ip);
+                                             [this] { ringDoorbell(doorbell_); }, opts_.listen_ip,
+                                             opts_.tcp_tuning.value_or(tcp::TcpTuning::fromEnv()));
   shm_ = std::make_unique<shm::ShmTransport>(host_id_);
   read_probe_ = readProbeValue(secret_, opts_.rank);
   PeerInfo me;

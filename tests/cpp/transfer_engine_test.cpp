@@ -130,10 +130,10 @@ bool readWithTimeout(int fd, void* p, size_t n, int ms) {
 
 // A raw connection that has presented the engine's secret, as rank `rank` (-1 if the
 // handshake failed).
-int rawAuthenticated(TransferEngine& engine, int32_t rank = 0, int32_t reserved = 0) {
+int rawAuthenticated(TransferEngine& engine, int32_t rank = 0, int32_t lane = 0, uint64_t session = 77) {
   namespace w = moelink::transfer::tcp::wire;
   int fd = rawConnect(engine.tcpAddress());
-  w::Hello hello{w::kHelloMagic, engine.secret(), rank, reserved};
+  w::Hello hello{w::kHelloMagic, engine.secret(), rank, lane, session};
   uint64_t reply = 0;
   if (send(fd, &hello, sizeof hello, 0) != static_cast<ssize_t>(sizeof hello) || !readWithTimeout(fd, &reply, 8, 5000) ||
       reply != w::kHelloMagic) {
@@ -152,17 +152,17 @@ TEST(TcpTransport, ReceiverRejectsOutOfBoundsWrite) {
   namespace w = moelink::transfer::tcp::wire;
   char payload[32];
   std::memset(payload, 0xAB, sizeof payload);
-  w::FrameHeader h{w::kWrite, 0, 42, 3, 0, 48, sizeof payload};  // 48 + 32 > 64
+  w::FrameHeader h{w::kWrite, 0, 1, 3, 0, 48, sizeof payload};  // 48 + 32 > 64
   send(fd, &h, sizeof h, 0);
   send(fd, payload, sizeof payload, 0);
   w::FrameHeader ack{};
   ASSERT_TRUE(readWithTimeout(fd, &ack, sizeof ack, 5000));
   EXPECT_EQ(ack.type, w::kWriteAck);
-  EXPECT_EQ(ack.request_id, 42u);
+  EXPECT_EQ(ack.request_id, 1u);
   EXPECT_EQ(ack.status, w::kOutOfBounds);
   for (int i = 0; i < 64; ++i) ASSERT_EQ(seg[i], 0) << "segment modified at " << i;
   // A write inside the bounds on the same connection still works.
-  w::FrameHeader ok{w::kWrite, 0, 43, 3, 0, 0, sizeof payload};
+  w::FrameHeader ok{w::kWrite, 0, 2, 3, 0, 0, sizeof payload};
   send(fd, &ok, sizeof ok, 0);
   send(fd, payload, sizeof payload, 0);
   ASSERT_TRUE(readWithTimeout(fd, &ack, sizeof ack, 5000));
@@ -247,13 +247,14 @@ TEST(TcpTransport, RejectedUnacknowledgedWriteBreaksTheConnection) {
 }
 
 // The secret alone does not open a connection: the rank it claims must be one of the group,
-// and the reserved field zero.
+// and the lane below kMaxStreams.
 TEST(TcpTransport, HandshakeNamingNoRankOfTheGroupIsRefused) {
   auto store = std::make_shared<InProcessStore>();
   TransferEngine engine(store, opts(0, 2, "tcp"));
   EXPECT_LT(rawAuthenticated(engine, 2), 0);
   EXPECT_LT(rawAuthenticated(engine, -1), 0);
-  EXPECT_LT(rawAuthenticated(engine, 1, 7), 0);
+  EXPECT_LT(rawAuthenticated(engine, 1, moelink::transfer::tcp::kMaxStreams), 0);
+  EXPECT_LT(rawAuthenticated(engine, 1, -1), 0);
   int fd = rawAuthenticated(engine, 1);
   EXPECT_GE(fd, 0);
   if (fd >= 0) close(fd);
@@ -265,7 +266,7 @@ TEST(TcpTransport, UnauthenticatedConnectionIsClosed) {
   char* seg = static_cast<char*>(engine.allocateSegment(3, 64));
   int fd = rawConnect(engine.tcpAddress());
   namespace w = moelink::transfer::tcp::wire;
-  w::Hello hello{w::kHelloMagic, engine.secret() + 1, 5, 0};
+  w::Hello hello{w::kHelloMagic, engine.secret() + 1, 5, 0, 0};
   send(fd, &hello, sizeof hello, MSG_NOSIGNAL);
   char payload[16];
   std::memset(payload, 0xCD, sizeof payload);

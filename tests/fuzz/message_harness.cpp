@@ -182,7 +182,8 @@ void hello(Reader& in) {
   in.bytes(&h, sizeof h);
   if (in.byte() & 1) h.secret = kSecret;  // past the secret, to the rank checks
   if (transfer::tcp::wire::checkHello(h, kSecret, world).empty() &&
-      (h.rank < 0 || h.rank >= world || h.secret != kSecret))
+      (h.rank < 0 || h.rank >= world || h.secret != kSecret || h.lane < 0 ||
+       h.lane >= transfer::tcp::kMaxStreams))
     fail("a handshake outside the group was accepted");
 }
 

@@ -64,7 +64,8 @@ std::vector<uint8_t> TcpWireHarness::feed(const uint8_t* data, size_t size) {
   Target& target = authenticated ? *auth_ : *open_;
   std::string bytes;
   if (authenticated) {
-    transfer::tcp::wire::Hello h{transfer::tcp::wire::kHelloMagic, kSecret, 1, 0};
+    // A session of its own per input: requests number from 1 on each connection.
+    transfer::tcp::wire::Hello h{transfer::tcp::wire::kHelloMagic, kSecret, 1, 0, ++sessions_};
     bytes.append(reinterpret_cast<const char*>(&h), sizeof h);
   }
   if (size > 1) bytes.append(reinterpret_cast<const char*>(data + 1), size - 1);

@@ -46,6 +46,7 @@ class TcpWireHarness {
  private:
   struct Target;
   std::unique_ptr<Target> auth_, open_;
+  uint64_t sessions_ = 0;
 };
 
 }  // namespace moelink::fuzz

@@ -46,7 +46,7 @@ TEST(TcpWire, ReplaysCorpusAndRegressions) {
   using namespace moelink::transfer::tcp;
   wire::FrameHeader w{};
   w.type = wire::kWrite;
-  w.request_id = 7;
+  w.request_id = 1;
   w.segment = moelink::fuzz::TcpWireHarness::kSegment;
   w.offset = 100;
   w.length = 4;

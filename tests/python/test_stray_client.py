@@ -14,11 +14,11 @@ import torch.distributed as dist
 
 from harness import run_group
 
-MAGIC = 0x6D6F656C696E6B31  # wire::kHelloMagic ("moelink1")
+MAGIC = 0x6D6F656C696E6B32  # wire::kHelloMagic ("moelink2")
 
 
-def _hello(secret, rank=0):
-    return struct.pack("<QQii", MAGIC, secret, rank, 0)
+def _hello(secret, rank=0, lane=0, session=0x5EED):
+    return struct.pack("<QQiiQ", MAGIC, secret, rank, lane, session)
 
 
 def _frame(ftype, segment, offset, length, request_id=1, flags=0):

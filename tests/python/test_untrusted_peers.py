@@ -48,11 +48,11 @@ FORGER = textwrap.dedent("""
     if how == "tcp":
         host, port = where.rsplit(":", 1)
         s = socket.create_connection((host, int(port)), timeout=10)
-        s.sendall(struct.pack("<QQii", 0x6D6F656C696E6B31, secret, src, 0))
-        assert struct.unpack("<Q", s.recv(8))[0] == 0x6D6F656C696E6B31, "handshake refused"
+        s.sendall(struct.pack("<QQiiQ", 0x6D6F656C696E6B32, secret, src, 0, 0x5EED))  # wire::Hello, lane 0
+        assert struct.unpack("<Q", s.recv(8))[0] == 0x6D6F656C696E6B32, "handshake refused"
         for i, (off, data) in enumerate(writes):
             flags = 1 if i == len(writes) - 1 else 0  # ring the doorbell with the signal
-            s.sendall(struct.pack("<IIQIIQQ", 1, 0, 100 + i, 2, flags, off, len(data)) + data)
+            s.sendall(struct.pack("<IIQIIQQ", 1, 0, 1 + i, 2, flags, off, len(data)) + data)  # requests 1, 2, 3
         ack = b""
         while len(ack) < 40 * len(writes):  # every write acknowledged: applied
             part = s.recv(4096)

@@ -28,12 +28,12 @@
 
 #include "moelink/transfer/doorbell.h"
 #include "moelink/transfer/metadata_store.h"
+#include "moelink/transfer/tcp/transport.h"
 #include "moelink/transfer/transport.h"
 #include "moelink/transfer/types.h"
 
 namespace moelink::transfer {
 
-namespace tcp { class TcpTransport; }
 namespace shm { class ShmTransport; }
 
 // Local segments, looked up by transports that serve incoming requests.
@@ -84,6 +84,9 @@ struct EngineOptions {
   // Whether this process reads same-host peers' memory directly where it can (canReadFrom);
   // MOELINK_SHM_PULL=0 turns it off too.
   bool cross_memory_reads = true;
+  // The tcp transport's connections per peer and striping (unset: MOELINK_TCP_STREAMS and
+  // MOELINK_TCP_STRIPE_BYTES, tcp::TcpTuning::fromEnv()).
+  std::optional<tcp::TcpTuning> tcp_tuning;
 };
 
 class TransferEngine {

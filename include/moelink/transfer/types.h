@@ -52,6 +52,11 @@ enum class RequestState : int { kPending = 0, kCompleted = 1, kFailed = 2 };
 // same peer are applied at the peer in submission order (within a batch and across
 // batches), and an 8-byte write to an 8-byte-aligned offset is applied as one atomic
 // store with release semantics, so it can serve as a signal for the data before it.
+// One exception, over tcp with several streams (MOELINK_TCP_STREAMS): a large write that is
+// striped over them lands as its parts arrive, possibly before earlier requests and beside
+// later large writes; every request after it is still applied after all of it. A caller
+// therefore never has two writes to the same bytes of a peer in flight at once (the
+// engine's users rewrite a buffer only after its receiver has said it consumed it).
 class TransferBatch {
  public:
   explicit TransferBatch(size_t n);

@@ -1,9 +1,11 @@
 // The tcp transport's implementation, shared by its files: transport.cpp (the Impl's lifecycle
-// and the caller-facing calls), loop.cpp (the progress thread's epoll loop), listener.cpp (the
-// listening socket, accepting and handshakes both ways) and pair.cpp (a connection's frames:
-// reading, applying, writing, closing). Progress-thread state is marked so below.
+// and the caller-facing calls, striping), loop.cpp (the progress threads' epoll loops),
+// listener.cpp (the listening socket, accepting and handshakes both ways), pair.cpp (a
+// connection's frames: reading, applying, writing, closing) and order.cpp (the receive side's
+// order across a sender's connections). Progress-thread state is marked so below.
 #pragma once
 
+#include <netinet/in.h>
 #include <sys/types.h>
 
 #include <atomic>
@@ -17,6 +19,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -28,13 +31,27 @@ namespace moelink::transfer::tcp {
 using std::chrono::milliseconds;
 
 
+// The send side of a striped write: its parts travel on several connections (lanes) and are
+// acknowledged one by one, on their lanes' threads; the request settles with the last of them,
+// failed if any part was.
+struct StripeSend {
+  explicit StripeSend(int parts) : left(parts) {}
+  std::atomic<int> left;
+  std::mutex mu;
+  std::string why;  // the first part's failure
+};
+
 struct Pending {
   BatchPtr batch;
   size_t index = 0;
   Opcode op = Opcode::kWrite;
   void* local = nullptr;
   uint64_t length = 0;
+  std::shared_ptr<StripeSend> stripe;  // set on each part of a striped write
 };
+
+// Completes (why == "") or fails a pending request, or one part of a striped write.
+void settle(Pending& p, const std::string& why);
 
 // Payloads up to this size travel in the frame itself, copied when the write is posted:
 // headers, signals and credits are small staging words that their owner may reuse or free
@@ -42,7 +59,7 @@ struct Pending {
 constexpr uint64_t kInlinePayload = 128;
 
 struct OutFrame {
-  char head[sizeof(wire::FrameHeader)];
+  char head[sizeof(wire::FrameHeader) + sizeof(wire::PartHeader)];
   size_t head_len = 0;
   const char* payload = nullptr;  // unless inline
   uint64_t payload_len = 0;
@@ -50,6 +67,8 @@ struct OutFrame {
   char small[kInlinePayload];
   uint64_t sent = 0;  // bytes of head + payload already sent
   const char* payloadData() const { return inline_payload ? small : payload; }
+  wire::FrameHeader& header() { return *reinterpret_cast<wire::FrameHeader*>(head); }
+  const wire::FrameHeader& header() const { return *reinterpret_cast<const wire::FrameHeader*>(head); }
 };
 
 inline OutFrame makeFrame(const wire::FrameHeader& h, const void* payload, uint64_t payload_len) {
@@ -77,19 +96,38 @@ constexpr size_t kDirectRecv = 32 << 10;  // payload remainders this large skip 
 // while of a large payload only this much can land in the buffer (to be copied out of it)
 // before the rest is read straight to its destination.
 constexpr size_t kBufferedRead = 64 << 10;
+// Parts of a striped write are at least this large (a smaller write goes in fewer parts).
+constexpr uint64_t kMinPart = 64 << 10;
 
+// More striped writes above a session's frontier than this is a protocol error (the sender's
+// number of writes in flight is bounded by its callers' credits, far below).
+constexpr size_t kMaxStripesInFlight = 1 << 16;
+
+struct Session;
+
+struct Submission {
+  int peer;
+  Pending pending;
+  OutFrame frame;
+};
 
 class TcpTransport::Impl {
  public:
+  struct Loop;
   struct Conn {
+    Loop* loop = nullptr;  // the loop that drives it
     int fd = -1;
     int peer = -1;
+    int lane = 0;           // 0: the primary (ordered requests); others carry parts only
     bool outbound = false;
+    uint64_t session = 0;   // outbound: the session it belongs to
+    std::shared_ptr<Session> in_session;  // inbound, once authenticated
     // receive side
-    enum class In { kHello, kHeader, kPayload } in = In::kHeader;
+    enum class In { kHello, kHeader, kPayload, kOrder } in = In::kHeader;  // kOrder: waits for its turn
     std::vector<char> rbuf;
     size_t rpos = 0, rlen = 0;
     wire::FrameHeader cur{};
+    wire::PartHeader part{};
     char* dst = nullptr;       // payload destination (nullptr: discard)
     uint64_t remaining = 0;    // payload bytes still to receive
     bool signal = false;       // payload is an 8-byte ordered store
@@ -101,11 +139,31 @@ class TcpTransport::Impl {
     // send side
     std::deque<OutFrame> out;
     bool want_out = false;
-    std::unordered_map<uint64_t, Pending> pending;  // outbound: by request id
+    uint32_t events = 0;  // what epoll watches for it
+    std::unordered_map<uint64_t, Pending> pending;  // outbound: by request number
+  };
+
+  // One progress thread and the connections it drives: loop 0 also owns the listener and every
+  // primary connection; loop i > 0 the lanes i of every peer, both ways.
+  struct Loop {
+    int index = 0;
+    int epoll_fd = -1, event_fd = -1;
+    std::thread thread;
+    // Shared with other threads, under the Impl's mu_.
+    std::vector<Submission> submissions;
+    std::vector<std::unique_ptr<Conn>> adopted;  // connections handed to this loop
+    // Outbound connections to close: (peer, session, why); why "" when the peer was forgotten.
+    std::vector<std::tuple<int, uint64_t, std::string>> drops;
+    // Progress thread only.
+    std::map<int, std::unique_ptr<Conn>> conns;
+    std::map<int, Conn*> outbound;  // by peer
+    std::vector<Conn*> waiting;     // inbound primaries in kOrder
+    bool ring = false;
+    bool closed_any = false;
   };
 
   Impl(int rank, int world, uint64_t secret, LocalSegments& segs, milliseconds timeout,
-       std::function<void()> ring_local, const std::string& listen_ip);
+       std::function<void()> ring_local, const std::string& listen_ip, const TcpTuning& tuning);
 
   ~Impl() { shutdown(); }
   void listen(const std::string& ip);
@@ -113,34 +171,35 @@ class TcpTransport::Impl {
   void shutdown();
 
   const std::string& address() const { return address_; }
+  int streams() const { return static_cast<int>(loops_.size()); }
 
   // Why the connection to `peer` broke ("" while it has not).
   std::string lostReason(int peer);
   uint64_t losses() const { return losses_.load(std::memory_order_acquire); }
 
-  // Caller's thread: the progress thread closes the old outbound connection (a cut link may
-  // not have broken it); the next open() connects again.
+  // Caller's thread: the progress threads close the old outbound connections (a cut link may
+  // not have broken them); the next open() connects again.
   void forget(int peer);
 
-  // Connects to `peer` once (caller's thread); later calls reuse the connection.
+  // Connects to `peer` once (caller's thread): its primary connection and its lanes; later calls
+  // reuse them.
   void connectPeer(const PeerInfo& peer);
 
   void post(const TransferRequest& req, const BatchPtr& batch, size_t index);
 
  private:
-  struct Submission {
-    int peer;
-    Pending pending;
-    OutFrame frame;
-  };
+  void addToEpoll(Loop& l, int fd, uint32_t events);
+  void setEvents(Conn& c);
 
-  void addToEpoll(int fd, uint32_t events);
+  static void wake(Loop& l);
 
-  void wake();
+  void loop(Loop& l);
 
-  void loop();
+  void takeSubmissions(Loop& l);
 
-  void takeSubmissions();
+  // One handshake, then the connection is handed to its loop (caller's thread).
+  std::unique_ptr<Conn> connectLane(const PeerInfo& peer, const sockaddr_in& a, int lane, uint64_t session,
+                                    std::chrono::steady_clock::time_point deadline);
 
   void acceptAll();
 
@@ -158,6 +217,10 @@ class TcpTransport::Impl {
   // Logs a rejection once per key (a remote address), not once per connection.
   void logRejection(const std::string& key, const std::string& what);
 
+  // An authenticated inbound connection: joins its session; a lane moves to its loop. False
+  // when the connection was closed.
+  bool authenticated(Conn& c, const wire::Hello& h);
+
   // Reads and handles everything available; false when the connection was closed.
   bool readConn(Conn& c);
 
@@ -174,45 +237,78 @@ class TcpTransport::Impl {
 
   void finishPayload(Conn& c);
 
+  // order.cpp: an ordered request on a primary connection takes its turn (true), waits for it
+  // (false, the connection parked in kOrder) or breaks the connection (false, closed).
+  bool takeTurn(Conn& c);
+  // The parked primaries of this loop whose turn came go on.
+  void resumeWaiting(Loop& l);
+  // A part of a striped write: where it lands (false: the connection was closed).
+  bool startPart(Conn& c);
+  void finishPart(Conn& c);
+  // An inbound connection of `s` closed: the session can no longer apply requests in order.
+  void breakSession(Session& s);
+  std::shared_ptr<Session> sessionFor(int peer, uint64_t id);
+
   bool protocolError(Conn& c, const std::string& what);
 
   void flushConn(Conn& c);
 
   void closeConn(Conn& c, const std::string& why, bool warn);
 
-  void reapClosed();
+  void reapClosed(Loop& l);
 
   int rank_;
   int world_;
   uint64_t secret_;
   LocalSegments& segs_;
   milliseconds timeout_;
-  int listen_fd_ = -1, epoll_fd_ = -1, event_fd_ = -1;
+  TcpTuning tuning_;
+  int listen_fd_ = -1;
   std::string address_;
-  std::thread thread_;
   std::atomic<bool> stopped_{false};
+  std::vector<std::unique_ptr<Loop>> loops_;
 
   // Shared with submitting threads.
   std::mutex open_mu_;
   std::mutex mu_;
-  std::vector<Submission> submissions_;
-  std::vector<std::unique_ptr<Conn>> new_conns_;
   std::set<int> connected_;
   std::map<int, std::string> dead_;
-  std::vector<int> forgotten_;       // peers whose outbound connection is to go
+  std::map<int, uint64_t> out_session_;     // peer -> the session of this rank's connections to it
+  std::map<int, uint64_t> next_number_;     // peer -> the number of its session's next request
+  std::map<std::pair<int, uint64_t>, std::weak_ptr<Session>> sessions_;  // inbound, by (peer, id)
   std::atomic<uint64_t> losses_{0};  // entries added to dead_ (and peers forgotten)
+  uint64_t stripe_turn_ = 0;        // which lane carries the next striped write's first part
 
-  // Progress thread only.
-  std::map<int, std::unique_ptr<Conn>> conns_;
-  std::map<int, Conn*> outbound_;
-  uint64_t next_id_ = 1;
-  bool closed_any_ = false;
+  // Loop 0's thread only.
   size_t unauthenticated_ = 0;             // inbound connections still in their handshake
   std::deque<int> handshaking_;            // their fds in accept order (may hold stale entries)
   int spare_fd_ = -1;                      // given up to drain the listener when out of fds
   std::set<std::string> logged_rejections_;
-  bool ring_ = false;
   std::function<void()> ring_local_;
 };
 
+// The receive side of one sender's connections (one session of its: the primary connection and
+// its lanes): in which order their requests apply (order.cpp). The sender numbers its requests
+// 1, 2, ... per session. Every request but a striped write travels on the primary, and is applied
+// once every request numbered below it is (its `frontier`); the parts of a striped write land as
+// they arrive, on whichever lane carries them.
+struct Session {
+  Session(int peer, uint64_t id) : peer(peer), id(id) {}
+  struct Stripe {
+    uint32_t segment = 0;
+    uint64_t offset = 0, total = 0;
+    uint64_t claimed = 0;  // bytes of parts started
+    uint64_t left = 0;     // bytes of parts not yet received
+    char* base = nullptr;  // where the whole write lands (nullptr: rejected, discarded)
+    uint32_t flags = 0;
+  };
+  const int peer;
+  const uint64_t id;
+  std::mutex mu;  // guards the rest
+  uint64_t frontier = 0;  // requests up to this number are applied (or being applied by the primary)
+  std::map<uint64_t, Stripe> stripes;  // striped writes above the frontier, by number
+  uint64_t waits_for = 0;              // the primary waits until the frontier reaches this (0: not)
+  TcpTransport::Impl::Loop* primary = nullptr;      // the loop that drives the primary connection
+  bool broken = false;                 // a connection of the session closed
+};
 }  // namespace moelink::transfer::tcp

@@ -11,6 +11,8 @@
 
 #include <glog/logging.h>
 
+#include <random>
+
 #include "impl.h"
 #include "moelink/common/error.h"
 #include "moelink/transfer/shm/transport.h"
@@ -48,20 +50,15 @@ void TcpTransport::Impl::listen(const std::string& ip) {
   address_ = str(ip, ":", ntohs(a.sin_port));
 }
 
-// Connects to `peer` once (caller's thread); later calls reuse the connection.
-void TcpTransport::Impl::connectPeer(const PeerInfo& peer) {
-  std::lock_guard<std::mutex> og(open_mu_);
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (connected_.count(peer.rank)) return;
-  }
-  sockaddr_in a = parseAddress(peer.tcp_address);
-  auto deadline = steady_clock::now() + timeout_;
+// One connection to `peer` with its handshake (caller's thread), ready to be handed to its loop.
+std::unique_ptr<TcpTransport::Impl::Conn> TcpTransport::Impl::connectLane(const PeerInfo& peer, const sockaddr_in& a,
+                                                                          int lane, uint64_t session,
+                                                                          steady_clock::time_point deadline) {
   int fd = -1;
   while (true) {
     fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     MOELINK_SYSCHECK(fd, "socket");
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) break;
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0) break;
     int e = errno;
     ::close(fd);
     if (steady_clock::now() > deadline)
@@ -70,7 +67,7 @@ void TcpTransport::Impl::connectPeer(const PeerInfo& peer) {
     std::this_thread::sleep_for(milliseconds(20));
   }
   setNoDelay(fd);
-  wire::Hello hello{wire::kHelloMagic, secret_, rank_, 0};
+  wire::Hello hello{wire::kHelloMagic, secret_, rank_, lane, session};
   uint64_t reply = 0;
   try {
     sendAll(fd, &hello, sizeof hello, deadline);
@@ -84,12 +81,36 @@ void TcpTransport::Impl::connectPeer(const PeerInfo& peer) {
   auto c = std::make_unique<Conn>();
   c->fd = fd;
   c->peer = peer.rank;
+  c->lane = lane;
   c->outbound = true;
+  c->session = session;
   c->rbuf.resize(kReadBuffer);
+  return c;
+}
+
+// Connects to `peer` once (caller's thread): the primary and the lanes, each handed to its loop
+// once all are up; later calls reuse them.
+void TcpTransport::Impl::connectPeer(const PeerInfo& peer) {
+  std::lock_guard<std::mutex> og(open_mu_);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (connected_.count(peer.rank)) return;
+  }
+  sockaddr_in a = parseAddress(peer.tcp_address);
+  auto deadline = steady_clock::now() + timeout_;
+  std::random_device rd;
+  const uint64_t session = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  std::vector<std::unique_ptr<Conn>> conns;
+  for (int lane = 0; lane < static_cast<int>(loops_.size()); ++lane)
+    conns.push_back(connectLane(peer, a, lane, session, deadline));  // (a throw closes those made)
   std::lock_guard<std::mutex> g(mu_);
   connected_.insert(peer.rank);
-  new_conns_.push_back(std::move(c));
-  wake();
+  out_session_[peer.rank] = session;
+  next_number_[peer.rank] = 0;
+  for (size_t i = 0; i < conns.size(); ++i) {
+    loops_[i]->adopted.push_back(std::move(conns[i]));
+    wake(*loops_[i]);
+  }
 }
 
 void TcpTransport::Impl::acceptAll() {
@@ -120,10 +141,12 @@ void TcpTransport::Impl::acceptAll() {
     c->rbuf.resize(sizeof(wire::Hello));  // the full buffer once authenticated
     c->accepted = std::chrono::steady_clock::now();
     c->from = ip;
+    c->loop = loops_[0].get();
+    c->events = EPOLLIN;
     ++unauthenticated_;
     handshaking_.push_back(fd);
-    conns_[fd] = std::move(c);
-    addToEpoll(fd, EPOLLIN);
+    loops_[0]->conns[fd] = std::move(c);
+    addToEpoll(*loops_[0], fd, EPOLLIN);
   }
 }
 
@@ -131,8 +154,8 @@ void TcpTransport::Impl::acceptAll() {
 // nullptr (entries of connections that authenticated or closed are dropped on the way).
 TcpTransport::Impl::Conn* TcpTransport::Impl::oldestUnauthenticated() {
   while (!handshaking_.empty()) {
-    auto it = conns_.find(handshaking_.front());
-    if (it != conns_.end() && it->second->fd >= 0 && it->second->in == Conn::In::kHello) return it->second.get();
+    auto it = loops_[0]->conns.find(handshaking_.front());
+    if (it != loops_[0]->conns.end() && it->second->fd >= 0 && it->second->in == Conn::In::kHello) return it->second.get();
     handshaking_.pop_front();
   }
   return nullptr;
@@ -167,8 +190,45 @@ void TcpTransport::Impl::logRejection(const std::string& key, const std::string&
 std::string wire::checkHello(const Hello& h, uint64_t secret, int world_size) {
   if (h.magic != kHelloMagic || h.secret != secret) return str("it claimed rank ", h.rank, " (bad magic or group secret)");
   if (h.rank < 0 || h.rank >= world_size) return str("it claimed rank ", h.rank, ", outside the group of ", world_size);
-  if (h.reserved != 0) return str("it claimed rank ", h.rank, " with a non-zero reserved field");
+  if (h.lane < 0 || h.lane >= kMaxStreams)
+    return str("it claimed rank ", h.rank, " with lane ", h.lane, ", outside 0..", kMaxStreams - 1);
   return "";
+}
+
+// An authenticated inbound connection joins its session; a lane moves to the loop that drives
+// that lane (false: it left this loop, or was closed).
+bool TcpTransport::Impl::authenticated(Conn& c, const wire::Hello& h) {
+  c.peer = h.rank;
+  c.lane = h.lane;
+  c.in = Conn::In::kHeader;
+  --unauthenticated_;
+  compactPartial(c);
+  c.rbuf.resize(kReadBuffer);
+  c.in_session = sessionFor(h.rank, h.session);
+  if (h.lane == 0) {
+    std::lock_guard<std::mutex> g(c.in_session->mu);
+    if (c.in_session->primary) {  // one primary per session
+      closeConn(c, "a second primary connection for a session", true);
+      return false;
+    }
+    c.in_session->primary = c.loop;
+  }
+  OutFrame f;
+  uint64_t magic = wire::kHelloMagic;
+  std::memcpy(f.head, &magic, sizeof magic);
+  f.head_len = sizeof magic;
+  c.out.push_back(f);
+  Loop& to = *loops_[static_cast<size_t>(h.lane) % loops_.size()];
+  if (&to == c.loop) return true;
+  Loop& from = *c.loop;
+  epoll_ctl(from.epoll_fd, EPOLL_CTL_DEL, c.fd, nullptr);
+  auto it = from.conns.find(c.fd);
+  std::unique_ptr<Conn> owned = std::move(it->second);
+  from.conns.erase(it);
+  std::lock_guard<std::mutex> g(mu_);
+  to.adopted.push_back(std::move(owned));
+  wake(to);
+  return false;
 }
 
 }  // namespace moelink::transfer::tcp

@@ -1,5 +1,5 @@
-// The tcp transport's progress thread: one epoll loop over the listener, the connections and
-// the submitters' eventfd.
+// The tcp transport's progress threads: each an epoll loop over its connections and its eventfd
+// (loop 0 also over the listener).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -11,6 +11,8 @@
 
 #include <glog/logging.h>
 
+#include <algorithm>
+
 #include "impl.h"
 #include "moelink/common/error.h"
 #include "moelink/transfer/shm/transport.h"
@@ -20,108 +22,136 @@ namespace moelink::transfer::tcp {
 
 using namespace std::chrono;
 
-void TcpTransport::Impl::addToEpoll(int fd, uint32_t events) {
+void TcpTransport::Impl::addToEpoll(Loop& l, int fd, uint32_t events) {
   epoll_event ev{};
   ev.events = events;
   ev.data.fd = fd;
-  MOELINK_SYSCHECK(epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev), "epoll_ctl(ADD)");
+  MOELINK_SYSCHECK(epoll_ctl(l.epoll_fd, EPOLL_CTL_ADD, fd, &ev), "epoll_ctl(ADD)");
 }
 
-void TcpTransport::Impl::wake() {
+// Watches a connection for reading unless it waits for its turn (then only for its queued frames
+// and errors), and for writing while frames are queued.
+void TcpTransport::Impl::setEvents(Conn& c) {
+  if (c.fd < 0) return;
+  const uint32_t want = (c.in == Conn::In::kOrder ? 0u : static_cast<uint32_t>(EPOLLIN)) |
+                        (c.out.empty() ? 0u : static_cast<uint32_t>(EPOLLOUT));
+  if (want == c.events) return;
+  epoll_event ev{};
+  ev.events = want;
+  ev.data.fd = c.fd;
+  epoll_ctl(c.loop->epoll_fd, EPOLL_CTL_MOD, c.fd, &ev);
+  c.events = want;
+}
+
+void TcpTransport::Impl::wake(Loop& l) {
   uint64_t one = 1;
-  ssize_t r = ::write(event_fd_, &one, sizeof one);
+  ssize_t r = ::write(l.event_fd, &one, sizeof one);
   (void)r;
 }
 
-void TcpTransport::Impl::loop() {
+void TcpTransport::Impl::loop(Loop& l) {
   std::vector<epoll_event> events(64);
   while (!stopped_.load()) {
-    int n = epoll_wait(epoll_fd_, events.data(), static_cast<int>(events.size()), 100);
+    int n = epoll_wait(l.epoll_fd, events.data(), static_cast<int>(events.size()), 100);
     if (n < 0 && errno != EINTR) {
       LOG(ERROR) << "moelink tcp: epoll_wait failed: " << std::strerror(errno);
       break;
     }
     for (int i = 0; i < n; ++i) {
       int fd = events[i].data.fd;
-      if (fd == event_fd_) {
+      if (fd == l.event_fd) {
         uint64_t v;
-        while (::read(event_fd_, &v, sizeof v) > 0) {
+        while (::read(l.event_fd, &v, sizeof v) > 0) {
         }
         continue;
       }
-      if (fd == listen_fd_) {
+      if (fd == listen_fd_ && l.index == 0) {
         acceptAll();
         continue;
       }
-      auto it = conns_.find(fd);
-      if (it == conns_.end()) continue;
+      auto it = l.conns.find(fd);
+      if (it == l.conns.end()) continue;
       Conn& c = *it->second;
       if (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) {
         if (!readConn(c)) continue;  // closed
       }
       if (events[i].events & EPOLLOUT) flushConn(c);
     }
-    takeSubmissions();
-    for (auto& [fd, c] : conns_)
+    takeSubmissions(l);
+    resumeWaiting(l);
+    for (auto& [fd, c] : l.conns)
       if (!c->out.empty()) flushConn(*c);
-    expireHandshakes();
-    reapClosed();
-    if (ring_) {  // something completed or a notify arrived during this pass
-      ring_ = false;
+    if (l.index == 0) expireHandshakes();
+    reapClosed(l);
+    if (l.ring) {  // something completed or a notify arrived during this pass
+      l.ring = false;
       ring_local_();
     }
   }
 }
 
-void TcpTransport::Impl::takeSubmissions() {
+void TcpTransport::Impl::takeSubmissions(Loop& l) {
   std::vector<std::unique_ptr<Conn>> fresh;
   std::vector<Submission> subs;
-  std::vector<int> forgotten;
+  std::vector<std::tuple<int, uint64_t, std::string>> drops;
   {
     std::lock_guard<std::mutex> g(mu_);
-    fresh.swap(new_conns_);
-    subs.swap(submissions_);
-    forgotten.swap(forgotten_);
+    fresh.swap(l.adopted);
+    subs.swap(l.submissions);
+    drops.swap(l.drops);
   }
-  for (int peer : forgotten) {  // before `fresh`: a new connection to it may be there
-    auto it = outbound_.find(peer);
-    if (it == outbound_.end()) continue;
+  // Before `fresh`: a new connection to the peer may be there.
+  for (auto& [peer, session, why] : drops) {
+    auto it = l.outbound.find(peer);
+    if (it == l.outbound.end() || it->second->session != session) continue;
+    // Forgotten (why ""), or lost through another of its connections (the loss is recorded):
+    // the connection goes quietly, its requests with the reason.
     Conn& c = *it->second;
-    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
+    epoll_ctl(l.epoll_fd, EPOLL_CTL_DEL, c.fd, nullptr);
     ::close(c.fd);
     c.fd = -1;
-    for (auto& [id, p] : c.pending) p.batch->fail(p.index, str("rank ", peer, " was replaced"));
-    if (!c.pending.empty()) ring_ = true;
+    for (auto& [id, p] : c.pending) settle(p, why.empty() ? str("rank ", peer, " was replaced") : why);
+    if (!c.pending.empty()) l.ring = true;
     c.pending.clear();
     c.out.clear();
-    outbound_.erase(it);
-    closed_any_ = true;
+    l.outbound.erase(it);
+    l.closed_any = true;
   }
   for (auto& c : fresh) {
     int fd = c->fd;
-    outbound_[c->peer] = c.get();
-    conns_[fd] = std::move(c);
-    addToEpoll(fd, EPOLLIN);
+    c->loop = &l;
+    if (c->outbound) {
+      if (auto old = l.outbound.find(c->peer); old != l.outbound.end() && old->second->fd >= 0)
+        closeConn(*old->second, "replaced by a new connection", false);
+      l.outbound[c->peer] = c.get();
+    }
+    c->events = EPOLLIN;
+    l.conns[fd] = std::move(c);
+    addToEpoll(l, fd, EPOLLIN);
+    // An inbound connection handed over with frames already buffered parses them now.
+    Conn& moved = *l.conns[fd];
+    if (!moved.outbound && moved.rpos < moved.rlen) consumeBuffered(moved);
   }
   for (auto& s : subs) {
-    auto it = outbound_.find(s.peer);
-    if (it == outbound_.end()) {
-      s.pending.batch->fail(s.pending.index, str("no tcp connection to rank ", s.peer));
+    auto it = l.outbound.find(s.peer);
+    if (it == l.outbound.end()) {
+      settle(s.pending, str("no tcp connection to rank ", s.peer));
+      l.ring = true;
       continue;
     }
     Conn& c = *it->second;
-    uint64_t id = next_id_++;
-    reinterpret_cast<wire::FrameHeader*>(s.frame.head)->request_id = id;
-    c.pending.emplace(id, s.pending);
+    c.pending.emplace(s.frame.header().request_id, s.pending);
     c.out.push_back(s.frame);
   }
 }
 
-void TcpTransport::Impl::reapClosed() {
-  if (!closed_any_) return;
-  for (auto it = conns_.begin(); it != conns_.end();)
-    it = it->second->fd < 0 ? conns_.erase(it) : std::next(it);
-  closed_any_ = false;
+void TcpTransport::Impl::reapClosed(Loop& l) {
+  if (!l.closed_any) return;
+  l.waiting.erase(std::remove_if(l.waiting.begin(), l.waiting.end(), [](Conn* c) { return c->fd < 0; }),
+                  l.waiting.end());
+  for (auto it = l.conns.begin(); it != l.conns.end();)
+    it = it->second->fd < 0 ? l.conns.erase(it) : std::next(it);
+  l.closed_any = false;
 }
 
 }  // namespace moelink::transfer::tcp

@@ -24,6 +24,7 @@ using namespace std::chrono;
 // Reads and handles everything available; false when the connection was closed.
 bool TcpTransport::Impl::readConn(Conn& c) {
   while (true) {
+    if (c.in == Conn::In::kOrder) return true;  // parked: it reads again when its turn comes
     // Large payload remainders go straight to their destination.
     if (c.in == Conn::In::kPayload && c.rpos == c.rlen && c.dst && !c.signal &&
         c.remaining >= kDirectRecv) {
@@ -55,6 +56,7 @@ bool TcpTransport::Impl::consumeBuffered(Conn& c) {
   while (c.rpos < c.rlen) {
     size_t avail = c.rlen - c.rpos;
     const char* p = c.rbuf.data() + c.rpos;
+    if (c.in == Conn::In::kOrder) return true;
     if (c.in == Conn::In::kHello) {
       if (avail < sizeof(wire::Hello)) {
         compactPartial(c);
@@ -68,23 +70,25 @@ bool TcpTransport::Impl::consumeBuffered(Conn& c) {
         closeConn(c, "bad handshake", false);
         return false;
       }
-      c.peer = h.rank;
-      c.in = Conn::In::kHeader;
-      --unauthenticated_;
-      compactPartial(c);
-      c.rbuf.resize(kReadBuffer);
-      OutFrame f;
-      uint64_t magic = wire::kHelloMagic;
-      std::memcpy(f.head, &magic, sizeof magic);
-      f.head_len = sizeof magic;
-      c.out.push_back(f);
+      if (!authenticated(c, h)) return false;  // handed to another loop, or closed
     } else if (c.in == Conn::In::kHeader) {
       if (avail < sizeof(wire::FrameHeader)) {
         compactPartial(c);
         return true;
       }
       std::memcpy(&c.cur, p, sizeof c.cur);
+      const bool part = c.cur.type == wire::kWritePart;
+      if (part && avail < sizeof(wire::FrameHeader) + sizeof(wire::PartHeader)) {
+        compactPartial(c);
+        return true;
+      }
       c.rpos += sizeof c.cur;
+      if (part) {
+        std::memcpy(&c.part, p + sizeof c.cur, sizeof c.part);
+        c.rpos += sizeof c.part;
+      }
+      // Requests on a primary wait for every earlier one of their sender (order.cpp).
+      if (!c.outbound && !part && !takeTurn(c)) return c.fd >= 0;
       if (!startFrame(c)) return false;
     } else {  // payload
       uint64_t take = std::min<uint64_t>(avail, c.remaining);
@@ -116,6 +120,7 @@ bool TcpTransport::Impl::startFrame(Conn& c) {
   switch (h.type) {
     case wire::kWrite: {
       if (c.outbound) return protocolError(c, "write frame on an outbound connection");
+      if (c.lane != 0) return protocolError(c, "write frame on a lane (only parts travel there)");
       void* dst = segs_.resolveIncomingWrite(h.segment, h.offset, h.length);
       c.reply_status = dst ? wire::kOk : wire::kOutOfBounds;
       if (!dst)
@@ -130,8 +135,13 @@ bool TcpTransport::Impl::startFrame(Conn& c) {
       if (c.remaining == 0) finishPayload(c);
       return true;
     }
+    case wire::kWritePart: {
+      if (c.outbound) return protocolError(c, "write part on an outbound connection");
+      return startPart(c);
+    }
     case wire::kRead: {
       if (c.outbound) return protocolError(c, "read frame on an outbound connection");
+      if (c.lane != 0) return protocolError(c, "read frame on a lane (only parts travel there)");
       void* src = segs_.resolve(h.segment, h.offset, h.length);
       wire::FrameHeader r{};
       r.type = wire::kReadData;
@@ -160,11 +170,8 @@ bool TcpTransport::Impl::startFrame(Conn& c) {
         }
         return protocolError(c, "ack for an unknown request");
       }
-      ring_ = true;
-      if (why.empty())
-        it->second.batch->complete(it->second.index);
-      else
-        it->second.batch->fail(it->second.index, why);
+      c.loop->ring = true;
+      settle(it->second, why);
       c.pending.erase(it);
       return true;
     }
@@ -173,9 +180,9 @@ bool TcpTransport::Impl::startFrame(Conn& c) {
       auto it = c.pending.find(h.request_id);
       if (it == c.pending.end()) return protocolError(c, "read data for an unknown request");
       if (h.status != wire::kOk || h.length != it->second.length) {
-        it->second.batch->fail(it->second.index,
-                               str("rank ", c.peer, " rejected a read at offset ", h.offset,
-                                   " of segment ", h.segment, ": out of bounds"));
+        settle(it->second, str("rank ", c.peer, " rejected a read at offset ", h.offset, " of segment ", h.segment,
+                               ": out of bounds"));
+        c.loop->ring = true;
         c.pending.erase(it);
         c.dst = nullptr;
         c.remaining = h.length;
@@ -200,10 +207,12 @@ bool TcpTransport::Impl::startFrame(Conn& c) {
 void TcpTransport::Impl::finishPayload(Conn& c) {
   const auto& h = c.cur;
   c.in = Conn::In::kHeader;
-  if (h.type == wire::kWrite) {
+  if (h.type == wire::kWritePart) {
+    finishPart(c);
+  } else if (h.type == wire::kWrite) {
     if (c.signal) shm::orderedCopy(c.dst, c.sigbuf, 8);
     c.signal = false;
-    if ((h.flags & wire::kNotify) && c.reply_status == wire::kOk) ring_ = true;
+    if ((h.flags & wire::kNotify) && c.reply_status == wire::kOk) c.loop->ring = true;
     if (!(h.flags & wire::kNoAck) || c.reply_status != wire::kOk) {
       wire::FrameHeader a = h;
       a.type = wire::kWriteAck;
@@ -214,8 +223,8 @@ void TcpTransport::Impl::finishPayload(Conn& c) {
   } else if (h.type == wire::kReadData) {
     auto it = c.pending.find(h.request_id);
     if (it != c.pending.end() && c.reply_status == wire::kOk) {
-      ring_ = true;
-      it->second.batch->complete(it->second.index);
+      c.loop->ring = true;
+      settle(it->second, "");
       c.pending.erase(it);
     }
     c.reply_status = wire::kOk;
@@ -266,56 +275,62 @@ void TcpTransport::Impl::flushConn(Conn& c) {
         if (c.outbound && f.head_len == sizeof(wire::FrameHeader) && h->type == wire::kWrite &&
             (h->flags & wire::kNoAck)) {
           if (auto it = c.pending.find(h->request_id); it != c.pending.end()) {
-            it->second.batch->complete(it->second.index);
+            settle(it->second, "");
             c.pending.erase(it);
-            ring_ = true;
+            c.loop->ring = true;
           }
         }
         c.out.pop_front();
       }
     }
   }
-  bool want = !c.out.empty();
-  if (want != c.want_out) {
-    epoll_event ev{};
-    ev.events = EPOLLIN | (want ? static_cast<uint32_t>(EPOLLOUT) : 0u);
-    ev.data.fd = c.fd;
-    epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, c.fd, &ev);
-    c.want_out = want;
-  }
+  setEvents(c);
 }
 
 void TcpTransport::Impl::closeConn(Conn& c, const std::string& why, bool warn) {
   if (c.fd < 0) return;
+  Loop& l = *c.loop;
   if (c.in == Conn::In::kHello && !c.outbound) --unauthenticated_;
   std::string reason = str("tcp connection to rank ", c.peer, " lost: ", why);
   // A peer that closed or reset the connection (every clean shutdown does) is logged only
   // verbosely: whoever needed it reports a real loss with this reason. Peer faults warn.
   if (c.outbound && !stopped_ && warn) LOG(WARNING) << "moelink " << reason;
   if (c.outbound && !stopped_ && !warn) VLOG(1) << "moelink " << reason;
-  epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
+  epoll_ctl(l.epoll_fd, EPOLL_CTL_DEL, c.fd, nullptr);
   ::close(c.fd);
   c.fd = -1;
-  for (auto& [id, p] : c.pending) p.batch->fail(p.index, reason);
-  if (!c.pending.empty()) ring_ = true;
+  for (auto& [id, p] : c.pending) settle(p, reason);
+  if (!c.pending.empty()) l.ring = true;
   c.pending.clear();
   c.out.clear();
+  if (c.in_session) breakSession(*c.in_session);
   if (c.outbound) {
-    outbound_.erase(c.peer);
+    if (auto it = l.outbound.find(c.peer); it != l.outbound.end() && it->second == &c) l.outbound.erase(it);
     std::lock_guard<std::mutex> g(mu_);
-    dead_[c.peer] = reason;
-    losses_.fetch_add(1, std::memory_order_release);
-    // Fail what was submitted but not yet moved onto the connection.
-    for (auto it = submissions_.begin(); it != submissions_.end();) {
-      if (it->peer == c.peer) {
-        it->pending.batch->fail(it->pending.index, reason);
-        it = submissions_.erase(it);
-      } else {
-        ++it;
+    // The peer is lost for every connection of the current session: the others close too, and
+    // what was submitted but not yet moved onto them fails.
+    auto cur = out_session_.find(c.peer);
+    if (cur != out_session_.end() && cur->second == c.session && !dead_.count(c.peer)) {
+      dead_[c.peer] = reason;
+      losses_.fetch_add(1, std::memory_order_release);
+      for (auto& other : loops_) {
+        for (auto it = other->submissions.begin(); it != other->submissions.end();) {
+          if (it->peer == c.peer) {
+            settle(it->pending, reason);
+            it = other->submissions.erase(it);
+            l.ring = true;
+          } else {
+            ++it;
+          }
+        }
+        if (other.get() != &l) {
+          other->drops.emplace_back(c.peer, c.session, reason);
+          wake(*other);
+        }
       }
     }
   }
-  closed_any_ = true;
+  l.closed_any = true;
 }
 
 }  // namespace moelink::transfer::tcp

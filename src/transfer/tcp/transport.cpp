@@ -6,12 +6,14 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <glog/logging.h>
 
 #include "impl.h"
 #include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/transfer/shm/transport.h"
 #include "moelink/transfer/tcp/socket.h"
 
@@ -19,35 +21,89 @@ namespace moelink::transfer::tcp {
 
 using namespace std::chrono;
 
+TcpTuning TcpTuning::fromEnv() {
+  TcpTuning t;
+  cpu_set_t cpus;
+  const int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  t.streams = static_cast<int>(settings::numberIfSet("MOELINK_TCP_STREAMS").value_or(ncpu >= 8 ? 4 : 1));
+  t.stripe_bytes = settings::number("MOELINK_TCP_STRIPE_BYTES");
+  return t;
+}
+
+void settle(Pending& p, const std::string& why) {
+  if (!p.stripe) {
+    if (why.empty())
+      p.batch->complete(p.index);
+    else
+      p.batch->fail(p.index, why);
+    return;
+  }
+  StripeSend& s = *p.stripe;
+  if (!why.empty()) {
+    std::lock_guard<std::mutex> g(s.mu);
+    if (s.why.empty()) s.why = why;
+  }
+  if (s.left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  std::string failed;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    failed = s.why;
+  }
+  if (failed.empty())
+    p.batch->complete(p.index);
+  else
+    p.batch->fail(p.index, failed);
+}
+
 TcpTransport::Impl::Impl(int rank, int world, uint64_t secret, LocalSegments& segs, milliseconds timeout,
-                         std::function<void()> ring_local, const std::string& listen_ip)
-    : rank_(rank), world_(world), secret_(secret), segs_(segs), timeout_(timeout), ring_local_(std::move(ring_local)) {
+                         std::function<void()> ring_local, const std::string& listen_ip, const TcpTuning& tuning)
+    : rank_(rank), world_(world), secret_(secret), segs_(segs), timeout_(timeout), tuning_(tuning),
+      ring_local_(std::move(ring_local)) {
+  MOELINK_CHECK(tuning_.streams >= 1 && tuning_.streams <= kMaxStreams, "tcp streams must be 1..", kMaxStreams,
+                ", got ", tuning_.streams);
+  MOELINK_CHECK(tuning_.stripe_bytes >= 1, "tcp stripe size must be at least 1 byte");
   listen(listen_ip.empty() ? advertisedIp() : listen_ip);
   spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   setNonBlocking(listen_fd_);
-  epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
-  MOELINK_SYSCHECK(epoll_fd_, "epoll_create1");
-  event_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  MOELINK_SYSCHECK(event_fd_, "eventfd");
-  addToEpoll(listen_fd_, EPOLLIN);
-  addToEpoll(event_fd_, EPOLLIN);
-  thread_ = std::thread([this] { loop(); });
+  for (int i = 0; i < tuning_.streams; ++i) {
+    auto l = std::make_unique<Loop>();
+    l->index = i;
+    l->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    MOELINK_SYSCHECK(l->epoll_fd, "epoll_create1");
+    l->event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    MOELINK_SYSCHECK(l->event_fd, "eventfd");
+    addToEpoll(*l, l->event_fd, EPOLLIN);
+    loops_.push_back(std::move(l));
+  }
+  addToEpoll(*loops_[0], listen_fd_, EPOLLIN);
+  for (auto& l : loops_) l->thread = std::thread([this, lp = l.get()] { loop(*lp); });
 }
 
 void TcpTransport::Impl::shutdown() {
   if (stopped_.exchange(true)) return;
-  wake();
-  if (thread_.joinable()) thread_.join();
-  for (auto& [fd, c] : conns_) closeConn(*c, "transport shut down", false);
-  conns_.clear();
-  std::lock_guard<std::mutex> g(mu_);
-  for (auto& s : submissions_) s.pending.batch->fail(s.pending.index, "tcp transport shut down");
-  submissions_.clear();
+  for (auto& l : loops_) wake(*l);
+  for (auto& l : loops_)
+    if (l->thread.joinable()) l->thread.join();
+  for (auto& l : loops_) {
+    for (auto& [fd, c] : l->conns) closeConn(*c, "transport shut down", false);
+    l->conns.clear();
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& l : loops_) {
+      for (auto& s : l->submissions) settle(s.pending, "tcp transport shut down");
+      l->submissions.clear();
+      for (auto& c : l->adopted) ::close(c->fd);  // connected, never driven
+      l->adopted.clear();
+    }
+  }
   ::close(listen_fd_);
   if (spare_fd_ >= 0) ::close(spare_fd_);
   spare_fd_ = -1;
-  ::close(epoll_fd_);
-  ::close(event_fd_);
+  for (auto& l : loops_) {
+    ::close(l->epoll_fd);
+    ::close(l->event_fd);
+  }
 }
 
 // Why the connection to `peer` broke ("" while it has not).
@@ -57,22 +113,26 @@ std::string TcpTransport::Impl::lostReason(int peer) {
   return it == dead_.end() ? std::string() : it->second;
 }
 
-// Caller's thread: the progress thread closes the old outbound connection (a cut link may
-// not have broken it); the next open() connects again.
+// Caller's thread: the progress threads close the old outbound connections (a cut link may
+// not have broken them); the next open() connects again.
 void TcpTransport::Impl::forget(int peer) {
   std::lock_guard<std::mutex> og(open_mu_);
   std::lock_guard<std::mutex> g(mu_);
   connected_.erase(peer);
   dead_.erase(peer);
-  forgotten_.push_back(peer);
+  auto it = out_session_.find(peer);
+  if (it != out_session_.end()) {
+    for (auto& l : loops_) {
+      l->drops.emplace_back(peer, it->second, "");
+      wake(*l);
+    }
+    out_session_.erase(it);
+  }
+  next_number_.erase(peer);
   losses_.fetch_add(1, std::memory_order_release);  // pollers re-read lostReason()
-  wake();
 }
 
 void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch, size_t index) {
-  Submission s;
-  s.peer = req.peer;
-  s.pending = Pending{batch, index, req.op, req.local, req.length};
   wire::FrameHeader h{};
   h.type = req.op == Opcode::kWrite ? wire::kWrite : wire::kRead;
   h.segment = req.segment;
@@ -80,8 +140,9 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
             (req.no_ack && req.op == Opcode::kWrite ? static_cast<uint32_t>(wire::kNoAck) : 0u);
   h.offset = req.offset;
   h.length = req.length;
-  s.frame = makeFrame(h, req.op == Opcode::kWrite ? req.local : nullptr,
-                      req.op == Opcode::kWrite ? req.length : 0);
+  const int lanes = static_cast<int>(loops_.size());
+  const bool striped = req.op == Opcode::kWrite && lanes > 1 && req.length >= tuning_.stripe_bytes &&
+                       req.length >= 2 * kMinPart;
   std::lock_guard<std::mutex> g(mu_);
   if (auto it = dead_.find(req.peer); it != dead_.end()) {
     batch->fail(index, it->second);
@@ -91,13 +152,46 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
     batch->fail(index, "tcp transport shut down");
     return;
   }
-  submissions_.push_back(std::move(s));
-  if (submissions_.size() == 1) wake();
+  // Numbered in submission order: the receiver applies requests in this order.
+  h.request_id = ++next_number_[req.peer];
+  if (!striped) {
+    Submission s{req.peer, Pending{batch, index, req.op, req.local, req.length, nullptr},
+                 makeFrame(h, req.op == Opcode::kWrite ? req.local : nullptr,
+                           req.op == Opcode::kWrite ? req.length : 0)};
+    Loop& l = *loops_[0];
+    l.submissions.push_back(std::move(s));
+    if (l.submissions.size() == 1) wake(l);
+    return;
+  }
+  // Equal parts of whole 4 KiB pages (the last takes the rest), each on its own lane, starting
+  // from a rotating lane so that writes of fewer parts than lanes spread.
+  const int parts = static_cast<int>(std::min<uint64_t>(lanes, req.length / kMinPart));
+  const uint64_t per = (req.length / parts + 4095) / 4096 * 4096;
+  auto shared = std::make_shared<StripeSend>(parts);
+  h.type = wire::kWritePart;
+  h.flags &= ~static_cast<uint32_t>(wire::kNoAck);  // each part is acknowledged
+  const int first = static_cast<int>(stripe_turn_++ % static_cast<uint64_t>(lanes));
+  for (int k = 0; k < parts; ++k) {
+    const uint64_t off = per * static_cast<uint64_t>(k);
+    const uint64_t len = k + 1 == parts ? req.length - off : std::min(per, req.length - off);
+    wire::FrameHeader ph = h;
+    ph.length = len;
+    Submission s{req.peer, Pending{batch, index, req.op, req.local, req.length, shared},
+                 makeFrame(ph, static_cast<const char*>(req.local) + off, len)};
+    wire::PartHeader ext{req.length, off};
+    std::memcpy(s.frame.head + s.frame.head_len, &ext, sizeof ext);
+    s.frame.head_len += sizeof ext;
+    Loop& l = *loops_[(first + k) % lanes];
+    l.submissions.push_back(std::move(s));
+    if (l.submissions.size() == 1) wake(l);
+  }
 }
 
 TcpTransport::TcpTransport(int rank, int world_size, uint64_t secret, LocalSegments& segments,
-                           milliseconds connect_timeout, std::function<void()> ring_local, const std::string& ip)
-    : impl_(std::make_unique<Impl>(rank, world_size, secret, segments, connect_timeout, std::move(ring_local), ip)) {}
+                           milliseconds connect_timeout, std::function<void()> ring_local, const std::string& ip,
+                           const TcpTuning& tuning)
+    : impl_(std::make_unique<Impl>(rank, world_size, secret, segments, connect_timeout, std::move(ring_local), ip,
+                                   tuning)) {}
 
 TcpTransport::~TcpTransport() = default;
 
@@ -114,6 +208,8 @@ void TcpTransport::post(const TransferRequest& req, const RemoteSegment&, const 
 }
 
 std::string TcpTransport::address() const { return impl_->address(); }
+
+int TcpTransport::streams() const { return impl_->streams(); }
 
 std::string TcpTransport::lostReason(int peer) const { return impl_->lostReason(peer); }
 

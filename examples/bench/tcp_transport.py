@@ -1,0 +1,71 @@
+"""The tcp transport's own bandwidth over loopback, by number of streams: the ceiling that the
+collectives' numbers over tcp (host route, CPU tensors) are read against.
+
+    python examples/bench/tcp_transport.py [--streams 1,2,4,8] [--max-bytes 268435456] [--out tcp.png]
+
+Runs build/moelink_tcp_bench (two transfer engines in one process, tcp forced, listening on
+127.0.0.1): for each number of streams (MOELINK_TCP_STREAMS: connections and progress threads per
+peer) and write size, the median time of one write until its acknowledgement, one way and both
+ways at once (each engine writing to the other; GB/s per direction). Prints the table and writes a
+PNG.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import save_plot  # noqa: E402
+
+
+def fmt_bytes(b):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024:
+            return f"{b:g} {unit}"
+        b /= 1024
+    return f"{b:g} TiB"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", default="1,2,4,8")
+    ap.add_argument("--min-bytes", type=int, default=1 << 20)
+    ap.add_argument("--max-bytes", type=int, default=256 << 20)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--build", default=os.path.join(HERE, "..", "..", "build"))
+    ap.add_argument("--out", default="tcp_transport.png")
+    args = ap.parse_args()
+    exe = os.path.join(args.build, "moelink_tcp_bench")
+    if not os.path.exists(exe):
+        raise SystemExit(f"{exe} not found: build the project first (scripts/install.sh or cmake)")
+    out = subprocess.run([exe, "--streams", args.streams, "--min-bytes", str(args.min_bytes), "--max-bytes",
+                          str(args.max_bytes), "--iters", str(args.iters)], check=True, capture_output=True, text=True)
+    rows = [(int(s), int(b), float(o), float(t)) for s, b, o, t in (line.split() for line in out.stdout.splitlines())]
+    print(f"# tcp transport over loopback, {os.cpu_count()} cores: GB/s of one write (median of up to "
+          f"{args.iters}), one way and each way while the peer writes back")
+    print(f"{'streams':>8}{'size':>10}{'one way':>10}{'both ways':>11}")
+    for s, b, o, t in rows:
+        print(f"{s:>8}{fmt_bytes(b):>10}{o:10.2f}{t:11.2f}")
+
+    def draw(plt):
+        fig, ax = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+        for k, title in ((2, "one way"), (3, "both ways (each)")):
+            a = ax[k - 2]
+            for s in sorted({r[0] for r in rows}):
+                r = [x for x in rows if x[0] == s]
+                a.semilogx([x[1] for x in r], [x[k] for x in r], "o-", label=f"{s} stream(s)")
+            a.set_title(title)
+            a.set_xlabel("bytes per write")
+            a.grid(True, which="both", alpha=0.3)
+        ax[0].set_ylabel("GB/s")
+        ax[0].legend()
+        fig.suptitle("moelink tcp transport over loopback")
+        return fig
+
+    save_plot(draw, args.out)
+
+
+if __name__ == "__main__":
+    main()

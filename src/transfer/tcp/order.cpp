@@ -1,0 +1,208 @@
+// The receive side's order across one sender's connections (impl.h, Session): requests on the
+// primary take their turn after every earlier request of the sender, striped writes land on the
+// lanes as their parts arrive, and a primary whose turn has not come waits parked (not reading
+// its socket) until the lane that completes the missing write wakes its loop.
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <glog/logging.h>
+
+#include "impl.h"
+#include "moelink/common/error.h"
+
+namespace moelink::transfer::tcp {
+
+namespace {
+
+// Moves the frontier over the striped writes that have fully landed right above it.
+void advance(Session& s) {
+  for (;;) {
+    auto it = s.stripes.begin();
+    while (it != s.stripes.end() && it->first <= s.frontier) it = s.stripes.erase(it);
+    if (it == s.stripes.end() || it->first != s.frontier + 1) return;
+    const Session::Stripe& st = it->second;
+    if (st.claimed != st.total || st.left != 0) return;
+    s.frontier = it->first;
+    s.stripes.erase(it);
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Session> TcpTransport::Impl::sessionFor(int peer, uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto it = sessions_.begin(); it != sessions_.end();)
+    it = it->second.expired() ? sessions_.erase(it) : std::next(it);
+  auto& weak = sessions_[{peer, id}];
+  if (auto s = weak.lock()) return s;
+  auto s = std::make_shared<Session>(peer, id);
+  weak = s;
+  return s;
+}
+
+void TcpTransport::Impl::breakSession(Session& s) {
+  Loop* wake_loop = nullptr;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    if (s.broken) return;
+    s.broken = true;
+    if (s.waits_for) wake_loop = s.primary;
+  }
+  if (wake_loop) wake(*wake_loop);
+}
+
+bool TcpTransport::Impl::takeTurn(Conn& c) {
+  Session& s = *c.in_session;
+  const uint64_t n = c.cur.request_id;
+  std::string error;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    if (s.broken) {
+      error = "another connection of its session broke";
+    } else if (n <= s.frontier) {
+      error = str("request number ", n, " after ", s.frontier, " (numbers only grow)");
+    }
+    // Numbers it skips are striped writes, whose parts may still be on their way: it waits for
+    // them (a sender that skipped numbers it never sends only stalls its own session).
+    if (error.empty()) {
+      if (n - 1 == s.frontier) {
+        s.frontier = n;
+        s.waits_for = 0;
+        advance(s);
+        return true;
+      }
+      s.waits_for = n - 1;
+    }
+  }
+  if (!error.empty()) {
+    protocolError(c, error);
+    return false;
+  }
+  c.in = Conn::In::kOrder;
+  c.loop->waiting.push_back(&c);
+  setEvents(c);
+  return false;
+}
+
+void TcpTransport::Impl::resumeWaiting(Loop& l) {
+  if (l.waiting.empty()) return;
+  std::vector<Conn*> waiting;
+  waiting.swap(l.waiting);
+  for (Conn* c : waiting) {
+    if (c->fd < 0 || c->in != Conn::In::kOrder) continue;
+    Session& s = *c->in_session;
+    const uint64_t n = c->cur.request_id;
+    bool go = false, broken = false;
+    {
+      std::lock_guard<std::mutex> g(s.mu);
+      broken = s.broken;
+      if (!broken && n - 1 == s.frontier) {
+        s.frontier = n;
+        s.waits_for = 0;
+        advance(s);
+        go = true;
+      }
+    }
+    if (broken) {
+      closeConn(*c, "another connection of its session broke", false);
+      continue;
+    }
+    if (!go) {
+      l.waiting.push_back(c);
+      continue;
+    }
+    c->in = Conn::In::kHeader;
+    setEvents(*c);
+    if (!startFrame(*c)) continue;
+    if (!consumeBuffered(*c)) continue;
+    readConn(*c);
+  }
+}
+
+bool TcpTransport::Impl::startPart(Conn& c) {
+  Session& s = *c.in_session;
+  const wire::FrameHeader& h = c.cur;
+  const wire::PartHeader& p = c.part;
+  std::string error;
+  char* dst = nullptr;
+  bool ok = false;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    if (s.broken) {
+      error = "another connection of its session broke";
+    } else if (h.request_id <= s.frontier) {
+      error = str("a part of request ", h.request_id, ", which has been applied");
+    } else if (p.part_offset > p.total || h.length > p.total - p.part_offset) {
+      error = str("a part of ", h.length, " bytes at ", p.part_offset, " of a ", p.total, "-byte write");
+    } else {
+      auto it = s.stripes.find(h.request_id);
+      if (it == s.stripes.end()) {
+        if (s.stripes.size() >= kMaxStripesInFlight) {
+          error = str("more than ", kMaxStripesInFlight, " striped writes in flight");
+        } else {
+          Session::Stripe st;
+          st.segment = h.segment;
+          st.offset = h.offset;
+          st.total = st.left = p.total;
+          st.flags = h.flags;
+          st.base = static_cast<char*>(segs_.resolveIncomingWrite(h.segment, h.offset, p.total));
+          if (!st.base)
+            LOG(WARNING) << "moelink tcp: rank " << c.peer << " wrote " << p.total << " bytes at offset "
+                         << h.offset << " of segment " << h.segment << ", outside every registered segment; rejected";
+          it = s.stripes.emplace(h.request_id, st).first;
+        }
+      } else if (it->second.segment != h.segment || it->second.offset != h.offset || it->second.total != p.total) {
+        error = str("parts of request ", h.request_id, " name different writes");
+      }
+      if (error.empty()) {
+        Session::Stripe& st = it->second;
+        if (h.length > st.total - st.claimed) {
+          error = str("parts of request ", h.request_id, " add up to more than its ", st.total, " bytes");
+        } else {
+          st.claimed += h.length;
+          ok = st.base != nullptr;
+          dst = ok ? st.base + p.part_offset : nullptr;
+        }
+      }
+    }
+  }
+  if (!error.empty()) return protocolError(c, error);
+  c.dst = dst;
+  c.reply_status = ok ? wire::kOk : wire::kOutOfBounds;
+  c.signal = false;
+  c.remaining = h.length;
+  c.in = Conn::In::kPayload;
+  if (c.remaining == 0) finishPayload(c);
+  return true;
+}
+
+void TcpTransport::Impl::finishPart(Conn& c) {
+  Session& s = *c.in_session;
+  const wire::FrameHeader& h = c.cur;
+  Loop* wake_loop = nullptr;
+  bool notify = false;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    auto it = s.stripes.find(h.request_id);
+    if (it != s.stripes.end()) {
+      Session::Stripe& st = it->second;
+      st.left -= std::min(st.left, h.length);
+      if (st.left == 0 && st.claimed == st.total) {
+        notify = (st.flags & wire::kNotify) && st.base;
+        advance(s);
+        if (s.waits_for && s.frontier >= s.waits_for && s.primary != c.loop) wake_loop = s.primary;
+      }
+    }
+  }
+  if (notify) c.loop->ring = true;
+  // The primary on this loop (streams of one lane per loop share loop 0) resumes in this pass.
+  if (wake_loop) wake(*wake_loop);
+  wire::FrameHeader a = h;
+  a.type = wire::kWriteAck;
+  a.status = c.reply_status;
+  a.flags = 0;
+  c.out.push_back(makeFrame(a, nullptr, 0));
+  c.reply_status = wire::kOk;
+}
+
+}  // namespace moelink::transfer::tcp

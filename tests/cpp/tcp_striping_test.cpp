@@ -1,0 +1,362 @@
+// The tcp transport with several streams per peer: large writes striped over them, the order of
+// everything else kept across them, and a sender that speaks the lanes' protocol by hand (parts
+// forged, a lane cut) never corrupting memory or hanging a peer.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <tuple>
+
+#include <gtest/gtest.h>
+
+#include "moelink/transfer/tcp/socket.h"
+#include "moelink/transfer/tcp/transport.h"
+#include "moelink/transfer/transfer_engine.h"
+#include "test_support.h"
+
+using namespace moelink::transfer;
+using moelink::testing::pattern;
+using moelink::testing::runRanks;
+using namespace std::chrono;
+namespace w = moelink::transfer::tcp::wire;
+
+namespace {
+
+EngineOptions striped(int rank, int world, int streams, uint64_t stripe_bytes = 128 << 10) {
+  EngineOptions o;
+  o.rank = rank;
+  o.world_size = world;
+  o.transport = "tcp";
+  o.timeout = seconds(30);
+  o.tcp_tuning = tcp::TcpTuning{streams, stripe_bytes};
+  return o;
+}
+
+class StripedWrites : public ::testing::TestWithParam<std::tuple<int, int, uint64_t>> {};
+
+// Every rank writes its pattern into its right neighbour's segment in one write (striped when
+// large enough), then reads it back, at sizes around the part boundaries.
+TEST_P(StripedWrites, LandWhole) {
+  auto [streams, world, bytes] = GetParam();
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(world, [&, streams = streams, world = world, bytes = bytes](int rank) {
+    TransferEngine engine(store, striped(rank, world, streams));
+    char* seg = static_cast<char*>(engine.allocateSegment(7, bytes + 64));
+    std::vector<char> mine(bytes), back(bytes, 0);
+    for (uint64_t i = 0; i < bytes; ++i) mine[i] = static_cast<char>(pattern(rank, i));
+    const int right = (rank + 1) % world, left = (rank + world - 1) % world;
+    engine.openSegment(right, 7);
+    auto b = engine.submit({{Opcode::kWrite, mine.data(), right, 7, 64, bytes}});
+    ASSERT_TRUE(b->wait(seconds(60)));
+    ASSERT_FALSE(b->failed()) << b->error();
+    storeBarrier(*store, "written", world, seconds(60));
+    for (uint64_t i = 0; i < 64; ++i) ASSERT_EQ(seg[i], 0) << "byte " << i << " before the write";
+    for (uint64_t i = 0; i < bytes; ++i) ASSERT_EQ(static_cast<uint8_t>(seg[64 + i]), pattern(left, i)) << "byte " << i;
+    auto rd = engine.submit({{Opcode::kRead, back.data(), right, 7, 64, bytes}});
+    ASSERT_TRUE(rd->wait(seconds(60)));
+    ASSERT_FALSE(rd->failed()) << rd->error();
+    ASSERT_EQ(0, std::memcmp(back.data(), mine.data(), bytes));
+    storeBarrier(*store, "read", world, seconds(60));
+  });
+}
+
+std::string stripedName(const ::testing::TestParamInfo<StripedWrites::ParamType>& info) {
+  return "s" + std::to_string(std::get<0>(info.param)) + "_w" + std::to_string(std::get<1>(info.param)) + "_b" +
+         std::to_string(std::get<2>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, StripedWrites,
+                         ::testing::Combine(::testing::Values(2, 4, 16), ::testing::Values(2, 3),
+                                            ::testing::Values((128ull << 10) - 1, 128ull << 10, (128ull << 10) + 1,
+                                                              (1ull << 20) + 4095, 16ull << 20)),
+                         stripedName);
+
+// A signal written after a striped write is applied after all of its parts: the receiver that
+// sees the signal sees every byte of the data, round after round (the sender rewrites the
+// buffer only after the receiver's credit, as the engine's callers do).
+TEST(TcpStriping, SignalAfterStripedWriteSeesAllData) {
+  constexpr uint64_t kBytes = 3 << 20;
+  constexpr int kRounds = 60;
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    TransferEngine engine(store, striped(rank, 2, 4, 64 << 10));
+    char* seg = static_cast<char*>(engine.allocateSegment(3, kBytes + 64));
+    storeBarrier(*store, "alloc", 2, seconds(10));
+    engine.openSegment(1 - rank, 3);
+    auto* signal = reinterpret_cast<uint64_t*>(seg + kBytes);
+    auto* credit = reinterpret_cast<uint64_t*>(seg + kBytes + 8);
+    std::vector<char> data(kBytes);
+    uint64_t word = 0;
+    for (int r = 1; r <= kRounds; ++r) {
+      if (rank == 0) {
+        const auto deadline = steady_clock::now() + seconds(30);
+        while (__atomic_load_n(credit, __ATOMIC_ACQUIRE) != static_cast<uint64_t>(r - 1))
+          ASSERT_LT(steady_clock::now(), deadline) << "no credit for round " << r;
+        std::memset(data.data(), r, kBytes);
+        word = r;
+        // Data and signal in one batch in even rounds, in two batches in odd ones.
+        if (r % 2 == 0) {
+          auto b = engine.submit({{Opcode::kWrite, data.data(), 1, 3, 0, kBytes},
+                                  {Opcode::kWrite, &word, 1, 3, kBytes, 8, true}});
+          ASSERT_TRUE(b->wait(seconds(30)));
+          ASSERT_FALSE(b->failed()) << b->error();
+        } else {
+          auto b1 = engine.submit({{Opcode::kWrite, data.data(), 1, 3, 0, kBytes}});
+          auto b2 = engine.submit({{Opcode::kWrite, &word, 1, 3, kBytes, 8, true}});
+          ASSERT_TRUE(b1->wait(seconds(30)) && b2->wait(seconds(30)));
+          ASSERT_FALSE(b1->failed() || b2->failed()) << b1->error() << b2->error();
+        }
+      } else {
+        const auto deadline = steady_clock::now() + seconds(30);
+        while (__atomic_load_n(signal, __ATOMIC_ACQUIRE) != static_cast<uint64_t>(r))
+          ASSERT_LT(steady_clock::now(), deadline) << "no signal for round " << r;
+        for (uint64_t i = 0; i < kBytes; ++i)
+          ASSERT_EQ(static_cast<uint8_t>(seg[i]), static_cast<uint8_t>(r)) << "round " << r << " byte " << i;
+        word = r;
+        auto b = engine.submit({{Opcode::kWrite, &word, 0, 3, kBytes + 8, 8}});
+        ASSERT_TRUE(b->wait(seconds(30)));
+        ASSERT_FALSE(b->failed()) << b->error();
+      }
+    }
+    storeBarrier(*store, "done", 2, seconds(30));
+  });
+}
+
+// Receive redirection covers the whole striped write: every part lands at the destination.
+TEST(TcpStriping, ExpectedStripedWriteLandsAtDestination) {
+  constexpr uint64_t kBytes = 1 << 20;
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    TransferEngine engine(store, striped(rank, 2, 4, 64 << 10));
+    char* seg = static_cast<char*>(engine.allocateSegment(4, 2 * kBytes));
+    storeBarrier(*store, "alloc", 2, seconds(10));
+    engine.openSegment(1 - rank, 4);
+    std::vector<char> dest(kBytes, 0);
+    if (rank == 1) engine.expectWrite(4, kBytes, dest.data(), dest.size());
+    storeBarrier(*store, "expected", 2, seconds(10));
+    if (rank == 0) {
+      std::vector<char> a(kBytes);
+      for (uint64_t i = 0; i < kBytes; ++i) a[i] = static_cast<char>(pattern(0, i));
+      auto b = engine.submit({{Opcode::kWrite, a.data(), 1, 4, kBytes, kBytes}});
+      ASSERT_TRUE(b->wait(seconds(10)));
+      ASSERT_FALSE(b->failed()) << b->error();
+    }
+    storeBarrier(*store, "written", 2, seconds(10));
+    if (rank == 1) {
+      EXPECT_EQ(engine.claimExpected(4, kBytes), dest.data());
+      for (uint64_t i = 0; i < kBytes; ++i) ASSERT_EQ(static_cast<uint8_t>(dest[i]), pattern(0, i)) << "byte " << i;
+      for (uint64_t i = 0; i < 2 * kBytes; ++i) ASSERT_EQ(seg[i], 0) << "the segment got byte " << i;
+    }
+  });
+}
+
+// A striped write outside the receiver's segment fails with the receiver's reason, touches
+// nothing, and the pair keeps working.
+TEST(TcpStriping, OutOfBoundsStripedWriteFails) {
+  auto store = std::make_shared<InProcessStore>();
+  auto e0 = std::make_unique<TransferEngine>(store, striped(0, 2, 4, 64 << 10));
+  auto e1 = std::make_unique<TransferEngine>(store, striped(1, 2, 4, 64 << 10));
+  std::vector<char> big(4 << 20, 0), small(1 << 20, 0);
+  e1->registerSegment(1, big.data(), big.size());
+  e0->allocateSegment(1, 64);
+  e0->openSegment(1, 1);
+  e1->unregisterSegment(1);
+  e1->registerSegment(1, small.data(), small.size());  // smaller than what rank 0 opened
+  std::vector<char> buf(2 << 20, 9);
+  auto b = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, buf.size()}});
+  ASSERT_TRUE(b->wait(seconds(10)));
+  EXPECT_TRUE(b->failed());
+  EXPECT_NE(b->error().find("rejected a write"), std::string::npos) << b->error();
+  for (char c : small) ASSERT_EQ(c, 0);
+  auto ok = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, small.size()}});
+  ASSERT_TRUE(ok->wait(seconds(10)));
+  EXPECT_FALSE(ok->failed()) << ok->error();
+  EXPECT_EQ(small[0], 9);
+  EXPECT_EQ(small.back(), 9);
+}
+
+// A peer that goes away fails requests on every stream, promptly, and never hangs one.
+TEST(TcpStriping, PeerGoingAwayFailsStripedRequests) {
+  auto store = std::make_shared<InProcessStore>();
+  auto e0 = std::make_unique<TransferEngine>(store, striped(0, 2, 4, 64 << 10));
+  auto e1 = std::make_unique<TransferEngine>(store, striped(1, 2, 4, 64 << 10));
+  e0->allocateSegment(1, 8 << 20);
+  e1->allocateSegment(1, 8 << 20);
+  e0->openSegment(1, 1);
+  std::vector<char> buf(8 << 20, 1);
+  auto ok = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, buf.size()}});
+  ASSERT_TRUE(ok->wait(seconds(10)));
+  ASSERT_FALSE(ok->failed()) << ok->error();
+  e1.reset();
+  bool failed = false;
+  for (int i = 0; i < 50 && !failed; ++i) {
+    auto b = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, buf.size()}, {Opcode::kWrite, buf.data(), 1, 1, 0, 8}});
+    ASSERT_TRUE(b->wait(seconds(10))) << "a request to a departed peer hung";
+    failed = b->failed();
+    if (failed) {
+      EXPECT_NE(b->error().find("rank 1"), std::string::npos) << b->error();
+    }
+  }
+  EXPECT_TRUE(failed);
+  EXPECT_NE(e0->lostReason(1), "");
+}
+
+// ---- By hand: a client that presents the secret and speaks the lanes' protocol ----
+
+int connectTo(const std::string& address) {
+  sockaddr_in a = tcp::parseAddress(address);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+bool readFor(int fd, void* p, size_t n, int ms) {
+  char* c = static_cast<char*>(p);
+  while (n) {
+    pollfd pf{fd, POLLIN, 0};
+    if (poll(&pf, 1, ms) <= 0) return false;
+    ssize_t r = recv(fd, c, n, 0);
+    if (r <= 0) return false;
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// A connection of rank 1 (lane `lane` of session `session`), or -1.
+int handshake(TransferEngine& engine, int lane, uint64_t session) {
+  int fd = connectTo(engine.tcpAddress());
+  w::Hello h{w::kHelloMagic, engine.secret(), 1, lane, session};
+  uint64_t reply = 0;
+  if (fd < 0 || send(fd, &h, sizeof h, 0) != static_cast<ssize_t>(sizeof h) || !readFor(fd, &reply, 8, 5000) ||
+      reply != w::kHelloMagic) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+void sendWrite(int fd, uint64_t number, uint64_t offset, const std::string& payload) {
+  w::FrameHeader h{w::kWrite, 0, number, 3, 0, offset, payload.size()};
+  send(fd, &h, sizeof h, MSG_NOSIGNAL);
+  send(fd, payload.data(), payload.size(), MSG_NOSIGNAL);
+}
+
+void sendPart(int fd, uint64_t number, uint64_t offset, uint64_t total, uint64_t part_offset,
+              const std::string& payload) {
+  w::FrameHeader h{w::kWritePart, 0, number, 3, 0, offset, payload.size()};
+  w::PartHeader p{total, part_offset};
+  send(fd, &h, sizeof h, MSG_NOSIGNAL);
+  send(fd, &p, sizeof p, MSG_NOSIGNAL);
+  send(fd, payload.data(), payload.size(), MSG_NOSIGNAL);
+}
+
+bool closedWithin(int fd, int ms) {
+  const auto deadline = steady_clock::now() + milliseconds(ms);
+  char sink[256];
+  while (steady_clock::now() < deadline) {
+    pollfd pf{fd, POLLIN, 0};
+    if (poll(&pf, 1, 50) <= 0) continue;
+    ssize_t r = recv(fd, sink, sizeof sink, 0);
+    if (r == 0 || (r < 0 && errno != EINTR && errno != EAGAIN)) return true;
+  }
+  return false;
+}
+
+// The primary's request 2 waits for request 1, a striped write whose parts come on two lanes:
+// it lands only after both parts did, whichever order they come in.
+TEST(TcpStriping, PrimaryWaitsForEarlierStripedWrite) {
+  auto store = std::make_shared<InProcessStore>();
+  TransferEngine engine(store, striped(0, 2, 3));
+  char* seg = static_cast<char*>(engine.allocateSegment(3, 4096));
+  const uint64_t session = 991;
+  int primary = handshake(engine, 0, session), lane1 = handshake(engine, 1, session),
+      lane2 = handshake(engine, 2, session);
+  ASSERT_GE(primary, 0);
+  ASSERT_GE(lane1, 0);
+  ASSERT_GE(lane2, 0);
+  sendWrite(primary, 2, 1000, "SIGNAL!!");  // after request 1 (parts at 0..15)
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_EQ(seg[1000], 0) << "request 2 landed before request 1";
+  sendPart(lane2, 1, 0, 16, 8, "BBBBBBBB");
+  w::FrameHeader ack{};
+  ASSERT_TRUE(readFor(lane2, &ack, sizeof ack, 5000));
+  EXPECT_EQ(ack.type, w::kWriteAck);
+  EXPECT_EQ(ack.request_id, 1u);
+  EXPECT_EQ(ack.status, w::kOk);
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_EQ(seg[1000], 0) << "request 2 landed before all of request 1";
+  EXPECT_EQ(seg[8], 'B');
+  sendPart(lane1, 1, 0, 16, 0, "AAAAAAAA");
+  ASSERT_TRUE(readFor(lane1, &ack, sizeof ack, 5000));
+  ASSERT_TRUE(readFor(primary, &ack, sizeof ack, 5000)) << "request 2 never applied";
+  EXPECT_EQ(ack.request_id, 2u);
+  EXPECT_EQ(ack.status, w::kOk);
+  EXPECT_EQ(std::string(seg, 16), "AAAAAAAABBBBBBBB");
+  EXPECT_EQ(std::string(seg + 1000, 8), "SIGNAL!!");
+  close(primary);
+  close(lane1);
+  close(lane2);
+}
+
+// Forged parts: each closes its connection (and the waiting primary of its session) without
+// touching memory outside what the write named.
+TEST(TcpStriping, ForgedPartsCloseTheSession) {
+  auto store = std::make_shared<InProcessStore>();
+  TransferEngine engine(store, striped(0, 2, 2));
+  char* seg = static_cast<char*>(engine.allocateSegment(3, 4096));
+  uint64_t session = 5000;
+  auto attempt = [&](const std::function<void(int)>& forge) {
+    ++session;
+    int primary = handshake(engine, 0, session), lane = handshake(engine, 1, session);
+    EXPECT_GE(primary, 0);
+    EXPECT_GE(lane, 0);
+    sendWrite(primary, 3, 2000, "PARKED!!");  // waits for requests 1 and 2
+    forge(lane);
+    EXPECT_TRUE(closedWithin(lane, 5000)) << "the lane with a forged part stayed open";
+    EXPECT_TRUE(closedWithin(primary, 5000)) << "the waiting primary of a broken session stayed open";
+    close(primary);
+    close(lane);
+  };
+  // A part past the write's end.
+  attempt([](int lane) { sendPart(lane, 1, 0, 16, 12, "XXXXXXXX"); });
+  // Parts adding up to more than the write.
+  attempt([](int lane) {
+    sendPart(lane, 1, 0, 16, 0, std::string(16, 'Y'));
+    sendPart(lane, 1, 0, 16, 0, "YYYYYYYY");
+  });
+  // Parts of one request naming different writes.
+  attempt([](int lane) {
+    sendPart(lane, 1, 0, 16, 0, "ZZZZZZZZ");
+    sendPart(lane, 1, 64, 16, 8, "ZZZZZZZZ");
+  });
+  // A plain write on a lane.
+  attempt([](int lane) { sendWrite(lane, 1, 0, "WWWWWWWW"); });
+  for (int i = 16; i < 4096; ++i) {
+    ASSERT_EQ(seg[i], 0) << "byte " << i << " changed";
+  }
+  EXPECT_EQ(seg[2000], 0) << "a parked request of a broken session landed";
+  // A lane that goes away breaks its session too: its waiting primary closes.
+  ++session;
+  int primary = handshake(engine, 0, session), lane = handshake(engine, 1, session);
+  ASSERT_GE(primary, 0);
+  ASSERT_GE(lane, 0);
+  sendWrite(primary, 2, 3000, "PARKED!!");
+  std::this_thread::sleep_for(milliseconds(50));
+  close(lane);
+  EXPECT_TRUE(closedWithin(primary, 5000));
+  close(primary);
+  EXPECT_EQ(seg[3000], 0);
+}
+
+}  // namespace
