@@ -10,6 +10,8 @@
 #   bash scripts/gpu-run.sh list                 # the table
 #
 # Env: GPUS (ranks of cudabench/cudasmall/benchnormal, default 2), ITERS (benchmark iterations),
+# STREAMS (the MOELINK_TCP_STREAMS values cpubench and cudabenchhost sweep, default "1 default"),
+# MINB / MAXB (their smallest and largest sizes, default 4 MiB and 256 MiB),
 # TRACE=1 (phase breakdown in bench4), NK / CK (pytest -k filters for the normal / cudatest stages), EPT (EP
 # timeout in us for the EP tests), STAGE_TIMEOUT (seconds, overrides every stage's own).
 # MOELINK_TEST_SHARE_GPU=1 runs the multi-GPU tests as processes sharing one GPU.
@@ -130,19 +132,22 @@ stage_cudasweep() {
       --out "$OUT/sweep${GPUS:-2}-lamport$l.png"
   done
 }
+sweep_sizes() { echo --min-bytes "${MINB:-$((4 << 20))}" --max-bytes "${MAXB:-$((256 << 20))}"; }
 stage_cudabenchhost() {
-  for st in 1 ""; do
-    echo "== MOELINK_TCP_STREAMS=${st:-default}"
+  for st in ${STREAMS:-1 default}; do
+    echo "== MOELINK_TCP_STREAMS=$st"
+    [ "$st" = default ] && st=""
     MOELINK_TCP_STREAMS=$st MOELINK_RANKS_PER_HOST=1 bench_cuda --gpus "${GPUS:-2}" --nccl-socket --transport auto \
-      --min-bytes $((4 << 20)) --max-bytes $((256 << 20)) --out "$OUT/cuda${GPUS:-2}host-s${st:-default}.png"
+      $(sweep_sizes) --out "$OUT/cuda${GPUS:-2}host-s${st:-default}.png"
   done
 }
 stage_tcpbench() { python3 examples/bench/tcp_transport.py --streams 1,2,4,8,16 --build build-dev --out "$OUT/tcp_transport.png"; }
 stage_cpubench() {
-  for st in 1 ""; do
-    echo "== MOELINK_TCP_STREAMS=${st:-default}"
+  for st in ${STREAMS:-1 default}; do
+    echo "== MOELINK_TCP_STREAMS=$st"
+    [ "$st" = default ] && st=""
     MOELINK_TCP_STREAMS=$st python3 examples/bench/collectives.py --nproc 4 --transport tcp --iters "${ITERS:-10}" \
-      --min-bytes $((4 << 20)) --max-bytes $((256 << 20)) --cpu --out "$OUT/cpu_tcp-s${st:-default}.png"
+      $(sweep_sizes) --cpu --out "$OUT/cpu_tcp-s${st:-default}-${MINB:-4194304}.png"
   done
 }
 

@@ -1,6 +1,6 @@
 """Collectives on CUDA tensors over backend "ep" on 2 GPUs (one process per GPU): the in-host
 NVLink path, and the host-staged path with MOELINK_RANKS_PER_HOST=1 (every peer a virtual
-remote host); and the NVLink path of 4 ranks where there are 4 GPUs (its kernels choose
+remote host), over shared memory and over striped tcp; and the NVLink path of 4 ranks where there are 4 GPUs (its kernels choose
 protocols and thresholds by group size). Each case checks its results against what every rank
 computes itself (and a subset against NCCL). Skipped without 2 GPUs (the 4-rank group without
 4)."""
@@ -18,7 +18,10 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 SHARED = GPUS == 1 and os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"
 if SHARED:
     GPUS = 2  # both ranks on one GPU (time-sliced; correctness only)
-PATHS = {"nvlink": {}, "host": {"MOELINK_RANKS_PER_HOST": "1"}}
+# "tcp": the host-staged path with its transfer engine on tcp, large writes striped over 4 streams
+# (as between real hosts).
+PATHS = {"nvlink": {}, "host": {"MOELINK_RANKS_PER_HOST": "1"},
+         "tcp": {"MOELINK_RANKS_PER_HOST": "1", "MOELINK_TRANSPORT": "tcp", "MOELINK_TCP_STREAMS": "4"}}
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,10 @@ TcpTuning TcpTuning::fromEnv() {
   TcpTuning t;
   cpu_set_t cpus;
   const int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  t.streams = static_cast<int>(settings::numberIfSet("MOELINK_TCP_STREAMS").value_or(ncpu >= 8 ? 4 : 1));
+  // Default from the sweep in docs/PERF.md (64 cores: 8 streams moved the most, 16 less than 8); a
+  // small host keeps its cores for the ranks' own threads.
+  const int dflt = ncpu >= 32 ? 8 : ncpu >= 8 ? 4 : 1;
+  t.streams = static_cast<int>(settings::numberIfSet("MOELINK_TCP_STREAMS").value_or(dflt));
   t.stripe_bytes = settings::number("MOELINK_TCP_STRIPE_BYTES");
   return t;
 }
