@@ -44,7 +44,8 @@ const std::vector<Setting> kSettings = {
     number("MOELINK_TCP_STREAMS", "collectives", 0, 1, 16,
            "tcp connections per peer, each driven by its own progress thread; writes of at least "
            "`MOELINK_TCP_STRIPE_BYTES` are striped over them",
-           "`8` on a host with at least 32 cores, `4` with 8 to 31, else `1`"),
+           "`8` on a host with at least 32 cores, `4` with 8 to 31, else `1`; in a large group at most what keeps "
+           "the connections within half of the process's file-descriptor limit"),
     number("MOELINK_TCP_STRIPE_BYTES", "collectives", 256 * kKiB, 1, UINT64_MAX,
            "tcp writes of at least this size are cut into parts (of at least 64 KiB), one per connection"),
     number("MOELINK_CHUNK_BYTES", "collectives", 512 * kKiB, 64, 1ull << 30,

@@ -165,7 +165,7 @@ TransferEngine::TransferEngine(std::shared_ptr<MetadataStore> store, EngineOptio
   doorbell_ = static_cast<DoorbellWord*>(allocateSegment(kDoorbellSegment, sizeof(DoorbellWord)));
   tcp_ = std::make_unique<tcp::TcpTransport>(opts_.rank, opts_.world_size, secret_, local_, opts_.timeout,
                                              [this] { ringDoorbell(doorbell_); }, opts_.listen_ip,
-                                             opts_.tcp_tuning.value_or(tcp::TcpTuning::fromEnv()));
+                                             opts_.tcp_tuning.value_or(tcp::TcpTuning::fromEnv(opts_.world_size)));
   shm_ = std::make_unique<shm::ShmTransport>(host_id_);
   read_probe_ = readProbeValue(secret_, opts_.rank);
   PeerInfo me;

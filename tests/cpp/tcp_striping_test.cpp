@@ -4,11 +4,13 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -206,6 +208,25 @@ TEST(TcpStriping, PeerGoingAwayFailsStripedRequests) {
   }
   EXPECT_TRUE(failed);
   EXPECT_NE(e0->lostReason(1), "");
+}
+
+// The default number of streams keeps a large group's connections (one out and one in per stream
+// and peer) within half of the process's file-descriptor limit.
+TEST(TcpStriping, DefaultStreamsFitTheDescriptorLimit) {
+  if (std::getenv("MOELINK_TCP_STREAMS")) GTEST_SKIP() << "MOELINK_TCP_STREAMS is set";
+  rlimit saved{};
+  ASSERT_EQ(0, getrlimit(RLIMIT_NOFILE, &saved));
+  if (saved.rlim_max != RLIM_INFINITY && saved.rlim_max < 1024) GTEST_SKIP() << "hard limit below 1024";
+  const int small_group = tcp::TcpTuning::fromEnv(2).streams;
+  EXPECT_GE(small_group, 1);
+  rlimit lim = saved;
+  lim.rlim_cur = 1024;
+  ASSERT_EQ(0, setrlimit(RLIMIT_NOFILE, &lim));
+  EXPECT_EQ(tcp::TcpTuning::fromEnv(2).streams, small_group);          // 1024 / 2 / 2 fits any default
+  EXPECT_EQ(tcp::TcpTuning::fromEnv(256).streams, 1);                  // 1024 / 2 / 510 < 1: at least one
+  EXPECT_LE(tcp::TcpTuning::fromEnv(64).streams * 2 * 63, 1024 / 2);  // 4 at most
+  EXPECT_GE(tcp::TcpTuning::fromEnv(64).streams, 1);
+  ASSERT_EQ(0, setrlimit(RLIMIT_NOFILE, &saved));
 }
 
 // ---- By hand: a client that presents the secret and speaks the lanes' protocol ----

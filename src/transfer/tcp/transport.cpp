@@ -7,9 +7,12 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <glog/logging.h>
+
+#include <algorithm>
 
 #include "impl.h"
 #include "moelink/common/error.h"
@@ -21,13 +24,19 @@ namespace moelink::transfer::tcp {
 
 using namespace std::chrono;
 
-TcpTuning TcpTuning::fromEnv() {
+TcpTuning TcpTuning::fromEnv(int world_size) {
   TcpTuning t;
   cpu_set_t cpus;
   const int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
   // Default from the sweep in docs/PERF.md (64 cores: 8 streams moved the most, 16 less than 8); a
-  // small host keeps its cores for the ranks' own threads.
-  const int dflt = ncpu >= 32 ? 8 : ncpu >= 8 ? 4 : 1;
+  // small host keeps its cores for the ranks' own threads. A large group keeps the connections
+  // (one out and one in per stream and peer) within half of the process's descriptor limit.
+  int dflt = ncpu >= 32 ? 8 : ncpu >= 8 ? 4 : 1;
+  rlimit lim{};
+  if (world_size > 1 && getrlimit(RLIMIT_NOFILE, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+    const uint64_t fit = lim.rlim_cur / 2 / (2 * static_cast<uint64_t>(world_size - 1));
+    dflt = static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(dflt, fit)));
+  }
   t.streams = static_cast<int>(settings::numberIfSet("MOELINK_TCP_STREAMS").value_or(dflt));
   t.stripe_bytes = settings::number("MOELINK_TCP_STRIPE_BYTES");
   return t;

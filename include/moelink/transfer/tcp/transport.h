@@ -42,8 +42,9 @@ namespace moelink::transfer::tcp {
 struct TcpTuning {
   int streams = 1;                   // connections per peer and progress threads (1..kMaxStreams)
   uint64_t stripe_bytes = 256 << 10;  // writes of at least this size are striped (streams > 1)
-  // MOELINK_TCP_STREAMS, MOELINK_TCP_STRIPE_BYTES (common/settings.cpp).
-  static TcpTuning fromEnv();
+  // MOELINK_TCP_STREAMS, MOELINK_TCP_STRIPE_BYTES (common/settings.cpp); the default number of
+  // streams by the host's cores, capped for a group of `world_size` ranks by the file descriptors.
+  static TcpTuning fromEnv(int world_size = 1);
 };
 constexpr int kMaxStreams = 16;
 
