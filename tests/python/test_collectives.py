@@ -1,5 +1,6 @@
-"""Every op of backend "ep", in groups of 2, 3 and 4 processes (shm between them) and of 3
-processes forced onto tcp; each case checks against a locally computed reference."""
+"""Every op of backend "ep", in groups of 2, 3 and 4 processes (shm between them), of 2 processes
+forced onto tcp (one stream per peer) and of 3 forced onto tcp with 3 streams per peer and writes
+from 128 KiB striped over them; each case checks against a locally computed reference."""
 
 import functools
 
@@ -8,7 +9,12 @@ import pytest
 import cases_collectives
 from harness import assert_case_passed, run_cases, run_group
 
-GROUPS = [(2, "auto"), (3, "auto"), (4, "auto"), (3, "tcp")]
+GROUPS = [(2, "auto"), (3, "auto"), (4, "auto"), (2, "tcp"), (3, "tcp-striped")]
+ENV = {
+    "auto": {"MOELINK_TRANSPORT": "auto"},
+    "tcp": {"MOELINK_TRANSPORT": "tcp", "MOELINK_TCP_STREAMS": "1"},
+    "tcp-striped": {"MOELINK_TRANSPORT": "tcp", "MOELINK_TCP_STREAMS": "3", "MOELINK_TCP_STRIPE_BYTES": "131072"},
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -17,7 +23,7 @@ def group_results(world, transport):
         world,
         run_cases,
         kwargs={"cases_mod": "cases_collectives", "names": cases_collectives.CASES},
-        env={"MOELINK_TRANSPORT": transport},
+        env=ENV[transport],
         timeout=900,
     )
     return per_rank
