@@ -265,6 +265,7 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
   auto block = [&](size_t j) { return Pieces{start[j + 1] - start[j], per}; };
   size_t steps = 0;
   for (size_t j = 0; j < n; ++j) steps = std::max(steps, block(j).count());
+  std::vector<size_t> reduced(steps, 0);  // the index of reduce-scatter step i in s.steps
   for (int phase = 0; phase < 2; ++phase) {
     for (size_t i = 0; i < steps; ++i) {
       Step st;
@@ -285,7 +286,11 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
       if (phase == 0) {
         if (i < mine.count()) st.consume = reduceConsumer(c, my_piece, my_piece, mine.len(i), t, op, scratch);
       } else {
-        st.send_after = Step::SendAfter::kPreviousSteps;
+        // Piece i of this rank's block is final once reduce-scatter step i has been consumed:
+        // it goes then, while later pieces are still being reduced and earlier ones are in
+        // flight (not one piece per round trip).
+        st.send_after = Step::SendAfter::kAfterStep;
+        st.after = reduced[i];
         std::vector<std::pair<char*, uint64_t>> dst;
         for (size_t j = 0; j < n; ++j) {
           Pieces b = block(j);
@@ -295,6 +300,7 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
           for (size_t k = 0; k < dst.size(); ++k) copyIfElsewhere(dst[k].first, got[k], dst[k].second);
         };
       }
+      if (phase == 0) reduced[i] = s.steps.size();  // (never empty: some block has piece i)
       if (!st.sends.empty() || !st.recvs.empty()) s.steps.push_back(std::move(st));
     }
   }

@@ -396,7 +396,7 @@ bool CollectiveWorker::sendPieces(Collective& op) {
     auto& q = op.sendq[p];
     while (op.sendpos[p] < q.size()) {
       auto [s, k] = q[op.sendpos[p]];
-      if (steps[s].send_after == Step::SendAfter::kPreviousSteps && op.next_step < s) break;
+      if (steps[s].send_after == Step::SendAfter::kAfterStep && op.next_step <= steps[s].after) break;
       if (steps[s].send_after == Step::SendAfter::kThisStep && op.next_step <= s) break;
       if (!coll_->canSend(p)) {
         if (std::string fault = coll_->creditFault(p); !fault.empty()) {

@@ -39,11 +39,12 @@ struct Step {
   std::vector<StepRecv> recvs;
   // Called once every recv of this step has arrived, with their payloads in recvs order.
   std::function<void(const std::vector<const char*>&)> consume;
-  // When the sends may go: at once, once every earlier step has been consumed (they
-  // produce the data), or once this step itself has been consumed (forwarding what it
-  // received, as in a pipelined chain).
-  enum class SendAfter : uint8_t { kAnytime, kPreviousSteps, kThisStep };
+  // When the sends may go: at once, once step `after` (an earlier one) has been consumed
+  // (it produces their data), or once this step itself has been consumed (forwarding what
+  // it received, as in a pipelined chain).
+  enum class SendAfter : uint8_t { kAnytime, kAfterStep, kThisStep };
   SendAfter send_after = SendAfter::kAnytime;
+  size_t after = 0;  // kAfterStep: the step whose consumption the sends wait for
   // Consume waits until this step's own sends have completed (it overwrites their source).
   bool consume_after_sends = false;
 };
