@@ -138,7 +138,6 @@ class TcpTransport::Impl {
     std::string from;                                 // inbound: the remote address
     // send side
     std::deque<OutFrame> out;
-    bool want_out = false;
     uint32_t events = 0;  // what epoll watches for it
     std::unordered_map<uint64_t, Pending> pending;  // outbound: by request number
   };

@@ -87,8 +87,12 @@ bool TcpTransport::Impl::consumeBuffered(Conn& c) {
         std::memcpy(&c.part, p + sizeof c.cur, sizeof c.part);
         c.rpos += sizeof c.part;
       }
-      // Requests on a primary wait for every earlier one of their sender (order.cpp).
-      if (!c.outbound && !part && !takeTurn(c)) return c.fd >= 0;
+      // Requests on a primary wait for every earlier one of their sender (order.cpp); a lane
+      // carries parts only.
+      if (!c.outbound && !part) {
+        if (c.lane != 0) return protocolError(c, "a request other than a write part on a lane");
+        if (!takeTurn(c)) return c.fd >= 0;
+      }
       if (!startFrame(c)) return false;
     } else {  // payload
       uint64_t take = std::min<uint64_t>(avail, c.remaining);
@@ -120,7 +124,6 @@ bool TcpTransport::Impl::startFrame(Conn& c) {
   switch (h.type) {
     case wire::kWrite: {
       if (c.outbound) return protocolError(c, "write frame on an outbound connection");
-      if (c.lane != 0) return protocolError(c, "write frame on a lane (only parts travel there)");
       void* dst = segs_.resolveIncomingWrite(h.segment, h.offset, h.length);
       c.reply_status = dst ? wire::kOk : wire::kOutOfBounds;
       if (!dst)
@@ -141,7 +144,6 @@ bool TcpTransport::Impl::startFrame(Conn& c) {
     }
     case wire::kRead: {
       if (c.outbound) return protocolError(c, "read frame on an outbound connection");
-      if (c.lane != 0) return protocolError(c, "read frame on a lane (only parts travel there)");
       void* src = segs_.resolve(h.segment, h.offset, h.length);
       wire::FrameHeader r{};
       r.type = wire::kReadData;
