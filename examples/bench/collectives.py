@@ -50,7 +50,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "integration"))
 sys.path.insert(0, HERE)
-from common import run_ranks, save_plot  # noqa: E402
+from common import fmt_bytes, run_ranks, save_plot  # noqa: E402
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 BUS = {
@@ -238,14 +238,6 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
     if rank == 0:
         q.put((rows, layers))
     dist.destroy_process_group()
-
-
-def fmt_bytes(b):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024:
-            return f"{b:g} {unit}"
-        b /= 1024
-    return f"{b:g} TiB"
 
 
 def main():

@@ -50,3 +50,12 @@ def save_plot(draw, out):
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"plot written to {out}")
+
+
+def fmt_bytes(b):
+    """A byte count as the tables print it: 4 KiB, 1 MiB, ..."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if b < 1024:
+            return f"{b:g} {unit}"
+        b /= 1024
+    return f"{b:g} TiB"

@@ -17,15 +17,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import save_plot  # noqa: E402
-
-
-def fmt_bytes(b):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if b < 1024:
-            return f"{b:g} {unit}"
-        b /= 1024
-    return f"{b:g} TiB"
+from common import fmt_bytes, save_plot  # noqa: E402
 
 
 def main():

@@ -21,10 +21,13 @@
 #include "moelink/transfer/tcp/socket.h"
 #include "moelink/transfer/tcp/transport.h"
 #include "moelink/transfer/transfer_engine.h"
+#include "tcp_raw.h"
 #include "test_support.h"
 
 using namespace moelink::transfer;
 using moelink::testing::pattern;
+using moelink::testing::rawAuthenticated;
+using moelink::testing::readWithTimeout;
 using moelink::testing::runRanks;
 using namespace std::chrono;
 namespace w = moelink::transfer::tcp::wire;
@@ -231,42 +234,6 @@ TEST(TcpStriping, DefaultStreamsFitTheDescriptorLimit) {
 
 // ---- By hand: a client that presents the secret and speaks the lanes' protocol ----
 
-int connectTo(const std::string& address) {
-  sockaddr_in a = tcp::parseAddress(address);
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-bool readFor(int fd, void* p, size_t n, int ms) {
-  char* c = static_cast<char*>(p);
-  while (n) {
-    pollfd pf{fd, POLLIN, 0};
-    if (poll(&pf, 1, ms) <= 0) return false;
-    ssize_t r = recv(fd, c, n, 0);
-    if (r <= 0) return false;
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
-// A connection of rank 1 (lane `lane` of session `session`), or -1.
-int handshake(TransferEngine& engine, int lane, uint64_t session) {
-  int fd = connectTo(engine.tcpAddress());
-  w::Hello h{w::kHelloMagic, engine.secret(), 1, lane, session};
-  uint64_t reply = 0;
-  if (fd < 0 || send(fd, &h, sizeof h, 0) != static_cast<ssize_t>(sizeof h) || !readFor(fd, &reply, 8, 5000) ||
-      reply != w::kHelloMagic) {
-    if (fd >= 0) close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 void sendWrite(int fd, uint64_t number, uint64_t offset, const std::string& payload) {
   w::FrameHeader h{w::kWrite, 0, number, 3, 0, offset, payload.size()};
   send(fd, &h, sizeof h, MSG_NOSIGNAL);
@@ -301,8 +268,8 @@ TEST(TcpStriping, PrimaryWaitsForEarlierStripedWrite) {
   TransferEngine engine(store, striped(0, 2, 3));
   char* seg = static_cast<char*>(engine.allocateSegment(3, 4096));
   const uint64_t session = 991;
-  int primary = handshake(engine, 0, session), lane1 = handshake(engine, 1, session),
-      lane2 = handshake(engine, 2, session);
+  int primary = rawAuthenticated(engine, 1, 0, session), lane1 = rawAuthenticated(engine, 1, 1, session),
+      lane2 = rawAuthenticated(engine, 1, 2, session);
   ASSERT_GE(primary, 0);
   ASSERT_GE(lane1, 0);
   ASSERT_GE(lane2, 0);
@@ -311,7 +278,7 @@ TEST(TcpStriping, PrimaryWaitsForEarlierStripedWrite) {
   EXPECT_EQ(seg[1000], 0) << "request 2 landed before request 1";
   sendPart(lane2, 1, 0, 16, 8, "BBBBBBBB");
   w::FrameHeader ack{};
-  ASSERT_TRUE(readFor(lane2, &ack, sizeof ack, 5000));
+  ASSERT_TRUE(readWithTimeout(lane2, &ack, sizeof ack, 5000));
   EXPECT_EQ(ack.type, w::kWriteAck);
   EXPECT_EQ(ack.request_id, 1u);
   EXPECT_EQ(ack.status, w::kOk);
@@ -319,8 +286,8 @@ TEST(TcpStriping, PrimaryWaitsForEarlierStripedWrite) {
   EXPECT_EQ(seg[1000], 0) << "request 2 landed before all of request 1";
   EXPECT_EQ(seg[8], 'B');
   sendPart(lane1, 1, 0, 16, 0, "AAAAAAAA");
-  ASSERT_TRUE(readFor(lane1, &ack, sizeof ack, 5000));
-  ASSERT_TRUE(readFor(primary, &ack, sizeof ack, 5000)) << "request 2 never applied";
+  ASSERT_TRUE(readWithTimeout(lane1, &ack, sizeof ack, 5000));
+  ASSERT_TRUE(readWithTimeout(primary, &ack, sizeof ack, 5000)) << "request 2 never applied";
   EXPECT_EQ(ack.request_id, 2u);
   EXPECT_EQ(ack.status, w::kOk);
   EXPECT_EQ(std::string(seg, 16), "AAAAAAAABBBBBBBB");
@@ -339,7 +306,7 @@ TEST(TcpStriping, ForgedPartsCloseTheSession) {
   uint64_t session = 5000;
   auto attempt = [&](const std::function<void(int)>& forge) {
     ++session;
-    int primary = handshake(engine, 0, session), lane = handshake(engine, 1, session);
+    int primary = rawAuthenticated(engine, 1, 0, session), lane = rawAuthenticated(engine, 1, 1, session);
     EXPECT_GE(primary, 0);
     EXPECT_GE(lane, 0);
     sendWrite(primary, 3, 2000, "PARKED!!");  // waits for requests 1 and 2
@@ -349,27 +316,27 @@ TEST(TcpStriping, ForgedPartsCloseTheSession) {
     close(primary);
     close(lane);
   };
-  // A part past the write's end.
-  attempt([](int lane) { sendPart(lane, 1, 0, 16, 12, "XXXXXXXX"); });
+  // A part past the write's end (bytes 12..19 of a 16-byte write).
+  attempt([](int lane) { sendPart(lane, 1, 0, 16, 12, "PAST-END"); });
   // Parts adding up to more than the write.
   attempt([](int lane) {
-    sendPart(lane, 1, 0, 16, 0, std::string(16, 'Y'));
-    sendPart(lane, 1, 0, 16, 0, "YYYYYYYY");
+    sendPart(lane, 1, 0, 16, 0, "THE-WHOLE-WRITE!");
+    sendPart(lane, 1, 0, 16, 0, "ONE-MORE");
   });
   // Parts of one request naming different writes.
   attempt([](int lane) {
-    sendPart(lane, 1, 0, 16, 0, "ZZZZZZZZ");
-    sendPart(lane, 1, 64, 16, 8, "ZZZZZZZZ");
+    sendPart(lane, 1, 0, 16, 0, "AT-OFF-0");
+    sendPart(lane, 1, 64, 16, 8, "AT-OFF64");
   });
   // A plain write on a lane.
-  attempt([](int lane) { sendWrite(lane, 1, 0, "WWWWWWWW"); });
+  attempt([](int lane) { sendWrite(lane, 1, 0, "ON-LANE!"); });
   for (int i = 16; i < 4096; ++i) {
     ASSERT_EQ(seg[i], 0) << "byte " << i << " changed";
   }
   EXPECT_EQ(seg[2000], 0) << "a parked request of a broken session landed";
   // A lane that goes away breaks its session too: its waiting primary closes.
   ++session;
-  int primary = handshake(engine, 0, session), lane = handshake(engine, 1, session);
+  int primary = rawAuthenticated(engine, 1, 0, session), lane = rawAuthenticated(engine, 1, 1, session);
   ASSERT_GE(primary, 0);
   ASSERT_GE(lane, 0);
   sendWrite(primary, 2, 3000, "PARKED!!");

@@ -14,10 +14,14 @@
 
 #include "moelink/transfer/tcp/transport.h"
 #include "moelink/transfer/transfer_engine.h"
+#include "tcp_raw.h"
 #include "test_support.h"
 
 using namespace moelink::transfer;
 using moelink::testing::pattern;
+using moelink::testing::rawAuthenticated;
+using moelink::testing::rawConnect;
+using moelink::testing::readWithTimeout;
 using moelink::testing::runRanks;
 using namespace std::chrono;
 
@@ -101,46 +105,6 @@ TEST(TransferEngine, OutOfBoundsRequestFailsLocally) {
     EXPECT_TRUE(unopened->failed());
     storeBarrier(*store, "done", 2, seconds(10));
   });
-}
-
-// Speaks the wire protocol by hand to reach the receiver's own checks.
-int rawConnect(const std::string& addr) {
-  auto colon = addr.rfind(':');
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(colon + 1))));
-  inet_pton(AF_INET, addr.substr(0, colon).c_str(), &a.sin_addr);
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  EXPECT_EQ(0, connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a));
-  return fd;
-}
-
-bool readWithTimeout(int fd, void* p, size_t n, int ms) {
-  char* c = static_cast<char*>(p);
-  while (n) {
-    pollfd pf{fd, POLLIN, 0};
-    if (poll(&pf, 1, ms) <= 0) return false;
-    ssize_t r = recv(fd, c, n, 0);
-    if (r <= 0) return false;
-    c += r;
-    n -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
-// A raw connection that has presented the engine's secret, as rank `rank` (-1 if the
-// handshake failed).
-int rawAuthenticated(TransferEngine& engine, int32_t rank = 0, int32_t lane = 0, uint64_t session = 77) {
-  namespace w = moelink::transfer::tcp::wire;
-  int fd = rawConnect(engine.tcpAddress());
-  w::Hello hello{w::kHelloMagic, engine.secret(), rank, lane, session};
-  uint64_t reply = 0;
-  if (send(fd, &hello, sizeof hello, 0) != static_cast<ssize_t>(sizeof hello) || !readWithTimeout(fd, &reply, 8, 5000) ||
-      reply != w::kHelloMagic) {
-    close(fd);
-    return -1;
-  }
-  return fd;
 }
 
 TEST(TcpTransport, ReceiverRejectsOutOfBoundsWrite) {

@@ -27,6 +27,16 @@ void advance(Session& s) {
   }
 }
 
+// Under s.mu: whether request `n` may be applied now (every number below it has landed); if so
+// the frontier moves over it and over the striped writes done right after it.
+bool takeTurnLocked(Session& s, uint64_t n) {
+  if (n - 1 != s.frontier) return false;
+  s.frontier = n;
+  s.waits_for = 0;
+  advance(s);
+  return true;
+}
+
 }  // namespace
 
 std::shared_ptr<Session> TcpTransport::Impl::sessionFor(int peer, uint64_t id) {
@@ -65,12 +75,7 @@ bool TcpTransport::Impl::takeTurn(Conn& c) {
     // Numbers it skips are striped writes, whose parts may still be on their way: it waits for
     // them (a sender that skipped numbers it never sends only stalls its own session).
     if (error.empty()) {
-      if (n - 1 == s.frontier) {
-        s.frontier = n;
-        s.waits_for = 0;
-        advance(s);
-        return true;
-      }
+      if (takeTurnLocked(s, n)) return true;
       s.waits_for = n - 1;
     }
   }
@@ -96,12 +101,7 @@ void TcpTransport::Impl::resumeWaiting(Loop& l) {
     {
       std::lock_guard<std::mutex> g(s.mu);
       broken = s.broken;
-      if (!broken && n - 1 == s.frontier) {
-        s.frontier = n;
-        s.waits_for = 0;
-        advance(s);
-        go = true;
-      }
+      go = !broken && takeTurnLocked(s, n);
     }
     if (broken) {
       closeConn(*c, "another connection of its session broke", false);
