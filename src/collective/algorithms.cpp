@@ -492,4 +492,24 @@ OpSpec barrierOp(const AlgoContext& c) {
   return s;
 }
 
+void appendGatedPiece(OpSpec& op, OpSpec piece, std::function<bool()> gate, std::function<void()> done) {
+  const size_t base = op.steps.size();
+  for (Step& st : piece.steps)
+    if (st.send_after == Step::SendAfter::kAfterStep) st.after += base;
+  // The piece's last step has nothing of its own: it waits for the piece's sends (their
+  // memory is read until then; a chain forwards what it received) and then hands it back.
+  Step tail;
+  tail.after_all_sends = true;
+  tail.consume = [finish = std::move(piece.finish), done = std::move(done)](const std::vector<const char*>&) {
+    if (finish) finish();
+    if (done) done();
+  };
+  piece.steps.push_back(std::move(tail));
+  for (Step& st : piece.steps) {
+    st.gate = gate;
+    op.steps.push_back(std::move(st));
+  }
+  op.pullable = (base == 0 || op.pullable) && piece.pullable;
+}
+
 }  // namespace moelink::collective

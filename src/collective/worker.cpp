@@ -250,6 +250,8 @@ void CollectiveWorker::loop() {
         progressed = true;
       }
     }
+    // An op stopped at a step's gate (data being produced elsewhere) is polled too.
+    if (current_ && current_->started && current_->gate_blocked) gated = true;
     for (int p = 0; p < world_; ++p)
       if (!sends_[p].empty()) busy = true;
     if (receiver_->busy()) busy = true;
@@ -283,6 +285,9 @@ void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) 
   op.pair_recv.assign(world, 0);
   op.recv_msgs.assign(world, 0);
   op.recvq.assign(world, {});
+  op.recvq_step.assign(world, {});
+  op.gate_open.assign(op.spec.steps.size(), 0);
+  op.sent_through = 0;
   op.recv_done.assign(world, 0);
   op.last_sent.assign(world, 0);
   op.last_seen.assign(world, 0);
@@ -291,6 +296,7 @@ void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) 
   op.step_batches.assign(op.spec.steps.size(), {});
   for (uint32_t s = 0; s < op.spec.steps.size(); ++s) {
     const Step& st = op.spec.steps[s];
+    op.gate_open[s] = st.gate ? 0 : 1;
     for (uint32_t k = 0; k < st.sends.size(); ++k) {
       op.sendq[st.sends[k].peer].push_back({s, k});
       op.pair_send[st.sends[k].peer] += st.sends[k].bytes;
@@ -299,6 +305,7 @@ void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) 
       op.pair_recv[r.peer] += r.bytes;
       op.recv_msgs[r.peer]++;
       op.recvq[r.peer].push_back(&r);
+      op.recvq_step[r.peer].push_back(s);
     }
   }
 }
@@ -363,6 +370,7 @@ const MsgHeader* CollectiveWorker::nextFresh(int peer, uint64_t seq) {
 // that fails the op (failCollective) ends the pass; true when something happened.
 bool CollectiveWorker::progressCollective(Collective& op) {
   if (!op.started) startOp(op);
+  op.gate_blocked = false;
   bool progressed = sendPieces(op);
   if (!op.draining) progressed |= consumeSteps(op);
   if (!op.draining) settleTransfers(op);
@@ -382,10 +390,22 @@ void CollectiveWorker::startOp(Collective& op) {
   if (!had_failure_) {
     for (int p = 0; p < world_; ++p)
       for (uint64_t k = 0; k < coll_->depth() && k < op.recvq[p].size(); ++k)
-        if (op.recvq[p][k]->landing) coll_->landAhead(p, k, op.recvq[p][k]->landing, op.recvq[p][k]->bytes);
+        if (op.recvq[p][k]->landing && gateOpen(op, op.recvq_step[p][k]))
+          coll_->landAhead(p, k, op.recvq[p][k]->landing, op.recvq[p][k]->bytes);
   }
   VLOG(1) << "moelink: rank " << rank_ << " starts " << opKindName(op.spec.kind) << " #" << op.seq << " ("
           << op.spec.steps.size() << " steps)";
+}
+
+// Whether step `s` may go on (Step::gate); a closed gate has the thread poll for it.
+bool CollectiveWorker::gateOpen(Collective& op, size_t s) {
+  if (op.gate_open[s]) return true;
+  if (op.spec.steps[s].gate()) {
+    op.gate_open[s] = 1;
+    return true;
+  }
+  op.gate_blocked = true;
+  return false;
 }
 
 // Sends, per peer in order, as far as mailbox credit and data readiness allow.
@@ -396,6 +416,7 @@ bool CollectiveWorker::sendPieces(Collective& op) {
     auto& q = op.sendq[p];
     while (op.sendpos[p] < q.size()) {
       auto [s, k] = q[op.sendpos[p]];
+      if (!gateOpen(op, s)) break;
       if (steps[s].send_after == Step::SendAfter::kAfterStep && op.next_step <= steps[s].after) break;
       if (steps[s].send_after == Step::SendAfter::kThisStep && op.next_step <= s) break;
       if (!coll_->canSend(p)) {
@@ -433,11 +454,27 @@ bool CollectiveWorker::consumeSteps(Collective& op) {
   std::vector<const char*> got;
   while (op.next_step < steps.size()) {
     const Step& st = steps[op.next_step];
+    if (!gateOpen(op, op.next_step)) break;
     if (st.consume_after_sends) {
       if (op.sends_issued[op.next_step] < st.sends.size()) break;
       bool sent = true;
       for (auto& b : op.step_batches[op.next_step]) sent &= b->done();
       if (!sent) break;
+    }
+    if (st.after_all_sends) {
+      while (op.sent_through < op.next_step) {
+        const size_t k = op.sent_through;
+        if (op.sends_issued[k] < steps[k].sends.size()) break;
+        bool sent = true;
+        for (auto& b : op.step_batches[k]) sent = sent && b->done();
+        if (!sent) break;
+        op.step_batches[k].clear();
+        op.sent_through++;
+      }
+      if (op.sent_through < op.next_step) {
+        op.gate_blocked = true;  // a completed write rings no doorbell: poll for it
+        break;
+      }
     }
     got.clear();
     bool ready = true;
@@ -469,12 +506,12 @@ bool CollectiveWorker::consumeSteps(Collective& op) {
       // received where it will end up, if the consumer only copies it.
       size_t later = op.recv_done[r.peer]++ + coll_->depth();
       const StepRecv* next = later < op.recvq[r.peer].size() ? op.recvq[r.peer][later] : nullptr;
-      if (next && next->landing)
+      if (next && next->landing && gateOpen(op, op.recvq_step[r.peer][later]))
         coll_->release(r.peer, next->landing, next->bytes);
       else
         coll_->release(r.peer);
     }
-    op.step_batches[op.next_step].clear();
+    // (its send batches stay until an after_all_sends step has seen them done)
     op.next_step++;
     progressed = true;
   }

@@ -29,6 +29,10 @@ struct CollectiveWorker::Collective {
   std::vector<uint64_t> pair_send, pair_recv;  // bytes per peer over the whole op
   std::vector<uint32_t> recv_msgs;             // messages expected per peer
   std::vector<std::vector<const StepRecv*>> recvq;  // per peer, in order
+  std::vector<std::vector<uint32_t>> recvq_step;   // per peer: the step of each recvq entry
+  std::vector<char> gate_open;                     // per step: its gate (Step::gate) has opened
+  bool gate_blocked = false;                       // this pass stopped at a closed gate
+  size_t sent_through = 0;                         // steps before it have all their sends done (after_all_sends)
   std::vector<uint32_t> recv_done;             // per peer: consumed so far
   std::vector<uint32_t> sends_issued;          // per step
   std::vector<std::vector<transfer::BatchPtr>> step_batches;

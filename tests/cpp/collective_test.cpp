@@ -1,6 +1,8 @@
+#include <atomic>
 #include <future>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include <gtest/gtest.h>
@@ -130,6 +132,76 @@ TEST_P(CollectiveTest, AlltoallUnevenAndBroadcast) {
     for (int i = 0; i < 9000 && rank == world - 1; ++i) c[i] = i;
     ASSERT_EQ("", run(*r.worker, broadcastOp(chain, c.data(), c.size() * 4, world - 1)));
     for (int i = 0; i < 9000; ++i) ASSERT_EQ(c[i], i);
+  });
+}
+
+// A pipelined op over a ring of two slots that another thread fills and drains piece by piece
+// (as the CUDA host route's stream does with its pinned ring): each piece is gated on the
+// slot's ready word, and its done word lets the producer check the slot and reuse it. The
+// producer dawdles while a slot is still in use, so that data of the piece after next, which
+// peers send as soon as their own slot is ready, arrives then: it must wait in the mailbox (no
+// receive in place before the gate) and the senders' slots must not be reused before their
+// sends have completed (pulled messages are read from the slot). An all-gather, then a
+// chained broadcast (whose pieces forward what they received).
+TEST_P(CollectiveTest, GatedPiecesThroughReusedSlots) {
+  auto [transport, world] = GetParam();
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(world, [&, transport = transport, world = world](int rank) {
+    Rank r = makeRank(store, rank, world, transport);
+    constexpr int kSlots = 2, kPieces = 7;
+    const uint64_t len = 10000;  // several mailbox chunks per pair and piece
+    std::vector<std::vector<uint8_t>> in(kSlots, std::vector<uint8_t>(len)),
+        out(kSlots, std::vector<uint8_t>(len * world));
+    std::atomic<uint32_t> ready[kSlots] = {}, done[kSlots] = {};
+    auto value = [](int src, int piece) { return static_cast<uint8_t>(src * 16 + piece); };
+    for (int root : {-1, world - 1}) {  // -1: the all-gather
+      for (int s = 0; s < kSlots; ++s) ready[s] = done[s] = 0;
+      AlgoContext ctx = r.worker->context();
+      ctx.chain_broadcast_bytes = 1;
+      OpSpec op;
+      op.kind = root < 0 ? OpKind::kAllgather : OpKind::kBroadcast;
+      op.root = root;
+      for (int p = 0; p < kPieces; ++p) {
+        const int s = p % kSlots;
+        const uint32_t t = static_cast<uint32_t>(p + 1);
+        std::vector<uint64_t> so(world, 0), sb(world, len), ro(world), rb(world, len);
+        for (int q = 0; q < world; ++q) ro[q] = static_cast<uint64_t>(q) * len;
+        sb[rank] = rb[rank] = 0;
+        OpSpec piece = root < 0 ? alltoallOp(ctx, in[s].data(), so, sb, out[s].data(), ro, rb)
+                                : broadcastOp(ctx, in[s].data(), len, root);
+        appendGatedPiece(op, std::move(piece), [&ready, s, t] { return ready[s].load() >= t; },
+                         [&done, s, t] { done[s].store(t); });
+      }
+      std::promise<std::string> result;
+      r.worker->submit(std::move(op), [&](const std::string& e) { result.set_value(e); }, seconds(30));
+      const bool sends_own = root < 0 || rank == root;  // in[s] holds this rank's data (else what it received)
+      // Waits for piece p, refills its slot's input with piece `next` at once (its sends are
+      // over), then reads the piece slowly.
+      auto check = [&](int p, int next) {
+        const int s = p % kSlots;
+        while (done[s].load() < static_cast<uint32_t>(p + 1)) std::this_thread::sleep_for(microseconds(50));
+        if (sends_own && next < kPieces) std::fill(in[s].begin(), in[s].end(), value(rank, next));
+        std::this_thread::sleep_for(milliseconds(3));
+        if (root < 0) {
+          for (int q = 0; q < world; ++q)
+            for (uint64_t i = 0; i < len && q != rank; ++i)
+              ASSERT_EQ(out[s][q * len + i], value(q, p)) << "piece " << p << " from rank " << q << " byte " << i;
+        } else {
+          for (uint64_t i = 0; i < len && !sends_own; ++i)
+            ASSERT_EQ(in[s][i], value(root, p)) << "broadcast piece " << p << " byte " << i;
+        }
+      };
+      for (int p = 0; p < kPieces; ++p) {
+        const int s = p % kSlots;
+        if (p >= kSlots)
+          check(p - kSlots, p);
+        else if (sends_own)
+          std::fill(in[s].begin(), in[s].end(), value(rank, p));
+        ready[s].store(static_cast<uint32_t>(p + 1));
+      }
+      for (int p = kPieces - kSlots; p < kPieces; ++p) check(p, kPieces);
+      ASSERT_EQ("", result.get_future().get());
+    }
   });
 }
 

@@ -60,4 +60,14 @@ OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64
                   const std::vector<uint64_t>& recv_off, const std::vector<uint64_t>& recv_bytes);
 OpSpec barrierOp(const AlgoContext& c);
 
+// Pipelined ops over buffers that something outside the worker fills and drains piece by
+// piece (the CUDA host route's pinned ring): appends `piece`'s steps to `op` so that nothing
+// of them happens before `gate` returns true (Step::gate: the piece's data is in place and its
+// landing area free), and, once they have all been consumed and every send of the piece has
+// completed, runs the piece's finish and then `done` (its memory may be reused from then on).
+// `op` keeps its own kind and sizes; it is pullable only if every piece is, so pieces built
+// with pulled messages in mind (cut at AlgoContext::pull_chunk) need all others pullable too:
+// build them with pull_chunk 0 otherwise.
+void appendGatedPiece(OpSpec& op, OpSpec piece, std::function<bool()> gate, std::function<void()> done);
+
 }  // namespace moelink::collective

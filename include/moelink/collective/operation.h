@@ -47,6 +47,15 @@ struct Step {
   size_t after = 0;  // kAfterStep: the step whose consumption the sends wait for
   // Consume waits until this step's own sends have completed (it overwrites their source).
   bool consume_after_sends = false;
+  // Consume waits until every send of the steps before it has been issued and has completed
+  // (the memory they read may be reused after it).
+  bool after_all_sends = false;
+  // When set, nothing of this step happens before it returns true: its sends wait (their
+  // data is still being produced elsewhere, e.g. copied off a GPU), and its receives are
+  // neither received in place nor consumed (the memory they land in is still being read
+  // elsewhere); until then they wait in the mailbox. Polled by the worker; once true it is
+  // not asked again.
+  std::function<bool()> gate;
 };
 
 struct OpSpec {

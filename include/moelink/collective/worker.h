@@ -28,8 +28,8 @@
 // has a core per local rank, else 0), then sleeps
 // on the doorbell (futex), so that several ranks share few cores without stealing each
 // other's time slices, and wakes within microseconds when something arrives. An op held
-// back by its `ready` gate (data still being copied off a GPU, which rings no doorbell) is
-// polled every few tens of microseconds.
+// back by its `ready` gate, or a step by its own (Step::gate: data still being copied off a
+// GPU, which rings no doorbell), is polled every few tens of microseconds.
 #pragma once
 
 #include <atomic>
@@ -139,6 +139,7 @@ class CollectiveWorker {
   bool progressCollective(Collective& op);
   // progressCollective's steps (worker.cpp).
   void startOp(Collective& op);
+  bool gateOpen(Collective& op, size_t step);
   bool sendPieces(Collective& op);
   bool consumeSteps(Collective& op);
   void settleTransfers(Collective& op);
