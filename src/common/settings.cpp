@@ -87,6 +87,16 @@ const std::vector<Setting> kSettings = {
            "crossing, no flags or acknowledgements, twice the bytes); `0`: never; at most 262144; the same on "
            "every rank",
            "per group size: 262144 up to 4 ranks, 65536 above"),
+    number("MOELINK_HOST_PIPELINE_BYTES", "collectives", 1 * kMiB, 0, UINT64_MAX,
+           "CUDA collectives between hosts: all_reduce, reduce_scatter, all_gather and broadcast of at least this "
+           "many bytes run in pieces through a pinned ring (GPU copies, the wire and GPU reductions overlap); "
+           "smaller ones stage the whole tensor at once (in a CUDA graph every such op takes the pieces); the same "
+           "on every rank"),
+    number("MOELINK_HOST_PIECE_BYTES", "collectives", 8 * kMiB, 64 * kKiB, 1ull << 30,
+           "CUDA collectives between hosts: a piece's bytes on this rank's side (the ring holds "
+           "`MOELINK_HOST_PIECES` of them twice); the same on every rank"),
+    number("MOELINK_HOST_PIECES", "collectives", 4, 2, 64,
+           "CUDA collectives between hosts: pieces in flight (slots of the pinned ring)"),
     number("MOELINK_RANKS_PER_HOST", "collectives", 0, 1, 1u << 20,
            "CUDA collectives: group ranks into virtual hosts of this size (any split makes the group host-staged); "
            "the EP buffer has its own, `MOELINK_EP_RANKS_PER_HOST`, so that either unit's cross-host path can be "

@@ -42,6 +42,7 @@ void CudaCollectives::bind(int device, const char* opname) {
                     "its GPU buffers and cannot be captured; run one CUDA collective on this group before capturing");
   try {
     tuning_ = ExchangeTuning::fromEnv(size_);
+    pipe_tuning_ = HostPipelineTuning::fromEnv();
   } catch (const moelink::Error& e) {
     TORCH_CHECK_VALUE(false, "moelink: ", e.what());
   }
@@ -86,6 +87,10 @@ void CudaCollectives::bind(int device, const char* opname) {
   } else if (one_host) {
     changed_ = true;
   }
+  // Between hosts (or where the in-host areas could not be set up) every group op takes the
+  // host route: its ring now, so that such ops can be captured from the start.
+  if (!one_host || (staged_ && !staging_))
+    pipe_ = std::make_unique<HostPipeline>(g_.worker, rank_, size_, pipe_tuning_);
   collective::CollectiveWorker* worker = g_.worker;
   completer_ = std::make_unique<Completer>(device, kSlots, [worker] { worker->watchPeers(); });
   events_ = std::make_shared<EventPool>(device);
@@ -235,6 +240,7 @@ std::function<void(const std::string&, int)> CudaCollectives::doneCallback(Op& o
 }
 
 void CudaCollectives::hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host) {
+  TORCH_INTERNAL_ASSERT(!op.captured, "a host-staged op in a CUDA graph");
   at::Tensor pin_in, pin_out;
   if (in.defined()) {
     pin_in = pinnedLike(in);
@@ -264,10 +270,36 @@ void CudaCollectives::hostFlat(Op& op, const at::Tensor& in, const at::Tensor& o
   if (out.defined()) out.copy_(pin_out, /*non_blocking=*/true);
 }
 
+bool CudaCollectives::pipes(const Op& op, uint64_t bytes) {
+  if (!op.captured && bytes < pipe_tuning_.min_bytes) return false;
+  // A group that came to the host route after a membership change sets its ring up here
+  // (not in a capture: run() refuses that).
+  if (!pipe_ && !op.captured) pipe_ = std::make_unique<HostPipeline>(g_.worker, rank_, size_, pipe_tuning_);
+  return pipe_ != nullptr;
+}
+
+HostPipeline::Call CudaCollectives::pipeCall(Op& op) {
+  HostPipeline::Call c;
+  c.stream = op.stream->stream();
+  c.timeout = op.timeout;
+  c.captured = op.captured;
+  if (!op.captured) {
+    auto outcome = std::make_shared<HostOutcome>();
+    op.work->host = outcome;
+    c.done = [outcome](const std::string& err, const std::vector<int>& lost) {
+      outcome->lost = lost;
+      outcome->set(err, -1);
+    };
+  }
+  return c;
+}
+
 void CudaCollectives::flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out,
-                               const HostSpec& host) {
+                               const HostSpec& host, const Piped& piped) {
   if (inHost())
     exchange(op, x, ptr(in), ptr(out));
+  else if (piped && pipes(op, std::max(in.defined() ? nbytes(in) : 0, out.defined() ? nbytes(out) : 0)))
+    piped(*pipe_, pipeCall(op));
   else
     hostFlat(op, in, out, host);
 }
@@ -277,7 +309,8 @@ void CudaCollectives::broadcastFlat(Op& op, const at::Tensor& buf, int root) {
   const int n = static_cast<int>(members_.size());
   if (!inHost() || tuning_.oneShot(n, bytes)) {
     flat(op, exchangeBroadcast(size_, rank_, bytes, root), buf, buf,
-         [=](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, bytes, root); });
+         [=](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, bytes, root); },
+         [&](HostPipeline& p, const HostPipeline::Call& c) { p.broadcast(c, ptr(buf), bytes, root); });
     return;
   }
   // Over the active ranks: the root's position among them builds the halves; their headers
@@ -296,9 +329,12 @@ void CudaCollectives::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop)
   const auto t = toDType(buf.scalar_type());
   const uint64_t count = static_cast<uint64_t>(buf.numel());
   if (!inHost()) {
-    hostFlat(op, buf, buf, [=](const algo::AlgoContext& c, char* in, char*) {
-      return algo::allreduceOp(c, in, count, t, rop);
-    });
+    if (pipes(op, nbytes(buf)))
+      pipe_->allreduce(pipeCall(op), ptr(buf), count, t, rop);
+    else
+      hostFlat(op, buf, buf, [=](const algo::AlgoContext& c, char* in, char*) {
+        return algo::allreduceOp(c, in, count, t, rop);
+      });
   } else {
     // Over the active ranks (all of them unless the membership changed).
     const int n = static_cast<int>(members_.size());

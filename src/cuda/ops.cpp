@@ -5,8 +5,19 @@ namespace moelink::cuda {
 
 // ---- the collectives ----
 
+// The host pipeline's form of an all-gather / reduce-scatter over flat buffers.
+CudaCollectives::Piped CudaCollectives::gatherPieces(const at::Tensor& in, const at::Tensor& out) {
+  return [in, out](HostPipeline& p, const HostPipeline::Call& c) { p.allgather(c, ptr(in), ptr(out), nbytes(in)); };
+}
+
+CudaCollectives::Piped CudaCollectives::scatterPieces(const at::Tensor& in, const at::Tensor& out, ReduceOp rop) {
+  return [in, out, rop](HostPipeline& p, const HostPipeline::Call& c) {
+    p.reduceScatter(c, ptr(in), ptr(out), static_cast<uint64_t>(out.numel()), toDType(out.scalar_type()), rop);
+  };
+}
+
 Work CudaCollectives::broadcast(at::Tensor& t, int root, const Call& call) {
-  return run({"broadcast", OpType::BROADCAST, "ep:broadcast"}, {t}, {t}, Route::kGroup, call, [&](Op& op) {
+  return run({"broadcast", OpType::BROADCAST, "ep:broadcast", true}, {t}, {t}, Route::kGroup, call, [&](Op& op) {
     at::Tensor buf = t.contiguous();
     broadcastFlat(op, buf, root);
     settle(t, buf);
@@ -15,8 +26,8 @@ Work CudaCollectives::broadcast(at::Tensor& t, int root, const Call& call) {
 
 Work CudaCollectives::allreduce(Tensors& ts, ReduceOp rop, const Call& call) {
   const bool one = ts.size() == 1;
-  Kind k = one ? Kind{"allreduce", OpType::ALLREDUCE, "ep:all_reduce"}
-               : Kind{"allreduce_coalesced", OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced"};
+  Kind k = one ? Kind{"allreduce", OpType::ALLREDUCE, "ep:all_reduce", true}
+               : Kind{"allreduce_coalesced", OpType::ALLREDUCE_COALESCED, "ep:all_reduce_coalesced", true};
   return run(k, ts, ts, Route::kGroup, call, [&](Op& op) {
     at::Tensor buf = one ? ts[0].contiguous() : flatten(ts);
     allreduceFlat(op, buf, rop);
@@ -39,35 +50,38 @@ Work CudaCollectives::reduce(at::Tensor& t, ReduceOp rop, int root, const Call& 
 }
 
 Work CudaCollectives::allgather(at::Tensor& output, at::Tensor& input, const Call& call) {
-  Kind k{"all_gather_into_tensor", OpType::_ALLGATHER_BASE, "ep:_all_gather_base"};
+  Kind k{"all_gather_into_tensor", OpType::_ALLGATHER_BASE, "ep:_all_gather_base", true};
   return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
     flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); },
+         gatherPieces(in, out));
     settle(output, out);
   });
 }
 
 Work CudaCollectives::allgather(Tensors& outputs, at::Tensor& input, const Call& call) {
-  return run({"allgather", OpType::ALLGATHER, "ep:all_gather"}, outputs, joined(outputs, {input}), Route::kGroup,
-             call, [&](Op& op) {
+  return run({"allgather", OpType::ALLGATHER, "ep:all_gather", true}, outputs, joined(outputs, {input}),
+             Route::kGroup, call, [&](Op& op) {
                at::Tensor in = input.contiguous();
                at::Tensor out = at::empty({in.numel() * size_}, in.options());
                flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
                     [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::allgatherOp(c, i, o, nbytes(in));
-                    });
+                    },
+                    gatherPieces(in, out));
                unflatten(out, outputs);
              });
 }
 
 Work CudaCollectives::allgatherCoalesced(Tensors& outputs, Tensors& inputs, const Call& call) {
-  Kind k{"allgather_into_tensor_coalesced", OpType::COALESCED, "ep:allgather_into_tensor_coalesced"};
+  Kind k{"allgather_into_tensor_coalesced", OpType::COALESCED, "ep:allgather_into_tensor_coalesced", true};
   return run(k, outputs, joined(outputs, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = flatten(inputs);
     at::Tensor out = at::empty({in.numel() * size_}, in.options());
     flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); },
+         gatherPieces(in, out));
     // out is [rank][input 0 | input 1 | ...]; output i gathers every rank's input i.
     int64_t off = 0;
     for (size_t i = 0; i < outputs.size(); ++i) {
@@ -116,38 +130,41 @@ Work CudaCollectives::scatter(at::Tensor& output, const Tensors& inputs, int roo
 }
 
 Work CudaCollectives::reduceScatter(at::Tensor& output, at::Tensor& input, ReduceOp rop, const Call& call) {
-  Kind k{"reduce_scatter_tensor", OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base"};
+  Kind k{"reduce_scatter_tensor", OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", true};
   return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
     flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); },
+         scatterPieces(in, out, rop));
     settle(output, out);
   });
 }
 
 Work CudaCollectives::reduceScatter(at::Tensor& output, Tensors& inputs, ReduceOp rop, const Call& call) {
-  Kind k{"reduce_scatter", OpType::REDUCE_SCATTER, "ep:reduce_scatter"};
+  Kind k{"reduce_scatter", OpType::REDUCE_SCATTER, "ep:reduce_scatter", true};
   return run(k, {output}, joined({output}, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = flatten(inputs), out = contiguousOut(output);
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
     flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); },
+         scatterPieces(in, out, rop));
     settle(output, out);
   });
 }
 
 Work CudaCollectives::reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, ReduceOp rop, const Call& call) {
-  Kind k{"reduce_scatter_tensor_coalesced", OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced"};
+  Kind k{"reduce_scatter_tensor_coalesced", OpType::COALESCED, "ep:reduce_scatter_tensor_coalesced", true};
   return run(k, outputs, joined(outputs, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = blocksByRank(inputs, outputs, size_);
     at::Tensor out = at::empty({in.numel() / size_}, in.options());
     const auto dt = toDType(out.scalar_type());
     const uint64_t count = static_cast<uint64_t>(out.numel());
     flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); });
+         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); },
+         scatterPieces(in, out, rop));
     unflatten(out, outputs);
   });
 }

@@ -51,6 +51,13 @@ void StreamMemOps::wait(cudaStream_t s, uint32_t* dev_word, uint32_t value) {
               "cuStreamWaitValue32");
 }
 
+void StreamMemOps::waitAtLeast(cudaStream_t s, uint32_t* dev_word, uint32_t value) {
+  static WaitValue32Fn fn = driverEntry<WaitValue32Fn>("cuStreamWaitValue32");
+  checkDriver(fn(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(dev_word), value,
+                 CU_STREAM_WAIT_VALUE_GEQ),
+              "cuStreamWaitValue32");
+}
+
 // ---- ExchangeStaging ----
 
 namespace {

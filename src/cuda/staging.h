@@ -47,6 +47,8 @@ struct StreamMemOps {
   static void write(cudaStream_t s, uint32_t* dev_word, uint32_t value);
   // Waits until the word equals `value`.
   static void wait(cudaStream_t s, uint32_t* dev_word, uint32_t value);
+  // Waits until the word is at least `value` (wrap-safe: (int32_t)(word - value) >= 0).
+  static void waitAtLeast(cudaStream_t s, uint32_t* dev_word, uint32_t value);
 };
 
 // The in-host staging area: one device allocation per rank, laid out by ExchangeLayout and

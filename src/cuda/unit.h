@@ -23,6 +23,7 @@
 #include "moelink/common/settings.h"
 #include "moelink/cuda/exchange_kernel.h"
 #include "moelink/transfer/records.h"
+#include "host_pipeline.h"
 #include "staging.h"
 #include "work.h"
 
@@ -122,6 +123,7 @@ class CudaCollectives final : public Collectives {
     const char* name;  // for messages
     OpType type;
     const char* title;  // the Work's profiling title
+    bool pipe = false;  // between hosts, it may run in pieces (HostPipeline), and so be captured
   };
   enum class Route { kGroup, kHost, kHostRecv };  // the group's route; host-staged (p2p)
   // Binds the unit (first op), puts a new op on its stream, runs `body` there, records the
@@ -143,9 +145,19 @@ class CudaCollectives final : public Collectives {
   // has none), by the group's route: the exchange `x`, or the worker op `host(ctx, in, out)`
   // built over pinned copies.
   using HostSpec = std::function<collective::OpSpec(const algo::AlgoContext&, char* in, char* out)>;
-  void flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out, const HostSpec& host);
+  // The op in pieces through the host pipeline (when pipes() says so), else nullptr.
+  using Piped = std::function<void(HostPipeline&, const HostPipeline::Call&)>;
+  void flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out, const HostSpec& host,
+            const Piped& piped = nullptr);
   void exchange(Op& op, const Exchange& x, const void* in, void* out);
   void hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host);
+  static Piped gatherPieces(const at::Tensor& in, const at::Tensor& out);
+  static Piped scatterPieces(const at::Tensor& in, const at::Tensor& out, ReduceOp rop);
+  // Whether a host-route op of `bytes` (its largest buffer) runs in pieces: from the
+  // pipeline's threshold, and always when captured. Sets the pipeline up if needed.
+  bool pipes(const Op& op, uint64_t bytes);
+  // The pipeline's view of the op; an eager op's Work gets its outcome from it.
+  HostPipeline::Call pipeCall(Op& op);
   // Tickets number host ops; the stream raises an op's ticket in its slot of ready_ when its
   // data is in host memory (raiseReady), the worker's callback raises it in done_.
   uint32_t nextTicket();
@@ -164,6 +176,8 @@ class CudaCollectives final : public Collectives {
   std::mutex submit_mu_;   // putting an op on its stream
   int device_ = -1;
   ExchangeTuning tuning_;
+  HostPipelineTuning pipe_tuning_;
+  std::unique_ptr<HostPipeline> pipe_;  // the host route's ring (set up with the unit between hosts)
   std::optional<c10::cuda::CUDAStream> comm_, recv_;
   std::unique_ptr<ExchangeStaging> staging_;
   std::unique_ptr<MappedArray<ExchangeStatus>> status_;  // kSlots + a sink for captured ops
@@ -240,9 +254,11 @@ Work CudaCollectives::run(const Kind& k, Tensors outputs, const Tensors& used, R
   Op op;
   op.captured = cs != cudaStreamCaptureStatusNone;
   TORCH_CHECK(dropped.empty() || !op.captured, dropped);
-  TORCH_CHECK_VALUE(!(op.captured && host), "moelink ", k.name, ": in this group the op runs through host memory (",
+  TORCH_CHECK_VALUE(!(op.captured && host && !(k.pipe && pipe_)), "moelink ", k.name,
+                    ": in this group the op runs through host memory (",
                     !group ? "point-to-point ops always do" : "its ranks are on several hosts",
-                    ") and cannot be captured in a CUDA graph");
+                    ") and cannot be captured in a CUDA graph",
+                    group ? " (there, all_reduce, reduce_scatter, all_gather and broadcast can)" : "");
   // A synchronous group op runs where the caller's next work will wait for it anyway.
   const bool on_caller = group && !call.async;
   op.stream = route == Route::kHostRecv ? *recv_ : on_caller ? user : *comm_;

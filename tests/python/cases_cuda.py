@@ -456,9 +456,116 @@ def lamport_disagreement(rank, world):
     host_route_on_disagreement(rank, world, "MOELINK_CUDA_LAMPORT_BYTES", "0" if rank == 0 else "65536")
 
 
+def host_graph_capture(rank, world):
+    """Between hosts all_reduce, all_gather, reduce_scatter and broadcast are captured as pieces
+    through the pinned ring (a host node hands each to the worker at every replay); the other
+    ops refuse capture there with a clear error, and the group stays usable."""
+    d = dev(rank)
+    n, big = 4096, 100_003  # big: several pieces under MOELINK_HOST_PIECE_BYTES=65536
+    x = torch.zeros(n, device=d)
+    y = torch.zeros(big, device=d, dtype=torch.bfloat16)
+    m = torch.zeros(big, device=d, dtype=torch.int64)
+    g_in, g_out = torch.zeros(big, device=d), torch.empty(world * big, device=d)
+    rs_in, rs_out = torch.zeros(world * n, device=d), torch.empty(n, device=d)
+    b = torch.zeros(big, device=d)
+    dist.all_reduce(x)  # the group's first CUDA op sets its buffers up, outside the graph
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            dist.all_reduce(x)
+            dist.all_reduce(y, op=dist.ReduceOp.AVG)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX)
+            dist.all_gather_into_tensor(g_out, g_in)
+            dist.reduce_scatter_tensor(rs_out, rs_in)
+            dist.broadcast(b, src=world - 1)
+    torch.cuda.current_stream().wait_stream(s)
+    iota = torch.arange(big, device=d)
+    for it in range(3):
+        x.fill_(rank + it)
+        y.copy_(((iota + rank + it) % 7).to(torch.bfloat16))
+        m.copy_((iota * 3 + rank * 5 + it) % 11)
+        g_in.copy_(iota.float() + rank * 10 + it)
+        rs_in.copy_(torch.arange(world * n, device=d, dtype=torch.float32) + rank + it)
+        b.copy_(iota.float() + it if rank == world - 1 else torch.zeros_like(b))
+        graph.replay()
+        torch.cuda.synchronize()
+        same(x, torch.full_like(x, float(sum(r + it for r in range(world)))), f"graph all_reduce {it}")
+        same(y, sum(((iota + r + it) % 7).float() for r in range(world)).div(world).to(torch.bfloat16),
+             f"graph all_reduce AVG {it}")
+        same(m, torch.stack([(iota * 3 + r * 5 + it) % 11 for r in range(world)]).amax(0), f"graph all_reduce MAX {it}")
+        same(g_out, torch.cat([iota.float() + r * 10 + it for r in range(world)]), f"graph all_gather {it}")
+        base = torch.arange(world * n, device=d, dtype=torch.float32).view(world, n)[rank]
+        same(rs_out, base * world + sum(r + it for r in range(world)), f"graph reduce_scatter {it}")
+        same(b, iota.float() + it, f"graph broadcast {it}")
+    # all_to_all stages the whole tensor at once there: not capturable, said before anything is queued.
+    a_in, a_out = torch.zeros(world * 8, device=d), torch.empty(world * 8, device=d)
+    g2 = torch.cuda.CUDAGraph()
+    err = ""
+    try:
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g2, stream=s):
+                dist.all_to_all_single(a_out, a_in)
+    except Exception as e:  # noqa: BLE001
+        err = str(e)
+    assert "cannot be captured" in err and "all_reduce, reduce_scatter, all_gather and broadcast can" in err, err
+    torch.cuda.synchronize()
+    z = torch.full((n,), rank + 1.0, device=d)
+    dist.all_reduce(z)
+    same(z, torch.full_like(z, float(sum(r + 1 for r in range(world)))), "all_reduce after a refused capture")
+
+
+def host_pieces(rank, world):
+    """The host pipeline at its piece boundaries (MOELINK_HOST_PIECE_BYTES, every op in pieces
+    under MOELINK_HOST_PIPELINE_BYTES=0): sizes one below, at and one above 1 and 3 pieces, for
+    all_reduce (several dtypes and ops), reduce_scatter, all_gather and broadcast, eager and
+    async, against each rank's own computation."""
+    if "MOELINK_HOST_PIECE_BYTES" not in os.environ:
+        return  # the "pieces" path of test_cuda_collectives.py
+    piece = int(os.environ["MOELINK_HOST_PIECE_BYTES"])
+    d = dev(rank)
+    works = []
+    for dtype, op in [(torch.float32, "SUM"), (torch.bfloat16, "AVG"), (torch.int64, "MAX"), (torch.int32, "PRODUCT"),
+                      (torch.bool, "BOR"), (torch.complex64, "SUM")]:
+        e = torch.empty((), dtype=dtype).element_size()
+        per = piece // e
+        for k in (1, 3):
+            for n in (k * per - 1, k * per, k * per + 1):
+                xs = [value(r, n, dtype if dtype != torch.complex64 else torch.float32, d) for r in range(world)]
+                if dtype == torch.complex64:
+                    xs = [torch.complex(v, v * 2) for v in xs]
+                t = xs[rank].clone()
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                ref = sum(xs) if dtype == torch.complex64 else reduce_ref(xs, op, world)
+                same(t, ref.to(dtype), f"all_reduce {dtype} {op} n={n}")
+    for k in (1, 3):
+        # reduce_scatter: rows of piece / world bytes per rank and piece
+        per = piece // (4 * world) // 4 * 4
+        for n in (k * per - 1, k * per + 1):
+            ins = [value(r, world * n, torch.float32, d, salt=1) for r in range(world)]
+            out = torch.empty(n, device=d)
+            dist.reduce_scatter_tensor(out, ins[rank])
+            same(out, sum(ins).view(world, n)[rank], f"reduce_scatter n={n}")
+        per = piece // world // 16 * 16  # all_gather: bytes per rank and piece
+        for nb in (k * per - 1, k * per + 1):
+            ins = [value(r, nb, torch.uint8, d, salt=2) for r in range(world)]
+            out = torch.empty(world * nb, device=d, dtype=torch.uint8)
+            works.append((dist.all_gather_into_tensor(out, ins[rank], async_op=True), out, torch.cat(ins), f"all_gather {nb}"))
+        for nb in (k * piece - 1, k * piece + 1):
+            b = value(0, nb, torch.uint8, d, salt=3) if rank == 0 else torch.zeros(nb, device=d, dtype=torch.uint8)
+            dist.broadcast(b, src=0)
+            same(b, value(0, nb, torch.uint8, d, salt=3), f"broadcast {nb}")
+    for w, out, ref, what in works:
+        w.wait()
+        same(out, ref, what)
+
+
 def graph_capture(rank, world):
     if os.environ.get("MOELINK_RANKS_PER_HOST"):
-        return  # the host-staged route refuses capture (tested in errors)
+        host_graph_capture(rank, world)
+        return
     d = dev(rank)
     n = 4096
     x = torch.zeros(n, device=d)
@@ -688,6 +795,6 @@ def fsdp2_matches_local(rank, world):
 
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "all_to_all_mixed_protocols", "broadcast_two_step", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
-         "round_size_disagreement", "lamport_boundaries", "lamport_disagreement", "graph_capture", "point_to_point", "against_nccl", "bad_input",
+         "round_size_disagreement", "lamport_boundaries", "lamport_disagreement", "graph_capture", "host_pieces", "point_to_point", "against_nccl", "bad_input",
          "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "sparse_all_reduce",
          "functional_and_dtensor", "fsdp2_matches_local"]

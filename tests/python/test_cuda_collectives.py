@@ -1,7 +1,8 @@
 """Collectives on CUDA tensors over backend "ep" on 2 GPUs (one process per GPU): the in-host
 NVLink path, and the host-staged path with MOELINK_RANKS_PER_HOST=1 (every peer a virtual
-remote host), over shared memory and over striped tcp; and the NVLink path of 4 ranks where there are 4 GPUs (its kernels choose
-protocols and thresholds by group size). Each case checks its results against what every rank
+remote host), over shared memory, over striped tcp and with every op in small pieces through the
+host pipeline; and the NVLink and pieces paths of 4 ranks where there are 4 GPUs (the kernels
+choose protocols and thresholds by group size). Each case checks its results against what every rank
 computes itself (and a subset against NCCL). Skipped without 2 GPUs (the 4-rank group without
 4)."""
 
@@ -19,9 +20,13 @@ SHARED = GPUS == 1 and os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"
 if SHARED:
     GPUS = 2  # both ranks on one GPU (time-sliced; correctness only)
 # "tcp": the host-staged path with its transfer engine on tcp, large writes striped over 4 streams
-# (as between real hosts).
-PATHS = {"nvlink": {}, "host": {"MOELINK_RANKS_PER_HOST": "1"},
-         "tcp": {"MOELINK_RANKS_PER_HOST": "1", "MOELINK_TRANSPORT": "tcp", "MOELINK_TCP_STREAMS": "4"}}
+# (as between real hosts); from 1 MiB its ops run through the host pipeline.
+# "pieces": the same, with every all_reduce / reduce_scatter / all_gather / broadcast in small
+# pieces through the host pipeline (the default takes it from 1 MiB, in 4 MiB pieces).
+TCP = {"MOELINK_RANKS_PER_HOST": "1", "MOELINK_TRANSPORT": "tcp", "MOELINK_TCP_STREAMS": "4"}
+PATHS = {"nvlink": {}, "host": {"MOELINK_RANKS_PER_HOST": "1"}, "tcp": TCP,
+         "pieces": dict(TCP, MOELINK_HOST_PIPELINE_BYTES="0", MOELINK_HOST_PIECE_BYTES="65536",
+                        MOELINK_HOST_PIECES="2")}
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,10 +39,10 @@ def results(path, world):
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("case", cases_cuda.CASES)
 def test_cuda_collectives(world, path, case):
-    if world > 2 and path != "nvlink":
-        pytest.skip("4 ranks on the host-staged route take longer than this suite's budget (each op stages the "
-                    "whole tensor through host memory at a few GB/s); its CPU collectives run at 4 ranks in "
-                    "test_collectives.py")
+    if world > 2 and path in ("host", "tcp"):
+        pytest.skip("4 ranks on the host-staged route run as the \"pieces\" path (every op of the host "
+                    "pipeline in pieces); the one-shot staging at 4 ranks is the 2-rank code, and its CPU "
+                    "collectives run at 4 ranks in test_collectives.py")
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs, found {GPUS}")
     if SHARED and "nccl" in case:
