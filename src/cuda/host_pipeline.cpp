@@ -15,25 +15,8 @@ using collective::DType;
 using collective::OpKind;
 using collective::OpSpec;
 using collective::ReduceOp;
-using collective::Step;
 
 namespace {
-
-// Pipeline ops carry their size with this bit in the headers' op size, so that a rank on the
-// one-shot route and one on the pipeline (a size near the threshold read differently, or an op
-// captured on one rank only) fail the op on the header check rather than mix their messages.
-constexpr uint64_t kPipelineMark = 1ull << 63;
-
-uint64_t ceilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
-uint64_t roundUp(uint64_t v, uint64_t a) { return ceilDiv(v, a) * a; }
-// Elements per 16-byte vector of the reduction (at least one).
-uint64_t vecOf(size_t e) { return e >= 16 ? 1 : 16 / e; }
-
-int indexIn(const AlgoContext& c, int rank) {
-  auto it = std::find(c.ranks.begin(), c.ranks.end(), rank);
-  MOELINK_CHECK(it != c.ranks.end(), "rank ", rank, " is not active in the group");
-  return static_cast<int>(it - c.ranks.begin());
-}
 
 void copyAsync(void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind, cudaStream_t s) {
   if (bytes == 0 || dst == src) return;
@@ -68,8 +51,8 @@ struct HostPipeline::Batch {
 
 HostPipeline::HostPipeline(collective::CollectiveWorker* worker, int rank, int size, const HostPipelineTuning& t)
     : worker_(worker), rank_(rank), size_(size), tuning_(t) {
-  out_bytes_ = roundUp(tuning_.slot_bytes + 16ull * static_cast<uint64_t>(size_), 16);
-  slot_stride_ = roundUp(tuning_.slot_bytes + out_bytes_, 4096);
+  out_bytes_ = PieceRing::outBytes(tuning_.slot_bytes, size_);
+  slot_stride_ = (tuning_.slot_bytes + out_bytes_ + 4095) / 4096 * 4096;
   ring_ = std::make_unique<MappedArray<char>>(slot_stride_ * static_cast<uint64_t>(tuning_.depth));
   ready_ = std::make_unique<MappedArray<uint32_t>>(2 * static_cast<size_t>(words()));
   done_ = std::make_unique<MappedArray<uint32_t>>(2 * static_cast<size_t>(words()));
@@ -79,8 +62,17 @@ HostPipeline::HostPipeline(collective::CollectiveWorker* worker, int rank, int s
 
 HostPipeline::~HostPipeline() = default;
 
-char* HostPipeline::inHost(int slot) const { return ring_->host(slot_stride_ * static_cast<uint64_t>(slot)); }
-char* HostPipeline::outHost(int slot) const { return inHost(slot) + tuning_.slot_bytes; }
+PieceRing HostPipeline::ring() const {
+  PieceRing r;
+  r.base = ring_->host(0);
+  r.slot_stride = slot_stride_;
+  r.slot_bytes = tuning_.slot_bytes;
+  r.plans = plans_->host(0);
+  r.ready = ready_->host(0);
+  r.done = done_->host(0);
+  return r;
+}
+
 char* HostPipeline::inDev(int slot) const { return ring_->dev(slot_stride_ * static_cast<uint64_t>(slot)); }
 char* HostPipeline::outDev(int slot) const { return inDev(slot) + tuning_.slot_bytes; }
 
@@ -103,21 +95,6 @@ void HostPipeline::raiseReady(cudaStream_t s, Mark m) const { StreamMemOps::writ
 
 void HostPipeline::waitDone(cudaStream_t s, Mark m) const { StreamMemOps::waitAtLeast(s, done_->dev(m.word), m.ticket); }
 
-std::function<bool()> HostPipeline::gate(Mark m) const {
-  uint32_t* word = ready_->host(m.word);
-  const uint32_t ticket = m.ticket;
-  return [word, ticket] { return static_cast<int32_t>(__atomic_load_n(word, __ATOMIC_ACQUIRE) - ticket) >= 0; };
-}
-
-void HostPipeline::append(OpSpec& op, OpSpec piece, Mark m, std::function<void()> before) const {
-  uint32_t* done = done_->host(m.word);
-  const uint32_t ticket = m.ticket;
-  collective::appendGatedPiece(op, std::move(piece), gate(m), [before = std::move(before), done, ticket] {
-    if (before) before();
-    __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
-  });
-}
-
 void HostPipeline::submit(const Call& c, OpKind kind, Builder build, std::vector<Mark> marks) {
   // Whatever way the op ends, the stream must get past its waits: on a failure every done
   // word goes to the op's last ticket for it (the waits are "at least").
@@ -131,7 +108,7 @@ void HostPipeline::submit(const Call& c, OpKind kind, Builder build, std::vector
   }
   // The op starts (and its deadline runs) once its first piece is in place, as a one-shot
   // op's waits for its data (the stream may still be busy with earlier work).
-  build = [build = std::move(build), first = gate(marks.front())](const AlgoContext& ctx) {
+  build = [build = std::move(build), first = readyGate(ring(), marks.front())](const AlgoContext& ctx) {
     OpSpec op = build(ctx);
     op.ready = first;
     return op;
@@ -197,236 +174,97 @@ void HostPipeline::launchReduce(cudaStream_t s, char* out, int slot, const char*
   cudaCheck(launchRowsReduce(r, s), "launching the host route's reduction");
 }
 
-namespace {
-
-// Writes a reduction's plan for the GPU, its ticket last.
-void publish(RowsPlan* dst, const RowsPlan& p) {
-  volatile RowsPlan* d = dst;
-  d->off = p.off;
-  d->len = p.len;
-  d->stride = p.stride;
-  d->rows = p.rows;
-  d->me = p.me;
-  __atomic_store_n(&dst->ticket, p.ticket, __ATOMIC_RELEASE);
-}
-
-}  // namespace
-
 // ---- the ops ----
 
 void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, ReduceOp rop) {
-  const uint64_t e = collective::elementSize(t), vec = vecOf(e);
-  const uint64_t per = std::max<uint64_t>(vec, tuning_.slot_bytes / e / vec * vec);
-  const uint64_t pieces = std::max<uint64_t>(1, ceilDiv(count, per));
+  const uint64_t e = collective::elementSize(t);
   const int depth = tuning_.depth;
-  struct Piece {
-    uint64_t off, cnt;  // elements
-    int slot;
-    Mark rs, ag;
-  };
-  std::vector<Piece> ps(pieces);
+  const std::vector<HostPiece> ps = cutPieces(count, allreducePieceElems(e, tuning_.slot_bytes), depth, true,
+                                              [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
-  for (uint64_t p = 0; p < pieces; ++p) {
-    const int slot = static_cast<int>(p % depth);
-    ps[p] = {p * per, std::min(per, count - std::min(count, p * per)), slot, mark(c, 2 * slot), mark(c, 2 * slot + 1)};
-    marks.push_back(ps[p].rs);
-    marks.push_back(ps[p].ag);
+  for (const HostPiece& pc : ps) {
+    marks.push_back(pc.first);
+    marks.push_back(pc.second);
   }
-  const int world = size_, me_rank = rank_;
-  Builder build = [this, ps, e, vec, t, rop, count, world, me_rank](const AlgoContext& ctx) {
-    OpSpec op;
-    op.kind = OpKind::kAllreduce;
-    op.dtype = t;
-    op.redop = rop;
-    op.op_bytes = (count * e) | kPipelineMark;
-    op.inplace = true;
-    const int m = static_cast<int>(ctx.ranks.size()), me = indexIn(ctx, me_rank);
-    // The all-gather halves read and write the same slot, so the op is not pullable
-    // (appendGatedPiece): no piece may be cut for pulled messages.
-    AlgoContext c1 = ctx;
-    c1.pull_chunk = 0;
-    // Block i of a piece (of m, by active rank): byte offset and length; returns the stride.
-    auto block = [&](const Piece& pc, int i, uint64_t* off, uint64_t* len) {
-      const uint64_t blk = roundUp(ceilDiv(pc.cnt, static_cast<uint64_t>(m)), vec);
-      const uint64_t b = std::min(pc.cnt, i * blk), end = std::min(pc.cnt, (i + 1) * blk);
-      *off = b * e;
-      *len = (end - b) * e;
-      return blk * e;
-    };
-    std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
-    auto scatterOf = [&](const Piece& pc) {
-      uint64_t moff, mlen;
-      const uint64_t stride = block(pc, me, &moff, &mlen);
-      std::fill(sb.begin(), sb.end(), 0);
-      std::fill(rb.begin(), rb.end(), 0);
-      for (int i = 0; i < m; ++i) {
-        const int r = ctx.ranks[i];
-        if (r == me_rank) continue;
-        block(pc, i, &so[r], &sb[r]);
-        ro[r] = static_cast<uint64_t>(i) * stride;
-        rb[r] = mlen;
-      }
-      RowsPlan plan{pc.rs.ticket, moff, mlen, stride, m, me};
-      RowsPlan* dst = plans_->host(pc.slot);
-      append(op, collective::alltoallOp(c1, inHost(pc.slot), so, sb, outHost(pc.slot), ro, rb), pc.rs,
-             [dst, plan] { publish(dst, plan); });
-    };
-    auto gatherOf = [&](const Piece& pc) {
-      uint64_t moff, mlen;
-      block(pc, me, &moff, &mlen);
-      std::fill(sb.begin(), sb.end(), 0);
-      std::fill(rb.begin(), rb.end(), 0);
-      for (int i = 0; i < m; ++i) {
-        const int r = ctx.ranks[i];
-        if (r == me_rank) continue;
-        so[r] = moff;
-        sb[r] = mlen;
-        block(pc, i, &ro[r], &rb[r]);
-      }
-      append(op, collective::alltoallOp(c1, inHost(pc.slot), so, sb, inHost(pc.slot), ro, rb), pc.ag, nullptr);
-    };
-    // Piece p+1's reduce-scatter before piece p's all-gather: the wire is busy while the GPU
-    // reduces piece p.
-    scatterOf(ps[0]);
-    for (size_t p = 0; p < ps.size(); ++p) {
-      if (p + 1 < ps.size()) scatterOf(ps[p + 1]);
-      gatherOf(ps[p]);
-    }
-    return op;
-  };
-  submit(c, OpKind::kAllreduce, std::move(build), std::move(marks));
+  submit(c, OpKind::kAllreduce,
+         [r = ring(), ps, count, t, rop, world = size_, rank = rank_](const AlgoContext& ctx) {
+           return allreducePieces(ctx, r, ps, count, t, rop, world, rank);
+         },
+         std::move(marks));
   const cudaStream_t s = c.stream;
-  auto pack = [&](const Piece& pc) {
-    copyAsync(inHost(pc.slot), buf + pc.off * e, pc.cnt * e, cudaMemcpyDeviceToHost, s);
-    raiseReady(s, pc.rs);
+  auto pack = [&](const HostPiece& pc) {
+    copyAsync(inHost(pc.slot), buf + pc.off * e, pc.len * e, cudaMemcpyDeviceToHost, s);
+    raiseReady(s, pc.first);
   };
   // Piece p's block is reduced (and its all-gather let go) as soon as its reduce-scatter is
   // in, ahead of the wait for piece p-1's all-gather: the wire need not wait for the stream.
-  auto reduce = [&](const Piece& pc) {
-    waitDone(s, pc.rs);
-    launchReduce(s, inDev(pc.slot), pc.slot, buf + pc.off * e, pc.rs.ticket, pc.cnt * e, t, rop);
-    raiseReady(s, pc.ag);
+  auto reduce = [&](const HostPiece& pc) {
+    waitDone(s, pc.first);
+    launchReduce(s, inDev(pc.slot), pc.slot, buf + pc.off * e, pc.first.ticket, pc.len * e, t, rop);
+    raiseReady(s, pc.second);
   };
   for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) pack(ps[p]);
   reduce(ps[0]);
   for (size_t p = 0; p < ps.size(); ++p) {
-    const Piece& pc = ps[p];
+    const HostPiece& pc = ps[p];
     if (p + 1 < ps.size()) reduce(ps[p + 1]);
-    waitDone(s, pc.ag);
-    copyAsync(buf + pc.off * e, inHost(pc.slot), pc.cnt * e, cudaMemcpyHostToDevice, s);
+    waitDone(s, pc.second);
+    copyAsync(buf + pc.off * e, inHost(pc.slot), pc.len * e, cudaMemcpyHostToDevice, s);
     if (p + depth < ps.size()) pack(ps[p + depth]);
   }
 }
 
 void HostPipeline::reduceScatter(const Call& c, const char* in, char* out, uint64_t count, DType t, ReduceOp rop) {
-  const uint64_t e = collective::elementSize(t), vec = vecOf(e);
-  const uint64_t per = std::max<uint64_t>(vec, tuning_.slot_bytes / (e * static_cast<uint64_t>(size_)) / vec * vec);
+  const uint64_t e = collective::elementSize(t);
+  const uint64_t per = reduceScatterPieceElems(e, tuning_.slot_bytes, size_);
   const uint64_t row = per * e;  // a rank's row in a slot
-  const uint64_t pieces = std::max<uint64_t>(1, ceilDiv(count, per));
   const int depth = tuning_.depth;
-  struct Piece {
-    uint64_t off, cnt;
-    int slot;
-    Mark rs;
-  };
-  std::vector<Piece> ps(pieces);
+  const std::vector<HostPiece> ps = cutPieces(count, per, depth, false, [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
-  for (uint64_t p = 0; p < pieces; ++p) {
-    const int slot = static_cast<int>(p % depth);
-    ps[p] = {p * per, std::min(per, count - std::min(count, p * per)), slot, mark(c, 2 * slot)};
-    marks.push_back(ps[p].rs);
-  }
-  const int world = size_, me_rank = rank_;
-  Builder build = [this, ps, e, t, rop, count, row, world, me_rank](const AlgoContext& ctx) {
-    OpSpec op;
-    op.kind = OpKind::kReduceScatter;
-    op.dtype = t;
-    op.redop = rop;
-    op.op_bytes = (count * e * static_cast<uint64_t>(world)) | kPipelineMark;
-    op.inplace = true;
-    const int m = static_cast<int>(ctx.ranks.size()), me = indexIn(ctx, me_rank);
-    std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
-    for (const Piece& pc : ps) {
-      std::fill(sb.begin(), sb.end(), 0);
-      std::fill(rb.begin(), rb.end(), 0);
-      for (int i = 0; i < m; ++i) {
-        const int r = ctx.ranks[i];
-        if (r == me_rank) continue;
-        so[r] = static_cast<uint64_t>(r) * row;  // packed by rank
-        sb[r] = pc.cnt * e;
-        ro[r] = static_cast<uint64_t>(i) * row;  // received by active index
-        rb[r] = pc.cnt * e;
-      }
-      RowsPlan plan{pc.rs.ticket, 0, pc.cnt * e, row, m, me};
-      RowsPlan* dst = plans_->host(pc.slot);
-      append(op, collective::alltoallOp(ctx, inHost(pc.slot), so, sb, outHost(pc.slot), ro, rb), pc.rs,
-             [dst, plan] { publish(dst, plan); });
-    }
-    return op;
-  };
-  submit(c, OpKind::kReduceScatter, std::move(build), std::move(marks));
+  for (const HostPiece& pc : ps) marks.push_back(pc.first);
+  submit(c, OpKind::kReduceScatter,
+         [r = ring(), ps, count, per, t, rop, world = size_, rank = rank_](const AlgoContext& ctx) {
+           return reduceScatterPieces(ctx, r, ps, count, per, t, rop, world, rank);
+         },
+         std::move(marks));
   const cudaStream_t s = c.stream;
   const uint64_t block = count * e;  // a rank's block of the input
-  auto pack = [&](const Piece& pc) {
-    copy2DAsync(inHost(pc.slot), row, in + pc.off * e, block, pc.cnt * e, static_cast<uint64_t>(size_),
+  auto pack = [&](const HostPiece& pc) {
+    copy2DAsync(inHost(pc.slot), row, in + pc.off * e, block, pc.len * e, static_cast<uint64_t>(size_),
                 cudaMemcpyDeviceToHost, s);
-    raiseReady(s, pc.rs);
+    raiseReady(s, pc.first);
   };
   for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) pack(ps[p]);
   for (size_t p = 0; p < ps.size(); ++p) {
-    const Piece& pc = ps[p];
-    waitDone(s, pc.rs);
-    launchReduce(s, out + pc.off * e, pc.slot, in + static_cast<uint64_t>(rank_) * block + pc.off * e, pc.rs.ticket,
-                 pc.cnt * e, t, rop);
+    const HostPiece& pc = ps[p];
+    waitDone(s, pc.first);
+    launchReduce(s, out + pc.off * e, pc.slot, in + static_cast<uint64_t>(rank_) * block + pc.off * e,
+                 pc.first.ticket, pc.len * e, t, rop);
     if (p + depth < ps.size()) pack(ps[p + depth]);
   }
 }
 
 void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t bytes) {
-  const uint64_t per = std::max<uint64_t>(16, tuning_.slot_bytes / static_cast<uint64_t>(size_) / 16 * 16);
-  const uint64_t pieces = std::max<uint64_t>(1, ceilDiv(bytes, per));
+  const uint64_t per = allgatherPieceBytes(tuning_.slot_bytes, size_);
   const int depth = tuning_.depth;
-  struct Piece {
-    uint64_t off, len;
-    int slot;
-    Mark ag;
-  };
-  std::vector<Piece> ps(pieces);
+  const std::vector<HostPiece> ps = cutPieces(bytes, per, depth, false, [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
-  for (uint64_t p = 0; p < pieces; ++p) {
-    const int slot = static_cast<int>(p % depth);
-    ps[p] = {p * per, std::min(per, bytes - std::min(bytes, p * per)), slot, mark(c, 2 * slot)};
-    marks.push_back(ps[p].ag);
-  }
-  const int world = size_, me_rank = rank_;
-  Builder build = [this, ps, bytes, per, world, me_rank](const AlgoContext& ctx) {
-    OpSpec op;
-    op.kind = OpKind::kAllgather;
-    op.op_bytes = bytes | kPipelineMark;
-    op.inplace = true;
-    std::vector<uint64_t> so(world, 0), sb(world), ro(world), rb(world);
-    for (const Piece& pc : ps) {
-      for (int r = 0; r < world; ++r) {
-        // Every rank's row at its rank; an inactive rank's is zeroed (alltoallOp's finish).
-        sb[r] = r == me_rank || !std::binary_search(ctx.ranks.begin(), ctx.ranks.end(), r) ? 0 : pc.len;
-        ro[r] = static_cast<uint64_t>(r) * per;
-        rb[r] = r == me_rank ? 0 : pc.len;
-      }
-      append(op, collective::alltoallOp(ctx, inHost(pc.slot), so, sb, outHost(pc.slot), ro, rb), pc.ag, nullptr);
-    }
-    return op;
-  };
-  submit(c, OpKind::kAllgather, std::move(build), std::move(marks));
+  for (const HostPiece& pc : ps) marks.push_back(pc.first);
+  submit(c, OpKind::kAllgather,
+         [r = ring(), ps, bytes, per, world = size_, rank = rank_](const AlgoContext& ctx) {
+           return allgatherPieces(ctx, r, ps, bytes, per, world, rank);
+         },
+         std::move(marks));
   const cudaStream_t s = c.stream;
   copyAsync(out + static_cast<uint64_t>(rank_) * bytes, in, bytes, cudaMemcpyDeviceToDevice, s);
-  auto pack = [&](const Piece& pc) {
+  auto pack = [&](const HostPiece& pc) {
     copyAsync(inHost(pc.slot), in + pc.off, pc.len, cudaMemcpyDeviceToHost, s);
-    raiseReady(s, pc.ag);
+    raiseReady(s, pc.first);
   };
   for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) pack(ps[p]);
   for (size_t p = 0; p < ps.size(); ++p) {
-    const Piece& pc = ps[p];
-    waitDone(s, pc.ag);
+    const HostPiece& pc = ps[p];
+    waitDone(s, pc.first);
     // The rows of the ranks before this one, then those after it.
     copy2DAsync(out + pc.off, bytes, outHost(pc.slot), per, pc.len, static_cast<uint64_t>(rank_),
                 cudaMemcpyHostToDevice, s);
@@ -438,43 +276,26 @@ void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t 
 }
 
 void HostPipeline::broadcast(const Call& c, char* buf, uint64_t bytes, int root) {
-  const uint64_t per = tuning_.slot_bytes;
-  const uint64_t pieces = std::max<uint64_t>(1, ceilDiv(bytes, per));
   const int depth = tuning_.depth;
-  struct Piece {
-    uint64_t off, len;
-    int slot;
-    Mark bc;
-  };
-  std::vector<Piece> ps(pieces);
+  const std::vector<HostPiece> ps =
+      cutPieces(bytes, tuning_.slot_bytes, depth, false, [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
-  for (uint64_t p = 0; p < pieces; ++p) {
-    const int slot = static_cast<int>(p % depth);
-    ps[p] = {p * per, std::min(per, bytes - std::min(bytes, p * per)), slot, mark(c, 2 * slot)};
-    marks.push_back(ps[p].bc);
-  }
-  Builder build = [this, ps, bytes, root](const AlgoContext& ctx) {
-    OpSpec op;
-    op.kind = OpKind::kBroadcast;
-    op.root = root;
-    op.op_bytes = bytes | kPipelineMark;
-    op.inplace = true;
-    for (const Piece& pc : ps) append(op, collective::broadcastOp(ctx, inHost(pc.slot), pc.len, root), pc.bc, nullptr);
-    return op;
-  };
-  submit(c, OpKind::kBroadcast, std::move(build), std::move(marks));
+  for (const HostPiece& pc : ps) marks.push_back(pc.first);
+  submit(c, OpKind::kBroadcast,
+         [r = ring(), ps, bytes, root](const AlgoContext& ctx) { return broadcastPieces(ctx, r, ps, bytes, root); },
+         std::move(marks));
   const cudaStream_t s = c.stream;
   const bool is_root = rank_ == root;
   // The root packs a piece before the worker may send it; the others free a slot before the
   // worker may receive into it.
-  auto open = [&](const Piece& pc) {
+  auto open = [&](const HostPiece& pc) {
     if (is_root) copyAsync(inHost(pc.slot), buf + pc.off, pc.len, cudaMemcpyDeviceToHost, s);
-    raiseReady(s, pc.bc);
+    raiseReady(s, pc.first);
   };
   for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) open(ps[p]);
   for (size_t p = 0; p < ps.size(); ++p) {
-    const Piece& pc = ps[p];
-    waitDone(s, pc.bc);
+    const HostPiece& pc = ps[p];
+    waitDone(s, pc.first);
     if (!is_root) copyAsync(buf + pc.off, inHost(pc.slot), pc.len, cudaMemcpyHostToDevice, s);
     if (p + depth < ps.size()) open(ps[p + depth]);
   }

@@ -24,7 +24,10 @@
 // reductions go by the ranks active when the op starts (inactive ranks' all_gather blocks are
 // zeros); the op is one collective for the worker, so a disagreement in sizes is found in the
 // headers as for any op. A membership change after a piece has been consumed fails the op
-// (OpSpec::inplace): its pieces cannot be taken back.
+// (OpSpec::inplace): its pieces cannot be taken back. The worker's side (the cuts and the
+// collective of each op) is moelink/cuda/host_pieces.h, plain C++ that the CPU tests run with a
+// thread in the stream's place (tests/cpp/cuda/host_pieces_test.cpp); this file adds the ring's
+// memory, the words' tickets, the hand-over (now or at each graph replay) and the stream.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -39,6 +42,7 @@
 
 #include "moelink/collective/algorithms.h"
 #include "moelink/collective/worker.h"
+#include "moelink/cuda/host_pieces.h"
 #include "moelink/cuda/rows_reduce.h"
 #include "staging.h"
 
@@ -81,25 +85,19 @@ class HostPipeline {
  private:
   struct Batch;
   using Builder = std::function<collective::OpSpec(const collective::AlgoContext&)>;
-  // A piece's worker-side words: `word` indexes ready_/done_, `ticket` is what they are raised to.
-  struct Mark {
-    int word;
-    uint32_t ticket;
-  };
-  char* inHost(int slot) const;
-  char* outHost(int slot) const;
-  char* inDev(int slot) const;
-  char* outDev(int slot) const;
+  using Mark = PieceMark;
   // The words of an op's piece: `word` (0 .. words()-1) of the eager set, or of the set that
   // captured ops use (their words are reset at each replay), with a fresh ticket.
   Mark mark(const Call& c, int word);
   int words() const { return 2 * tuning_.depth; }
+  // The ring as the worker sees it (host pointers).
+  PieceRing ring() const;
+  char* inHost(int slot) const { return ring().in(slot); }
+  char* outHost(int slot) const { return ring().out(slot); }
+  char* inDev(int slot) const;
+  char* outDev(int slot) const;
   void raiseReady(cudaStream_t s, Mark m) const;
   void waitDone(cudaStream_t s, Mark m) const;
-  std::function<bool()> gate(Mark m) const;
-  // Appends `piece`'s steps to `op`: gated on m's ready word; its last consumption runs the
-  // piece's finish, then `before` (writing the reduction's plan), then raises m's done word.
-  void append(collective::OpSpec& op, collective::OpSpec piece, Mark m, std::function<void()> before) const;
   // Hands the op to the worker: now, or (captured) at each replay through a host node.
   void submit(const Call& c, collective::OpKind kind, Builder build, std::vector<Mark> marks);
   static void CUDART_CB replay(void* batch);

@@ -12,53 +12,17 @@
 #include "moelink/common/error.h"
 #include "moelink/transfer/transfer_engine.h"
 #include "test_support.h"
+#include "worker_support.h"
 
 using namespace moelink::collective;
 using namespace moelink::transfer;
+using moelink::testing::makeRank;
+using moelink::testing::Rank;
+using moelink::testing::run;
 using moelink::testing::runRanks;
 using namespace std::chrono;
 
 namespace {
-
-struct Rank {
-  std::unique_ptr<TransferEngine> engine;
-  std::unique_ptr<CollectiveWorker> worker;
-};
-
-// transport "pull": shm, with every piece of a pullable op read by its receiver from the
-// sender's memory (the ranks are threads of one process, which may read its own memory).
-Rank makeRank(std::shared_ptr<InProcessStore> store, int rank, int world, const std::string& transport,
-              uint64_t chunk = 4096) {
-  EngineOptions o;
-  o.rank = rank;
-  o.world_size = world;
-  o.transport = transport == "pull" ? "shm" : transport;
-  o.cross_memory_reads = transport == "pull";
-  o.timeout = seconds(30);
-  Rank r;
-  r.engine = std::make_unique<TransferEngine>(store, o);
-  WorkerOptions w;
-  w.chunk_bytes = chunk;  // small, so that tests cross many chunks
-  w.allreduce_small_bytes = 1024;
-  w.pull_min_bytes = transport == "pull" ? 1 : UINT64_MAX;
-  w.pull_chunk_bytes = 5000;  // all_to_all pieces of a pulling pair: larger than a slot, and several
-  w.timeout = seconds(30);
-  r.worker = std::make_unique<CollectiveWorker>(*r.engine, *store, w);
-  if (transport == "pull") {
-    for (int p = 0; p < world; ++p) {
-      if (p == rank) continue;
-      EXPECT_TRUE(r.worker->peerReadsDirectly(p)) << "rank " << p << " cannot read rank " << rank;
-    }
-  }
-  return r;
-}
-
-std::string run(CollectiveWorker& w, OpSpec op, milliseconds timeout = seconds(30)) {
-  std::promise<std::string> p;
-  auto f = p.get_future();
-  w.submit(std::move(op), [&](const std::string& e) { p.set_value(e); }, timeout);
-  return f.get();
-}
 
 class CollectiveTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 

@@ -11,19 +11,9 @@
 #include <cstdint>
 
 #include "moelink/collective/dtype.h"
+#include "moelink/cuda/host_pieces.h"  // RowsPlan
 
 namespace moelink::cuda {
-
-// What the worker found when the piece's rows had all arrived (written into host-mapped
-// memory before it lets the stream go on): the rows are those of the ranks active then.
-struct RowsPlan {
-  uint64_t ticket = 0;  // the piece's; a plan with another ticket is stale and the launch does nothing
-  uint64_t off = 0;     // this rank's range within `mine` and `out` (bytes)
-  uint64_t len = 0;
-  uint64_t stride = 0;  // between the rows
-  int32_t rows = 0;     // how many (one per active rank, in rank order)
-  int32_t me = 0;       // this rank's index among them (its row is `mine`, not in `rows`)
-};
 
 struct RowsReduce {
   char* out = nullptr;         // result at out + plan.off

@@ -1,0 +1,91 @@
+// The worker's side of the CUDA host route's pipeline (src/cuda/host_pipeline.h): how an op is
+// cut into pieces, and the collective the worker runs over the pinned ring for it. Plain C++
+// over host pointers (no CUDA, no torch), so that the CPU tests run it with a thread in the
+// GPU stream's place.
+//
+// Every piece of an op uses one slot of the ring (an `in` area, then an `out` area) and one or
+// two marks: words in the ring's ready and done arrays, and the ticket they are raised to. The
+// stream raises the ready word when the piece's data is in place and its landing area free;
+// the worker raises the done word when it is finished with the slot, after writing a
+// reduction's plan (RowsPlan) where the stream reduces.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "moelink/collective/algorithms.h"
+
+namespace moelink::cuda {
+
+// What the worker found when a piece's rows had all arrived (written before it raises the
+// done word): the rows are those of the ranks active when the op started.
+struct RowsPlan {
+  uint64_t ticket = 0;  // the piece's; a plan with another ticket is stale and the launch does nothing
+  uint64_t off = 0;     // this rank's range within `mine` and `out` (bytes)
+  uint64_t len = 0;
+  uint64_t stride = 0;  // between the rows
+  int32_t rows = 0;     // how many (one per active rank, in rank order)
+  int32_t me = 0;       // this rank's index among them (its row is `mine`, not in `rows`)
+};
+
+struct PieceMark {
+  int word = 0;
+  uint32_t ticket = 0;
+};
+
+// The host view of a ring: slot s is at base + s * slot_stride, its `in` area first and its
+// `out` area slot_bytes later; one plan per slot; the words by PieceMark::word.
+struct PieceRing {
+  char* base = nullptr;
+  uint64_t slot_stride = 0, slot_bytes = 0;
+  RowsPlan* plans = nullptr;
+  uint32_t* ready = nullptr;
+  uint32_t* done = nullptr;
+  char* in(int slot) const { return base + slot_stride * static_cast<uint64_t>(slot); }
+  char* out(int slot) const { return in(slot) + slot_bytes; }
+  // The bytes a slot's `out` area needs for pieces of `slot_bytes` in a group of `world`.
+  static uint64_t outBytes(uint64_t slot_bytes, int world) { return slot_bytes + 16ull * static_cast<uint64_t>(world); }
+};
+
+// A piece: [off, off + len) of the op (all_reduce, reduce_scatter: elements, of the tensor or
+// of each rank's block; all_gather, broadcast: bytes), its slot and marks (all_reduce: first
+// the reduce-scatter, second the all-gather; the others: first only).
+struct HostPiece {
+  uint64_t off = 0, len = 0;
+  int slot = 0;
+  PieceMark first, second;
+};
+
+// The piece sizes (every rank cuts alike: they depend on the sizes and settings only).
+uint64_t allreducePieceElems(size_t elem, uint64_t slot_bytes);
+uint64_t reduceScatterPieceElems(size_t elem, uint64_t slot_bytes, int world);  // also its rows' stride / elem
+uint64_t allgatherPieceBytes(uint64_t slot_bytes, int world);                   // also its rows' stride
+// An op of `total` cut at `per` (at least one piece, empty for an empty op), over `depth`
+// slots; `mark(word)` gives each piece's marks (words 2 * slot and, with `two`, 2 * slot + 1).
+std::vector<HostPiece> cutPieces(uint64_t total, uint64_t per, int depth, bool two,
+                                 const std::function<PieceMark(int word)>& mark);
+
+// Whether the ready word of `m` has reached its ticket (wrap-safe).
+std::function<bool()> readyGate(const PieceRing& ring, PieceMark m);
+
+// The collective the worker runs for each op, built when the op starts (from the ranks active
+// then; `rank` is this rank, `world` the group's size): one gated piece after another
+// (collective::appendGatedPiece). all_reduce: per piece a reduce-scatter by active rank into
+// the slot's `out` rows, then (after the next piece's) an all-gather of the reduced blocks in
+// the slot's `in` area; reduce_scatter: the `in` rows (by rank, `per` elements apart) to their
+// ranks, received by active index; all_gather: the `in` piece to every rank, received by rank
+// (an inactive rank's row zeroed); broadcast: the root's `in` piece.
+collective::OpSpec allreducePieces(const collective::AlgoContext& c, const PieceRing& ring,
+                                   const std::vector<HostPiece>& pieces, uint64_t count, collective::DType t,
+                                   collective::ReduceOp op, int world, int rank);
+collective::OpSpec reduceScatterPieces(const collective::AlgoContext& c, const PieceRing& ring,
+                                       const std::vector<HostPiece>& pieces, uint64_t count, uint64_t per,
+                                       collective::DType t, collective::ReduceOp op, int world, int rank);
+collective::OpSpec allgatherPieces(const collective::AlgoContext& c, const PieceRing& ring,
+                                   const std::vector<HostPiece>& pieces, uint64_t bytes, uint64_t per, int world,
+                                   int rank);
+collective::OpSpec broadcastPieces(const collective::AlgoContext& c, const PieceRing& ring,
+                                   const std::vector<HostPiece>& pieces, uint64_t bytes, int root);
+
+}  // namespace moelink::cuda

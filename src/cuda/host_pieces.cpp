@@ -1,0 +1,212 @@
+// The worker's side of the host route's pipeline (moelink/cuda/host_pieces.h).
+#include "moelink/cuda/host_pieces.h"
+
+#include <algorithm>
+
+#include "moelink/common/error.h"
+
+namespace moelink::cuda {
+
+using collective::AlgoContext;
+using collective::DType;
+using collective::OpKind;
+using collective::OpSpec;
+using collective::ReduceOp;
+
+namespace {
+
+// Pipeline ops carry their size with this bit in the headers' op size, so that a rank on the
+// one-shot route and one on the pipeline (a size near the threshold read differently, or an op
+// captured on one rank only) fail the op on the header check rather than mix their messages.
+constexpr uint64_t kPipelineMark = 1ull << 63;
+
+uint64_t ceilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+uint64_t roundUp(uint64_t v, uint64_t a) { return ceilDiv(v, a) * a; }
+// Elements per 16-byte vector of the GPU's reduction (at least one).
+uint64_t vecOf(size_t e) { return e >= 16 ? 1 : 16 / e; }
+
+int indexIn(const AlgoContext& c, int rank) {
+  auto it = std::find(c.ranks.begin(), c.ranks.end(), rank);
+  MOELINK_CHECK(it != c.ranks.end(), "rank ", rank, " is not active in the group");
+  return static_cast<int>(it - c.ranks.begin());
+}
+
+OpSpec pipelineOp(OpKind kind, DType t, ReduceOp op, int root, uint64_t bytes) {
+  OpSpec s;
+  s.kind = kind;
+  s.dtype = t;
+  s.redop = op;
+  s.root = root;
+  s.op_bytes = bytes | kPipelineMark;
+  // A consumed piece cannot be taken back: a membership change after it fails the op.
+  s.inplace = true;
+  return s;
+}
+
+// Appends `piece` gated on m's ready word; when it is done, `before` (a plan), then the done word.
+void append(OpSpec& op, const PieceRing& ring, OpSpec piece, PieceMark m, std::function<void()> before) {
+  uint32_t* done = ring.done + m.word;
+  const uint32_t ticket = m.ticket;
+  collective::appendGatedPiece(op, std::move(piece), readyGate(ring, m), [before = std::move(before), done, ticket] {
+    if (before) before();
+    __atomic_store_n(done, ticket, __ATOMIC_RELEASE);
+  });
+}
+
+// Writes a reduction's plan for the stream, its ticket last.
+std::function<void()> publish(RowsPlan* dst, const RowsPlan& p) {
+  return [dst, p] {
+    volatile RowsPlan* d = dst;
+    d->off = p.off;
+    d->len = p.len;
+    d->stride = p.stride;
+    d->rows = p.rows;
+    d->me = p.me;
+    __atomic_store_n(&dst->ticket, p.ticket, __ATOMIC_RELEASE);
+  };
+}
+
+}  // namespace
+
+uint64_t allreducePieceElems(size_t elem, uint64_t slot_bytes) {
+  const uint64_t vec = vecOf(elem);
+  return std::max<uint64_t>(vec, slot_bytes / elem / vec * vec);
+}
+
+uint64_t reduceScatterPieceElems(size_t elem, uint64_t slot_bytes, int world) {
+  const uint64_t vec = vecOf(elem);
+  return std::max<uint64_t>(vec, slot_bytes / (elem * static_cast<uint64_t>(world)) / vec * vec);
+}
+
+uint64_t allgatherPieceBytes(uint64_t slot_bytes, int world) {
+  return std::max<uint64_t>(16, slot_bytes / static_cast<uint64_t>(world) / 16 * 16);
+}
+
+std::vector<HostPiece> cutPieces(uint64_t total, uint64_t per, int depth, bool two,
+                                 const std::function<PieceMark(int word)>& mark) {
+  const uint64_t n = std::max<uint64_t>(1, ceilDiv(total, per));
+  std::vector<HostPiece> ps(n);
+  for (uint64_t p = 0; p < n; ++p) {
+    HostPiece& pc = ps[p];
+    pc.off = std::min(total, p * per);
+    pc.len = std::min(per, total - pc.off);
+    pc.slot = static_cast<int>(p % static_cast<uint64_t>(depth));
+    pc.first = mark(2 * pc.slot);
+    if (two) pc.second = mark(2 * pc.slot + 1);
+  }
+  return ps;
+}
+
+std::function<bool()> readyGate(const PieceRing& ring, PieceMark m) {
+  uint32_t* word = ring.ready + m.word;
+  const uint32_t ticket = m.ticket;
+  return [word, ticket] { return static_cast<int32_t>(__atomic_load_n(word, __ATOMIC_ACQUIRE) - ticket) >= 0; };
+}
+
+OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
+                       uint64_t count, DType t, ReduceOp rop, int world, int rank) {
+  const uint64_t e = collective::elementSize(t), vec = vecOf(e);
+  OpSpec op = pipelineOp(OpKind::kAllreduce, t, rop, -1, count * e);
+  const int m = static_cast<int>(ctx.ranks.size()), me = indexIn(ctx, rank);
+  // The all-gather halves read and write the same slot, so the op is not pullable
+  // (appendGatedPiece): no piece may be cut for pulled messages.
+  AlgoContext c1 = ctx;
+  c1.pull_chunk = 0;
+  // Block i of a piece (of m, by active rank): byte offset and length; returns the stride.
+  auto block = [&](const HostPiece& pc, int i, uint64_t* off, uint64_t* len) {
+    const uint64_t blk = roundUp(ceilDiv(pc.len, static_cast<uint64_t>(m)), vec);
+    const uint64_t b = std::min(pc.len, i * blk), end = std::min(pc.len, (i + 1) * blk);
+    *off = b * e;
+    *len = (end - b) * e;
+    return blk * e;
+  };
+  std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
+  auto scatterOf = [&](const HostPiece& pc) {
+    uint64_t moff, mlen;
+    const uint64_t stride = block(pc, me, &moff, &mlen);
+    std::fill(sb.begin(), sb.end(), 0);
+    std::fill(rb.begin(), rb.end(), 0);
+    for (int i = 0; i < m; ++i) {
+      const int r = ctx.ranks[i];
+      if (r == rank) continue;
+      block(pc, i, &so[r], &sb[r]);
+      ro[r] = static_cast<uint64_t>(i) * stride;
+      rb[r] = mlen;
+    }
+    append(op, ring, collective::alltoallOp(c1, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
+           publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, moff, mlen, stride, m, me}));
+  };
+  auto gatherOf = [&](const HostPiece& pc) {
+    uint64_t moff, mlen;
+    block(pc, me, &moff, &mlen);
+    std::fill(sb.begin(), sb.end(), 0);
+    std::fill(rb.begin(), rb.end(), 0);
+    for (int i = 0; i < m; ++i) {
+      const int r = ctx.ranks[i];
+      if (r == rank) continue;
+      so[r] = moff;
+      sb[r] = mlen;
+      block(pc, i, &ro[r], &rb[r]);
+    }
+    append(op, ring, collective::alltoallOp(c1, ring.in(pc.slot), so, sb, ring.in(pc.slot), ro, rb), pc.second,
+           nullptr);
+  };
+  // Piece p+1's reduce-scatter before piece p's all-gather: the wire is busy while the GPU
+  // reduces piece p.
+  scatterOf(ps[0]);
+  for (size_t p = 0; p < ps.size(); ++p) {
+    if (p + 1 < ps.size()) scatterOf(ps[p + 1]);
+    gatherOf(ps[p]);
+  }
+  return op;
+}
+
+OpSpec reduceScatterPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
+                           uint64_t count, uint64_t per, DType t, ReduceOp rop, int world, int rank) {
+  const uint64_t e = collective::elementSize(t), row = per * e;
+  OpSpec op = pipelineOp(OpKind::kReduceScatter, t, rop, -1, count * e * static_cast<uint64_t>(world));
+  const int m = static_cast<int>(ctx.ranks.size()), me = indexIn(ctx, rank);
+  std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
+  for (const HostPiece& pc : ps) {
+    std::fill(sb.begin(), sb.end(), 0);
+    std::fill(rb.begin(), rb.end(), 0);
+    for (int i = 0; i < m; ++i) {
+      const int r = ctx.ranks[i];
+      if (r == rank) continue;
+      so[r] = static_cast<uint64_t>(r) * row;  // packed by rank
+      sb[r] = pc.len * e;
+      ro[r] = static_cast<uint64_t>(i) * row;  // received by active index
+      rb[r] = pc.len * e;
+    }
+    append(op, ring, collective::alltoallOp(ctx, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
+           publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, 0, pc.len * e, row, m, me}));
+  }
+  return op;
+}
+
+OpSpec allgatherPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
+                       uint64_t bytes, uint64_t per, int world, int rank) {
+  OpSpec op = pipelineOp(OpKind::kAllgather, DType::kBytes, ReduceOp::kNone, -1, bytes);
+  std::vector<uint64_t> so(world, 0), sb(world), ro(world), rb(world);
+  for (const HostPiece& pc : ps) {
+    for (int r = 0; r < world; ++r) {
+      // Every rank's row at its rank; an inactive rank's is zeroed (alltoallOp's finish).
+      sb[r] = r == rank || !std::binary_search(ctx.ranks.begin(), ctx.ranks.end(), r) ? 0 : pc.len;
+      ro[r] = static_cast<uint64_t>(r) * per;
+      rb[r] = r == rank ? 0 : pc.len;
+    }
+    append(op, ring, collective::alltoallOp(ctx, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
+           nullptr);
+  }
+  return op;
+}
+
+OpSpec broadcastPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
+                       uint64_t bytes, int root) {
+  OpSpec op = pipelineOp(OpKind::kBroadcast, DType::kBytes, ReduceOp::kNone, root, bytes);
+  for (const HostPiece& pc : ps)
+    append(op, ring, collective::broadcastOp(ctx, ring.in(pc.slot), pc.len, root), pc.first, nullptr);
+  return op;
+}
+
+}  // namespace moelink::cuda

@@ -1,0 +1,326 @@
+// The CUDA host route's pipeline without a GPU: the worker side (moelink/cuda/host_pieces.h)
+// runs as in the module, over a ring in plain memory, and each rank's thread does what the op's
+// stream does in src/cuda/host_pipeline.cpp (pack a piece, raise its ready word, wait for its
+// done word, reduce by the worker's plan or copy back, pack the piece after next). Every op at
+// 2-4 ranks over tcp, shared memory and pulled messages, with few, small slots (many pieces,
+// reused slots), sizes around the piece boundaries, and groups with an inactive rank (blocks,
+// rows and reductions over the active ranks, an inactive rank's all-gather row zeroed).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <future>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "moelink/cuda/host_pieces.h"
+#include "../test_support.h"
+#include "../worker_support.h"
+
+namespace {
+
+using namespace moelink::cuda;
+using moelink::collective::AlgoContext;
+using moelink::collective::DType;
+using moelink::collective::OpSpec;
+using moelink::collective::ReduceOp;
+using moelink::testing::makeRank;
+using moelink::testing::Rank;
+using moelink::testing::runRanks;
+using moelink::transfer::InProcessStore;
+using moelink::transfer::storeBarrier;
+using namespace std::chrono;
+
+constexpr uint64_t kSlotBytes = 4096;  // pieces of 1024 floats (all_reduce)
+constexpr int kDepth = 2;
+
+// One rank's ring and the stream's side of it.
+struct Ring {
+  explicit Ring(int world)
+      : out_bytes(PieceRing::outBytes(kSlotBytes, world)),
+        mem((kSlotBytes + out_bytes) * kDepth),
+        plans(kDepth),
+        ready(2 * kDepth, 0),
+        done(2 * kDepth, 0) {}
+  PieceRing view() {
+    PieceRing r;
+    r.base = mem.data();
+    r.slot_stride = kSlotBytes + out_bytes;
+    r.slot_bytes = kSlotBytes;
+    r.plans = plans.data();
+    r.ready = ready.data();
+    r.done = done.data();
+    return r;
+  }
+  PieceMark mark(int word) { return {word, ++ticket}; }
+  void raise(PieceMark m) { __atomic_store_n(&ready[m.word], m.ticket, __ATOMIC_RELEASE); }
+  void wait(PieceMark m) {
+    while (static_cast<int32_t>(__atomic_load_n(&done[m.word], __ATOMIC_ACQUIRE) - m.ticket) < 0)
+      std::this_thread::sleep_for(microseconds(20));
+  }
+  // The GPU's reduction (kernels/rows_reduce.cu) by the plan the worker wrote for `slot`.
+  template <typename T>
+  void reduce(int slot, uint32_t ticket, char* out, const char* mine, ReduceOp op) {
+    RowsPlan p;
+    std::memcpy(&p, &plans[slot], sizeof p);
+    ASSERT_EQ(p.ticket, ticket) << "no plan for this piece";
+    const char* rows = view().out(slot);
+    for (uint64_t i = 0; i < p.len / sizeof(T); ++i) {
+      T acc{};
+      for (int q = 0; q < p.rows; ++q) {
+        const char* src = q == p.me ? mine + p.off : rows + q * p.stride;
+        const T v = reinterpret_cast<const T*>(src)[i];
+        acc = q == 0 ? v : op == ReduceOp::kMax ? std::max(acc, v) : static_cast<T>(acc + v);
+      }
+      if (op == ReduceOp::kAvg) acc = static_cast<T>(acc / static_cast<T>(p.rows));
+      reinterpret_cast<T*>(out + p.off)[i] = acc;
+    }
+  }
+  uint64_t out_bytes;
+  std::vector<char> mem;
+  std::vector<RowsPlan> plans;
+  std::vector<uint32_t> ready, done;
+  uint32_t ticket = 0;
+};
+
+// Hands the op to the worker as HostPipeline::submit does; a failure raises every done word.
+std::future<std::string> submit(Rank& r, Ring& ring, std::function<OpSpec(const AlgoContext&)> build,
+                                const std::vector<PieceMark>& marks, const std::vector<int>& active) {
+  auto result = std::make_shared<std::promise<std::string>>();
+  auto f = result->get_future();
+  PieceRing view = ring.view();
+  auto first = readyGate(view, marks.front());
+  r.worker->submit(
+      moelink::collective::OpBuilder([build, first, active](const AlgoContext& c) {
+        AlgoContext ctx = c;
+        ctx.ranks = active;  // the ranks active when the op starts
+        OpSpec op = build(ctx);
+        op.ready = first;
+        return op;
+      }),
+      [result, marks, view](const std::string& err) {
+        if (!err.empty())
+          for (const PieceMark& m : marks) __atomic_store_n(view.done + m.word, m.ticket, __ATOMIC_RELEASE);
+        result->set_value(err);
+      },
+      seconds(30));
+  return f;
+}
+
+template <typename T>
+T input(int rank, uint64_t i) {
+  return static_cast<T>((i * 7 + static_cast<uint64_t>(rank) * 13) % 23) - static_cast<T>(5);
+}
+
+class HostPieces : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
+
+TEST_P(HostPieces, EveryOpThroughTheRing) {
+  auto [transport, world, masked] = GetParam();
+  auto store = std::make_shared<InProcessStore>();
+  // With `masked`, rank 1 is inactive: it keeps its mailboxes alive and takes part in nothing.
+  std::vector<int> active;
+  for (int q = 0; q < world; ++q)
+    if (!(masked && q == 1)) active.push_back(q);
+  const auto m = static_cast<int>(active.size());
+  runRanks(world, [&, transport = transport, world = world, masked = masked](int rank) {
+    Rank r = makeRank(store, rank, world, transport);
+    if (masked && rank == 1) {
+      storeBarrier(*store, "done", world, seconds(60));
+      return;
+    }
+    Ring ring(world);
+    auto mark = [&](int word) { return ring.mark(word); };
+    auto marksOf = [](const std::vector<HostPiece>& ps, bool two) {
+      std::vector<PieceMark> ms;
+      for (const auto& pc : ps) {
+        ms.push_back(pc.first);
+        if (two) ms.push_back(pc.second);
+      }
+      return ms;
+    };
+    const uint64_t per_ar = allreducePieceElems(4, kSlotBytes);
+    for (uint64_t count : std::vector<uint64_t>{0, 1, per_ar - 1, per_ar, per_ar + 1, 5 * per_ar + 3}) {
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
+        // all_reduce: float (SUM, AVG) or int32 (MAX), in place.
+        const bool ints = op == ReduceOp::kMax;
+        const DType t = ints ? DType::kInt32 : DType::kFloat32;
+        std::vector<char> buf(count * 4);
+        for (uint64_t i = 0; i < count; ++i) {
+          if (ints) reinterpret_cast<int32_t*>(buf.data())[i] = input<int32_t>(rank, i);
+          else reinterpret_cast<float*>(buf.data())[i] = input<float>(rank, i);
+        }
+        auto ps = cutPieces(count, per_ar, kDepth, true, mark);
+        PieceRing view = ring.view();
+        auto done = submit(r, ring, [=](const AlgoContext& c) {
+          return allreducePieces(c, view, ps, count, t, op, world, rank);
+        }, marksOf(ps, true), active);
+        auto pack = [&](const HostPiece& pc) {
+          std::memcpy(view.in(pc.slot), buf.data() + pc.off * 4, pc.len * 4);
+          ring.raise(pc.first);
+        };
+        auto reduce = [&](const HostPiece& pc) {
+          ring.wait(pc.first);
+          if (ints) ring.reduce<int32_t>(pc.slot, pc.first.ticket, view.in(pc.slot), buf.data() + pc.off * 4, op);
+          else ring.reduce<float>(pc.slot, pc.first.ticket, view.in(pc.slot), buf.data() + pc.off * 4, op);
+          ring.raise(pc.second);
+        };
+        for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
+        reduce(ps[0]);
+        for (size_t p = 0; p < ps.size(); ++p) {
+          if (p + 1 < ps.size()) reduce(ps[p + 1]);
+          ring.wait(ps[p].second);
+          std::this_thread::sleep_for(microseconds(200));  // a slow copy back: the slot stays in use
+          std::memcpy(buf.data() + ps[p].off * 4, view.in(ps[p].slot), ps[p].len * 4);
+          if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
+        }
+        ASSERT_EQ("", done.get());
+        for (uint64_t i = 0; i < count; ++i) {
+          if (ints) {
+            int32_t want = INT32_MIN;
+            for (int q : active) want = std::max(want, input<int32_t>(q, i));
+            ASSERT_EQ(reinterpret_cast<int32_t*>(buf.data())[i], want) << "all_reduce MAX count " << count << " i " << i;
+          } else {
+            float want = 0;
+            for (int q : active) want += input<float>(q, i);
+            if (op == ReduceOp::kAvg) want /= static_cast<float>(m);
+            ASSERT_FLOAT_EQ(reinterpret_cast<float*>(buf.data())[i], want) << "all_reduce count " << count << " i " << i;
+          }
+        }
+      }
+    }
+    // reduce_scatter (float SUM): rank q's block q of every active rank's input.
+    const uint64_t per_rs = reduceScatterPieceElems(4, kSlotBytes, world);
+    for (uint64_t count : std::vector<uint64_t>{1, per_rs, per_rs + 1, 3 * per_rs + 2}) {
+      std::vector<float> in(count * world), out(count, -1.f);
+      for (uint64_t i = 0; i < in.size(); ++i) in[i] = input<float>(rank, i);
+      auto ps = cutPieces(count, per_rs, kDepth, false, mark);
+      PieceRing view = ring.view();
+      auto done = submit(r, ring, [=](const AlgoContext& c) {
+        return reduceScatterPieces(c, view, ps, count, per_rs, DType::kFloat32, ReduceOp::kSum, world, rank);
+      }, marksOf(ps, false), active);
+      auto pack = [&](const HostPiece& pc) {
+        for (int q = 0; q < world; ++q)
+          std::memcpy(view.in(pc.slot) + q * per_rs * 4, in.data() + q * count + pc.off, pc.len * 4);
+        ring.raise(pc.first);
+      };
+      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
+      for (size_t p = 0; p < ps.size(); ++p) {
+        ring.wait(ps[p].first);
+        ring.reduce<float>(ps[p].slot, ps[p].first.ticket, reinterpret_cast<char*>(out.data() + ps[p].off),
+                           reinterpret_cast<const char*>(in.data() + rank * count + ps[p].off), ReduceOp::kSum);
+        if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
+      }
+      ASSERT_EQ("", done.get());
+      for (uint64_t i = 0; i < count; ++i) {
+        float want = 0;
+        for (int q : active) want += input<float>(q, rank * count + i);
+        ASSERT_FLOAT_EQ(out[i], want) << "reduce_scatter count " << count << " i " << i;
+      }
+    }
+    // all_gather (bytes) and broadcast (from the last active rank).
+    const uint64_t per_ag = allgatherPieceBytes(kSlotBytes, world);
+    for (uint64_t bytes : std::vector<uint64_t>{1, per_ag - 1, per_ag + 1, 4 * per_ag + 5}) {
+      std::vector<uint8_t> in(bytes), out(bytes * world, 0xee);
+      for (uint64_t i = 0; i < bytes; ++i) in[i] = moelink::testing::pattern(rank, i);
+      auto ps = cutPieces(bytes, per_ag, kDepth, false, mark);
+      PieceRing view = ring.view();
+      auto done = submit(r, ring, [=](const AlgoContext& c) {
+        return allgatherPieces(c, view, ps, bytes, per_ag, world, rank);
+      }, marksOf(ps, false), active);
+      std::memcpy(out.data() + rank * bytes, in.data(), bytes);
+      auto pack = [&](const HostPiece& pc) {
+        std::memcpy(view.in(pc.slot), in.data() + pc.off, pc.len);
+        ring.raise(pc.first);
+      };
+      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
+      for (size_t p = 0; p < ps.size(); ++p) {
+        ring.wait(ps[p].first);
+        for (int q = 0; q < world; ++q)
+          if (q != rank) std::memcpy(out.data() + q * bytes + ps[p].off, view.out(ps[p].slot) + q * per_ag, ps[p].len);
+        if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
+      }
+      ASSERT_EQ("", done.get());
+      for (int q = 0; q < world; ++q) {
+        const bool in_group = std::find(active.begin(), active.end(), q) != active.end();
+        for (uint64_t i = 0; i < bytes; ++i)
+          ASSERT_EQ(out[q * bytes + i], in_group ? moelink::testing::pattern(q, i) : 0)
+              << "all_gather bytes " << bytes << " row " << q << " byte " << i;
+      }
+    }
+    const int root = active.back();  // the last active rank
+    for (uint64_t bytes : std::vector<uint64_t>{1, kSlotBytes - 1, kSlotBytes + 1, 5 * kSlotBytes + 7}) {
+      std::vector<uint8_t> buf(bytes);
+      for (uint64_t i = 0; i < bytes; ++i) buf[i] = rank == root ? moelink::testing::pattern(root, i) : 0;
+      auto ps = cutPieces(bytes, kSlotBytes, kDepth, false, mark);
+      PieceRing view = ring.view();
+      auto done = submit(r, ring, [=](const AlgoContext& c) { return broadcastPieces(c, view, ps, bytes, root); },
+                         marksOf(ps, false), active);
+      auto open = [&](const HostPiece& pc) {
+        if (rank == root) std::memcpy(view.in(pc.slot), buf.data() + pc.off, pc.len);
+        ring.raise(pc.first);
+      };
+      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) open(ps[p]);
+      for (size_t p = 0; p < ps.size(); ++p) {
+        ring.wait(ps[p].first);
+        if (rank != root) std::memcpy(buf.data() + ps[p].off, view.in(ps[p].slot), ps[p].len);
+        if (p + kDepth < ps.size()) open(ps[p + kDepth]);
+      }
+      ASSERT_EQ("", done.get());
+      for (uint64_t i = 0; i < bytes; ++i)
+        ASSERT_EQ(buf[i], moelink::testing::pattern(root, i)) << "broadcast bytes " << bytes << " byte " << i;
+    }
+    storeBarrier(*store, "done", world, seconds(60));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(All, HostPieces,
+                         ::testing::Combine(::testing::Values("tcp", "shm", "pull"), ::testing::Values(2, 3, 4),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_w" + std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_masked" : "");
+                         });
+
+// The cuts: every op's pieces cover it exactly, once, in order, over the slots in turn, and a
+// piece's rows or blocks fit the slot's areas for every group size.
+TEST(HostPieces, CutsCoverTheOpAndFitTheSlots) {
+  uint32_t t = 0;
+  auto mark = [&](int word) { return PieceMark{word, ++t}; };
+  for (uint64_t slot : std::vector<uint64_t>{65536, 8u << 20}) {
+    for (int world : {1, 2, 3, 7, 8, 64}) {
+      for (size_t e : {1, 2, 4, 8, 16}) {
+        const uint64_t ar = allreducePieceElems(e, slot), rs = reduceScatterPieceElems(e, slot, world),
+                       ag = allgatherPieceBytes(slot, world);
+        EXPECT_LE(ar * e, slot);
+        EXPECT_LE(rs * e * static_cast<uint64_t>(world), slot) << "world " << world << " elem " << e;
+        EXPECT_EQ(rs * e % 16, 0u);
+        EXPECT_LE(ag * static_cast<uint64_t>(world), slot);
+        EXPECT_EQ(ag % 16, 0u);
+        // all_reduce's blocks over m active ranks: m rows of ceil(len / m) rounded to 16 bytes.
+        for (int m = 1; m <= world; ++m) {
+          const uint64_t vec = e >= 16 ? 1 : 16 / e, blk = (ar + m - 1) / m;
+          EXPECT_LE((blk + vec - 1) / vec * vec * e * static_cast<uint64_t>(m), PieceRing::outBytes(slot, world));
+        }
+      }
+      for (uint64_t total : std::vector<uint64_t>{0, 1, slot - 1, slot, slot + 1, 7 * slot + 3}) {
+        auto ps = cutPieces(total, slot, 4, true, mark);
+        uint64_t next = 0;
+        for (size_t p = 0; p < ps.size(); ++p) {
+          EXPECT_EQ(ps[p].off, next);
+          EXPECT_EQ(ps[p].slot, static_cast<int>(p % 4));
+          EXPECT_EQ(ps[p].first.word, 2 * ps[p].slot);
+          EXPECT_EQ(ps[p].second.word, 2 * ps[p].slot + 1);
+          EXPECT_LT(ps[p].first.ticket, ps[p].second.ticket);
+          next += ps[p].len;
+        }
+        EXPECT_EQ(next, total);
+        EXPECT_EQ(ps.size(), std::max<uint64_t>(1, (total + slot - 1) / slot));
+      }
+    }
+  }
+}
+
+}  // namespace
