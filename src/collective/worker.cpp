@@ -250,8 +250,9 @@ void CollectiveWorker::loop() {
         progressed = true;
       }
     }
-    // An op stopped at a step's gate (data being produced elsewhere) is polled too.
-    if (current_ && current_->started && current_->gate_blocked) gated = true;
+    // An op stopped at a step's gate (data being produced elsewhere) or at sends still in
+    // flight (after_all_sends) is polled too.
+    if (current_ && current_->started && current_->must_poll) gated = true;
     for (int p = 0; p < world_; ++p)
       if (!sends_[p].empty()) busy = true;
     if (receiver_->busy()) busy = true;
@@ -370,7 +371,7 @@ const MsgHeader* CollectiveWorker::nextFresh(int peer, uint64_t seq) {
 // that fails the op (failCollective) ends the pass; true when something happened.
 bool CollectiveWorker::progressCollective(Collective& op) {
   if (!op.started) startOp(op);
-  op.gate_blocked = false;
+  op.must_poll = false;
   bool progressed = sendPieces(op);
   if (!op.draining) progressed |= consumeSteps(op);
   if (!op.draining) settleTransfers(op);
@@ -404,7 +405,7 @@ bool CollectiveWorker::gateOpen(Collective& op, size_t s) {
     op.gate_open[s] = 1;
     return true;
   }
-  op.gate_blocked = true;
+  op.must_poll = true;
   return false;
 }
 
@@ -472,7 +473,7 @@ bool CollectiveWorker::consumeSteps(Collective& op) {
         op.sent_through++;
       }
       if (op.sent_through < op.next_step) {
-        op.gate_blocked = true;  // a completed write rings no doorbell: poll for it
+        op.must_poll = true;  // a completed write rings no doorbell
         break;
       }
     }
@@ -511,7 +512,10 @@ bool CollectiveWorker::consumeSteps(Collective& op) {
       else
         coll_->release(r.peer);
     }
-    // (its send batches stay until an after_all_sends step has seen them done)
+    // Its finished send batches go; the others stay for an after_all_sends step to wait on.
+    auto& batches = op.step_batches[op.next_step];
+    batches.erase(std::remove_if(batches.begin(), batches.end(), [](const auto& b) { return b->done(); }),
+                  batches.end());
     op.next_step++;
     progressed = true;
   }

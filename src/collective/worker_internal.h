@@ -31,7 +31,7 @@ struct CollectiveWorker::Collective {
   std::vector<std::vector<const StepRecv*>> recvq;  // per peer, in order
   std::vector<std::vector<uint32_t>> recvq_step;   // per peer: the step of each recvq entry
   std::vector<char> gate_open;                     // per step: its gate (Step::gate) has opened
-  bool gate_blocked = false;                       // this pass stopped at a closed gate
+  bool must_poll = false;  // this pass stopped at what rings no doorbell: a closed gate, unfinished sends
   size_t sent_through = 0;                         // steps before it have all their sends done (after_all_sends)
   std::vector<uint32_t> recv_done;             // per peer: consumed so far
   std::vector<uint32_t> sends_issued;          // per step

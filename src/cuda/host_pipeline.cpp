@@ -5,7 +5,6 @@
 
 #include <glog/logging.h>
 
-#include "moelink/common/error.h"
 #include "moelink/common/settings.h"
 
 namespace moelink::cuda {
