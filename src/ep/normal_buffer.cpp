@@ -114,9 +114,9 @@ normal::RingLayout NormalBuffer::layoutFor(const NormalShape& shape, int64_t x_b
   TORCH_CHECK_VALUE(shape.channels >= 1 && shape.channels <= normal::kMaxChannels,
                     "moelink normal mode: channels (num_sms / 2) must be 1..", normal::kMaxChannels, ", got ",
                     shape.channels);
-  TORCH_CHECK_VALUE(shape.send_chunk >= 1 && shape.ring_tokens >= shape.send_chunk + normal::kWarps,
+  TORCH_CHECK_VALUE(shape.send_chunk >= 1 && shape.ring_tokens >= shape.send_chunk,
                     "moelink normal mode: num_max_nvl_chunked_recv_tokens (", shape.ring_tokens,
-                    ") must be at least num_max_nvl_chunked_send_tokens (", shape.send_chunk, ") + ", normal::kWarps);
+                    ") must be at least num_max_nvl_chunked_send_tokens (", shape.send_chunk, ")");
   auto L = normal::RingLayout::make(size_, static_cast<int>(shape.channels), static_cast<int>(shape.ring_tokens),
                                     static_cast<int>(x_bytes), static_cast<int>(num_scales),
                                     static_cast<int>(num_topk), static_cast<int>(num_experts_ / size_));

@@ -124,6 +124,11 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, alignment, devi
     combined_nw, none_w, _ = buf.combine(y_full.to(device), handle)
     assert none_w is None
     assert torch.equal(combined.cpu(), combined_nw.cpu())
+    # Rings of 8 slots filled 1 and 3 at a time: every stream wraps many times, so a slot handed
+    # back too early (or never) shows as a wrong sum (or a timeout).
+    for chunk in (1, 3):
+        small, small_w, _ = buf.combine(y_full.to(device), handle, topk_weights=r_w, config=moelink.Config(24, chunk, 8))
+        assert torch.equal(small.cpu(), combined.cpu()) and torch.equal(small_w.cpu(), combined_w.cpu())
     if not use_fp8:
         acc = torch.zeros(tokens, hidden)
         for r in range(world):

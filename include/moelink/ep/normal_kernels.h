@@ -140,7 +140,9 @@ struct DispatchArgs {
   int64_t* recv_topk_idx = nullptr;  // local ids or -1
   float* recv_topk_weights = nullptr;
   int* recv_src_idx = nullptr;
-  int* send_head = nullptr;  // [num_tokens, num_ranks]: the token's place in its (rank, channel) stream, -1
+  // [num_tokens, num_ranks]: the token's place in its (rank, channel) stream (the rows sent there
+  // before it); -place - 1 where the token does not go to that rank
+  int* send_head = nullptr;
   int max_rows = 0;          // > 0: the outputs' rows; received rows past them are dropped
   HostReport* report = nullptr;
   int64_t timeout_ns = 0;

@@ -1,6 +1,8 @@
 // Normal-mode kernels for ranks on one host: see moelink/ep/normal_kernels.h.
 #include <cuda_bf16.h>
 
+#include <climits>
+
 #include "launch.h"
 #include "moelink/ep/normal_kernels.h"
 #include "sync.cuh"
@@ -19,6 +21,18 @@ constexpr int kCounterStride = 16;  // bytes per tail or head word
 
 __device__ __forceinline__ void namedBarrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Raises the int at p to v (if below it), after every earlier access of this thread (and what
+// it acquired) -- a peer that reads the new value may overwrite what those accesses read.
+__device__ __forceinline__ void redMaxReleaseSys(int* p, int v) {
+  asm volatile("red.release.sys.global.max.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// The position of the q-th (from 0) set bit of m; m has more than q.
+__device__ __forceinline__ int nthSet(uint32_t m, int q) {
+  for (; q > 0; --q) m &= m - 1;
+  return __ffs(m) - 1;
 }
 
 __device__ __forceinline__ int ldVolatile(const int* p) {
@@ -273,7 +287,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
       const int tt = w0 + lane;
       const bool in = tt < end && a.is_token_in_rank[static_cast<int64_t>(tt) * R + r];
       uint32_t m = __ballot_sync(0xffffffffu, in);
-      if (wg == 0 && tt < end && !in) a.send_head[static_cast<int64_t>(tt) * R + r] = -1;
+      // A token r does not get: -(its place in r's stream) - 1, the rows before it (combine's
+      // receiver hands back r's slots below the lowest place its warps may still read).
+      if (wg == 0 && tt < end && !in)
+        a.send_head[static_cast<int64_t>(tt) * R + r] = -(j + __popc(m & ((1u << lane) - 1))) - 1;
       while (m) {
         if (j == chunk_end) {  // a new chunk: wait until the ring has room for it
           chunk_end = min(j + a.send_chunk, total);
@@ -410,98 +427,139 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
     }
     return;
   }
-  // Receiver: each warp sums one token's rows (one from every rank the dispatch sent it to),
-  // kWarps tokens per batch; after a batch, the rings' heads move past the batch's rows.
-  __shared__ int s_head[kWarps][kMaxRanks];
+  // Receiver: warp w sums tokens begin + w, begin + w + kWarps, ... (one row from every rank
+  // the dispatch sent the token to, then the biases), each warp at its own pace. A source's
+  // slots are handed back (its head) up to the lowest one a warp may still read: every warp
+  // keeps in s_pos the place of its current token in each source's stream (dispatch left it
+  // in send_head, as -place - 1 for a source the token did not go to), and after each token
+  // the lowest place of every source goes to that source's head. Tails a lane has acquired
+  // are kept in s_tail, so that most tokens start without a read of the counters.
+  __shared__ int s_pos[kWarps][kMaxRanks];
+  __shared__ int s_tail[kMaxRanks];
   __shared__ int s_dead[kMaxRanks];
-  if (threadIdx.x < kMaxRanks) s_dead[threadIdx.x] = 0;
+  for (int i = threadIdx.x; i < kWarps * kMaxRanks; i += blockDim.x) s_pos[i / kMaxRanks][i % kMaxRanks] = 0;
+  if (threadIdx.x < kMaxRanks) {
+    s_tail[threadIdx.x] = 0;
+    s_dead[threadIdx.x] = 0;
+  }
   __syncthreads();
   int begin, end;
   channelRange(a.num_tokens, C, c, begin, end);
   const int hidden8 = L.x_bytes / 16;  // 8 bf16 per int4
-  for (int batch = begin; batch < end; batch += kWarps) {
-    const int t = batch + warp;
-    int h[kMaxRanks];
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) h[r] = -1;
-    if (t < end) {
-      for (int r = 0; r < R; ++r) {
-        h[r] = a.send_head[static_cast<int64_t>(t) * R + r];
-        if (h[r] < 0) continue;
-        if (lane == 0 && !*static_cast<volatile int*>(&s_dead[r]) &&
-            !waitAtLeast(counter(a.peers.base[a.rank], L, r, c, 0), h[r] + 1, a.timeout_ns)) {
-          reportError(a.report, 5, r);
-          s_dead[r] = 1;
+  char* const rings = a.peers.base[a.rank];
+  for (int t = begin + warp;; t += kWarps) {
+    // Lane r (< R): the token's slot in rank r's stream (-1: not sent there) and its place.
+    int h = -1, place = INT_MAX;
+    if (lane < R && t < end) {
+      h = a.send_head[static_cast<int64_t>(t) * R + lane];
+      place = h >= 0 ? h : -h - 1;
+    }
+    // This warp's earlier tokens are summed (their loads returned before __syncwarp): publish
+    // the place, then hand back every source's slots below the lowest place of any warp.
+    __syncwarp();
+    if (lane < R) {
+      __threadfence_block();
+      *reinterpret_cast<volatile int*>(&s_pos[warp][lane]) = place;
+      __threadfence_block();
+      int low = INT_MAX;
+      for (int w = 0; w < kWarps; ++w) low = min(low, *reinterpret_cast<volatile int*>(&s_pos[w][lane]));
+      __threadfence_block();
+      if (low != INT_MAX) redMaxReleaseSys(counter(rings, L, lane, c, 1), low);
+    }
+    if (t >= end) break;
+    // Wait (lanes in parallel) for the rows to arrive.
+    if (h >= 0) {
+      if (*reinterpret_cast<volatile int*>(&s_dead[lane])) {
+        h = -1;
+      } else if (*reinterpret_cast<volatile int*>(&s_tail[lane]) <= h) {
+        const int* tail = counter(rings, L, lane, c, 0);
+        const uint64_t start = a.timeout_ns > 0 ? kernels::globalTimerNs() : 0;
+        int v;
+        while ((v = ldAcquireSys(tail)) <= h) {
+          if (a.timeout_ns > 0 && static_cast<int64_t>(kernels::globalTimerNs() - start) > a.timeout_ns) break;
         }
+        if (v <= h) {
+          reportError(a.report, 5, lane);
+          s_dead[lane] = 1;
+          h = -1;
+        } else {
+          __threadfence_block();
+          atomicMax(&s_tail[lane], v);
+        }
+      } else {
+        __threadfence_block();  // pairs with the fence before the atomicMax that raised s_tail
       }
-      __syncwarp();
-      for (int r = 0; r < R; ++r)
-        if (*static_cast<volatile int*>(&s_dead[r])) h[r] = -1;
-      // kSumBatch int4 (8 bf16 each) per lane at a time: every rank's loads of a batch are in
-      // flight together before they are summed.
-      constexpr int kSumBatch = 4;
-      const void* biases[2] = {a.bias0, a.bias1};
-      for (int base = lane; base < hidden8; base += 32 * kSumBatch) {
-        float acc[kSumBatch][8];
+    }
+    // Lane q (< n) holds the q-th row to sum: the ranks' rows in rank order, then the biases.
+    const uint32_t from = __ballot_sync(0xffffffffu, h >= 0);
+    const int nr = __popc(from);
+    const int src = lane < nr ? nthSet(from, lane) : 0;
+    const int hs = __shfl_sync(0xffffffffu, h, src);
+    const int4* mine = nullptr;
+    if (lane < nr) {
+      mine = reinterpret_cast<const int4*>(ring(rings, L, src, c) +
+                                           static_cast<uint64_t>(hs % L.ring_tokens) * L.x_bytes);
+    } else {
+      const void* bias = lane == nr ? (a.bias0 ? a.bias0 : a.bias1) : lane == nr + 1 && a.bias0 ? a.bias1 : nullptr;
+      if (bias) mine = reinterpret_cast<const int4*>(static_cast<const char*>(bias) + static_cast<int64_t>(t) * L.x_bytes);
+    }
+    const int n = nr + (a.bias0 ? 1 : 0) + (a.bias1 ? 1 : 0);
+    // kSumBatch int4 (8 bf16 each) per lane of kGroup rows at a time: their loads are in flight
+    // together before they are summed.
+    // Every lane takes every step (the shuffles need the whole warp), a lane past the row's end
+    // with its loads and stores switched off.
+    constexpr int kSumBatch = 2, kGroup = 4;
+    for (int step = 0; step < hidden8; step += 32 * kSumBatch) {
+      const int base = step + lane;
+      float acc[kSumBatch][8];
 #pragma unroll
-        for (int u = 0; u < kSumBatch; ++u)
+      for (int u = 0; u < kSumBatch; ++u)
 #pragma unroll
-          for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
-        for (int src = 0; src < R + 2; ++src) {  // the ranks' rows, then the biases
-          const int4* row;
-          if (src < R) {
-            if (h[src] < 0) continue;
-            row = reinterpret_cast<const int4*>(ring(a.peers.base[a.rank], L, src, c) +
-                                                static_cast<uint64_t>(h[src] % L.ring_tokens) * L.x_bytes);
-          } else {
-            if (biases[src - R] == nullptr) continue;
-            row = reinterpret_cast<const int4*>(static_cast<const char*>(biases[src - R]) +
-                                                static_cast<int64_t>(t) * L.x_bytes);
-          }
-          int4 v[kSumBatch];
+        for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+      for (int g0 = 0; g0 < n; g0 += kGroup) {
+        int4 v[kGroup][kSumBatch];
+#pragma unroll
+        for (int q = 0; q < kGroup; ++q) {
+          const int4* row = reinterpret_cast<const int4*>(
+              __shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(mine), min(g0 + q, 31)));
 #pragma unroll
           for (int u = 0; u < kSumBatch; ++u)
-            if (base + u * 32 < hidden8) v[u] = src < R ? ldRing(row + base + u * 32) : ldNc(row + base + u * 32);
+            v[q][u] = g0 + q < n && base + u * 32 < hidden8 ? ldRing(row + base + u * 32) : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int q = 0; q < kGroup; ++q)
 #pragma unroll
           for (int u = 0; u < kSumBatch; ++u) {
-            if (base + u * 32 >= hidden8) continue;
-            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[u]);
+            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v[q][u]);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const float2 f = __bfloat1622float2(p[q]);
-              acc[u][2 * q] += f.x;
-              acc[u][2 * q + 1] += f.y;
+            for (int e = 0; e < 4; ++e) {
+              const float2 f = __bfloat1622float2(p[e]);
+              acc[u][2 * e] += f.x;
+              acc[u][2 * e + 1] += f.y;
             }
           }
-        }
-#pragma unroll
-        for (int u = 0; u < kSumBatch; ++u) {
-          if (base + u * 32 >= hidden8) continue;
-          int4 o;
-          __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) po[q] = __floats2bfloat162_rn(acc[u][2 * q], acc[u][2 * q + 1]);
-          reinterpret_cast<int4*>(static_cast<char*>(a.out) + static_cast<int64_t>(t) * L.x_bytes)[base + u * 32] = o;
-        }
       }
-      if (a.out_weights != nullptr)
-        for (int k = lane; k < K; k += 32) {
-          float w = 0.f;
-          for (int r = 0; r < R; ++r)
-            if (h[r] >= 0)
-              w += reinterpret_cast<const volatile float*>(ring(a.peers.base[a.rank], L, r, c) + L.r_w)[(h[r] % L.ring_tokens) * K + k];
-          a.out_weights[static_cast<int64_t>(t) * K + k] = w;
+#pragma unroll
+      for (int u = 0; u < kSumBatch; ++u) {
+        if (base + u * 32 >= hidden8) continue;
+        int4 o;
+        __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) po[e] = __floats2bfloat162_rn(acc[u][2 * e], acc[u][2 * e + 1]);
+        reinterpret_cast<int4*>(static_cast<char*>(a.out) + static_cast<int64_t>(t) * L.x_bytes)[base + u * 32] = o;
+      }
+    }
+    if (a.out_weights != nullptr)
+      for (int k0 = 0; k0 < K; k0 += 32) {
+        const int k = k0 + lane;
+        float w = 0.f;
+        for (int q = 0; q < nr; ++q) {
+          const int r = nthSet(from, q);
+          const int hr = __shfl_sync(0xffffffffu, h, r);
+          if (k < K) w += reinterpret_cast<const volatile float*>(ring(rings, L, r, c) + L.r_w)[(hr % L.ring_tokens) * K + k];
         }
-    }
-    if (lane == 0)
-      for (int r = 0; r < R; ++r) s_head[warp][r] = h[r];
-    __syncthreads();
-    if (threadIdx.x < R) {
-      int m = -1;
-      for (int w = 0; w < kWarps; ++w) m = max(m, s_head[w][threadIdx.x]);
-      if (m >= 0) stReleaseSys(counter(a.peers.base[a.rank], L, threadIdx.x, c, 1), m + 1);
-    }
-    __syncthreads();
+        if (k < K) a.out_weights[static_cast<int64_t>(t) * K + k] = w;
+      }
   }
 }
 
