@@ -117,7 +117,9 @@ const std::vector<Setting> kSettings = {
            "IBGDA, normal mode's two-hop route); the group's CUDA collectives keep their own "
            "(`MOELINK_RANKS_PER_HOST`)",
            "unset"),
-    flag("MOELINK_EP_TMA", "ep", true, "`0`: dispatch writes token rows with warp stores instead of bulk copies (TMA)"),
+    flag("MOELINK_EP_TMA", "ep", true,
+         "`0`: the low-latency dispatch and the normal-mode combine's sender write token rows with warp stores "
+         "instead of bulk copies (TMA)"),
     flag("MOELINK_EP_TWO_HOP", "ep", true,
          "`0`: normal mode across hosts takes the group path instead of the two-hop route"),
     choice("MOELINK_EP_IBGDA", "ep", "auto|off|emulate",

@@ -52,6 +52,7 @@ NormalBuffer::NormalBuffer(const c10::intrusive_ptr<c10d::Store>& store, int ran
   TORCH_CHECK_VALUE(bytes > 0, "moelink normal mode: buffer bytes must be positive");
   try {
     default_timeout_us_ = static_cast<int64_t>(settings::number("MOELINK_EP_TIMEOUT_US"));
+    use_tma_ = settings::flag("MOELINK_EP_TMA");
   } catch (const moelink::Error& e) {
     TORCH_CHECK_VALUE(false, "moelink normal mode: ", e.what());
   }
@@ -464,6 +465,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::combine(
   c.report = report_dev_;
   c.timeout_ns = timeoutNs(timeout_us);
   c.max_rows = static_cast<int>(x.size(0));
+  c.piece_bytes = use_tma_ ? normal::bulkPieceBytes(size_, L.x_bytes) : 0;
   normal::combine(c, stream);
   raiseOverflow(overflow);
   return {out, out_w};

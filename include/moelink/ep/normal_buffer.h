@@ -98,6 +98,7 @@ class NormalBuffer {
   normal::HostReport* report_dev_ = nullptr;
   int ticket_ = 0;  // notify launches, so the host waits for its own report
   bool broken_ = false;
+  bool use_tma_ = true;  // combine's sender moves rows with bulk copies (MOELINK_EP_TMA)
   int64_t default_timeout_us_ = 30000000;
 };
 

@@ -180,9 +180,16 @@ struct CombineArgs {
   void* out = nullptr;          // bf16 [num_tokens, hidden]
   float* out_weights = nullptr;  // [num_tokens, num_topk] or null
   int max_rows = 0;  // > 0: rows of x (a bounded dispatch's); rows past them go back as zeros
+  // > 0: the sender moves rows with bulk copies (TMA) through shared memory, in pieces of this
+  // many bytes (bulkPieceBytes); 0: with warp copies
+  int piece_bytes = 0;
   HostReport* report = nullptr;
   int64_t timeout_ns = 0;
 };
+
+// The piece size that fits combine's bulk-copy stages for every destination into shared memory
+// (a multiple of 16, at most x_bytes rounded up to 16).
+int bulkPieceBytes(int num_ranks, int x_bytes);
 
 void combine(const CombineArgs& a, cudaStream_t stream);
 

@@ -1,6 +1,7 @@
 // Normal-mode kernels for ranks on one host: see moelink/ep/normal_kernels.h.
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <climits>
 
 #include "launch.h"
@@ -378,13 +379,162 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   }
 }
 
+// ---- Bulk copies (TMA) for combine's sender: rows go global -> shared -> peer's ring. ----
+
+__device__ __forceinline__ uint32_t smemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarInit(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smemAddr(bar)) : "memory");
+}
+
+// Starts a bulk copy of `bytes` from global memory into shared memory; the barrier's current
+// phase completes once they have landed.
+__device__ __forceinline__ void bulkLoad(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smemAddr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smemAddr(smem_dst)),
+               "l"(src), "r"(bytes), "r"(smemAddr(bar))
+               : "memory");
+}
+
+// Completes the barrier's current phase without a copy (a stage with nothing to load).
+__device__ __forceinline__ void mbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smemAddr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbarWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smemAddr(bar)), "r"(parity)
+        : "memory");
+}
+
+// One bulk-copy group: `bytes` from shared memory to (a peer's) global memory.
+__device__ __forceinline__ void bulkStoreGroup(void* dst, const void* smem_src, uint32_t bytes) {
+  if (bytes > 0)
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smemAddr(smem_src)),
+                 "r"(bytes)
+                 : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Until every bulk-copy group but the newest N has read its shared memory.
+template <int N>
+__device__ __forceinline__ void bulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// Until every bulk-copy group of this thread has completed (its writes visible to the thread,
+// whose later release covers them).
+__device__ __forceinline__ void bulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+constexpr int kBulkStages = 6;  // shared-memory stages per destination
+constexpr int kBulkAhead = 3;   // loads in flight ahead of the stores
+constexpr int kBulkSmemBytes = 200 << 10;
+static_assert(kBulkAhead < kBulkStages, "a stage's store must be issued before its next load");
+
+// Combine's sender with bulk copies: warp s streams the rows received from rank s in channel c
+// back into s's ring for (this rank, c). Its lane 0 cuts each chunk's rows into pieces of
+// a.piece_bytes and runs them through kBulkStages stages of shared memory (load k + kBulkAhead
+// in flight while piece k is stored); the lanes write the top-k weights; the tail is published
+// once the chunk's stores have completed.
+__device__ void combineSendBulk(const CombineArgs& a, int c, int warp, int lane) {
+  extern __shared__ __align__(128) char s_stage[];
+  __shared__ uint64_t s_bar[kMaxRanks][kBulkStages];
+  const RingLayout& L = a.L;
+  const int R = L.num_ranks, C = L.num_channels, K = L.num_topk;
+  const int s = warp;
+  if (s >= R) return;
+  const uint32_t piece = static_cast<uint32_t>(a.piece_bytes);
+  char* stages = s_stage + static_cast<uint64_t>(s) * kBulkStages * piece;
+  if (lane == 0) {
+    for (int i = 0; i < kBulkStages; ++i) mbarInit(&s_bar[s][i]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncwarp();
+  const int per_row = (L.x_bytes + static_cast<int>(piece) - 1) / static_cast<int>(piece);
+  const int total = a.recv_channel_prefix[s * (C + 1) + c + 1] - a.recv_channel_prefix[s * (C + 1) + c];
+  const int64_t row0 = (s ? a.rank_prefix[s - 1] : 0) + a.recv_channel_prefix[s * (C + 1) + c];
+  char* dst = ring(a.peers.base[s], L, a.rank, c);
+  int* tail = counter(a.peers.base[s], L, a.rank, c, 0);
+  const int* head = counter(a.peers.base[s], L, a.rank, c, 1);
+  const char* x = static_cast<const char*>(a.x);
+  uint32_t n0 = 0;  // pieces through the stages so far (lane 0)
+  for (int chunk_begin = 0; chunk_begin < total; chunk_begin += a.send_chunk) {
+    const int chunk_end = min(chunk_begin + a.send_chunk, total);
+    int ok = 1;
+    if (lane == 0 && !waitAtLeast(head, chunk_end - L.ring_tokens, a.timeout_ns)) {
+      reportError(a.report, 4, s);
+      ok = 0;
+    }
+    if (!__shfl_sync(0xffffffffu, ok, 0)) return;  // nothing in flight: the last chunk's stores completed
+    if (lane == 0) {
+      const int Q = (chunk_end - chunk_begin) * per_row;
+      for (int q = 0; q < Q + kBulkAhead; ++q) {
+        if (q < Q) {  // load piece q into its stage, once the stage's previous store has read it
+          const uint32_t n = n0 + q;
+          uint64_t* bar = &s_bar[s][n % kBulkStages];
+          if (q >= kBulkStages) bulkWaitRead<kBulkStages - kBulkAhead - 1>();
+          const int64_t row = row0 + chunk_begin + q / per_row;
+          const uint32_t off = (q % per_row) * piece;
+          if (a.max_rows > 0 && row >= a.max_rows)
+            mbarArrive(bar);  // a row the bounded dispatch dropped: zeros, written below
+          else
+            bulkLoad(stages + (n % kBulkStages) * piece, x + row * L.x_bytes + off,
+                     min(piece, static_cast<uint32_t>(L.x_bytes) - off), bar);
+        }
+        const int m = q - kBulkAhead;
+        if (m >= 0) {  // store piece m once it has landed
+          const uint32_t n = n0 + m;
+          mbarWait(&s_bar[s][n % kBulkStages], (n / kBulkStages) & 1);
+          const int k = chunk_begin + m / per_row;
+          const uint32_t off = (m % per_row) * piece;
+          const bool dropped = a.max_rows > 0 && row0 + k >= a.max_rows;
+          bulkStoreGroup(dst + static_cast<uint64_t>(k % L.ring_tokens) * L.x_bytes + off,
+                         stages + (n % kBulkStages) * piece,
+                         dropped ? 0u : min(piece, static_cast<uint32_t>(L.x_bytes) - off));
+        }
+      }
+      n0 += Q;
+    }
+    for (int k = chunk_begin; k < chunk_end; ++k) {
+      const int slot = k % L.ring_tokens;
+      float* w = reinterpret_cast<float*>(dst + L.r_w) + slot * K;
+      if (a.max_rows > 0 && row0 + k >= a.max_rows) {
+        int4* to = reinterpret_cast<int4*>(dst + static_cast<uint64_t>(slot) * L.x_bytes);
+        for (int i = lane; i < L.x_bytes / 16; i += 32) to[i] = make_int4(0, 0, 0, 0);
+        for (int k2 = lane; k2 < K; k2 += 32) w[k2] = 0.f;
+      } else if (a.topk_weights != nullptr) {
+        for (int k2 = lane; k2 < K; k2 += 32) w[k2] = a.topk_weights[(row0 + k) * K + k2];
+      }
+    }
+    __syncwarp();
+    if (lane == 0) {
+      bulkWaitAll();
+      __threadfence_system();
+      stReleaseSys(tail, chunk_end);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
   const RingLayout& L = a.L;
   const int R = L.num_ranks, C = L.num_channels, K = L.num_topk;
   const int c = blockIdx.x / 2;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (blockIdx.x % 2 == 0 && a.piece_bytes > 0) {
+    combineSendBulk(a, c, warp, lane);
+    return;
+  }
   if (blockIdx.x % 2 == 0) {
-    // Sender: the rows received from rank s in channel c go back into s's ring for (this rank, c).
+    // Sender with warp copies: the rows received from rank s in channel c go back into s's
+    // ring for (this rank, c), W warps per destination.
     const int W = kWarps / R;
     const int g = warp / W, wg = warp % W;
     if (g >= R) return;
@@ -617,8 +767,25 @@ void dispatch(const DispatchArgs& a, cudaStream_t stream) {
   kernels::check(cudaGetLastError(), "normal-mode dispatch launch");
 }
 
+int bulkPieceBytes(int num_ranks, int x_bytes) {
+  const int per_row = (x_bytes + kBulkSmemBytes / (num_ranks * kBulkStages) - 1) / (kBulkSmemBytes / (num_ranks * kBulkStages));
+  return static_cast<int>(align(static_cast<uint64_t>((x_bytes + per_row - 1) / per_row), 16));
+}
+
 void combine(const CombineArgs& a, cudaStream_t stream) {
-  combineKernel<<<2 * a.L.num_channels, kThreads, 0, stream>>>(a);
+  const int smem = a.piece_bytes > 0 ? a.L.num_ranks * kBulkStages * a.piece_bytes : 0;
+  if (smem > 0) {
+    // Above 48 KiB a kernel's dynamic shared memory needs the opt-in, once per device.
+    static std::atomic<int> opted[64];
+    int device = 0;
+    kernels::check(cudaGetDevice(&device), "cudaGetDevice");
+    if (device < 64 && opted[device].load() < smem) {
+      kernels::check(cudaFuncSetAttribute(combineKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                     "normal-mode combine: shared memory opt-in");
+      opted[device].store(smem);
+    }
+  }
+  combineKernel<<<2 * a.L.num_channels, kThreads, smem, stream>>>(a);
   kernels::check(cudaGetLastError(), "normal-mode combine launch");
 }
 
