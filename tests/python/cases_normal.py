@@ -192,6 +192,17 @@ def bad_input(rank, world, device="cpu"):
         buf.combine(recv[:-1] if recv.shape[0] else torch.zeros(1, 256, dtype=torch.bfloat16, device=device), handle)
     with pytest.raises(ValueError, match="handle"):
         buf.combine(recv, ("not", "a", "handle"))
+    if handle[-1].path == "nvlink" and recv.shape[0]:
+        # Views 2 bytes into their storage: the kernels move rows in 16-byte units.
+        def odd(t):
+            return torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)[1:t.numel() + 1].view_as(t).copy_(t)
+
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            buf.combine(odd(recv), handle)
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            buf.dispatch(odd(x), **kw)
+        with pytest.raises(ValueError, match="16-byte aligned"):
+            buf.dispatch(odd(x), handle=handle)
     with pytest.raises(ValueError, match="takes no topk"):
         buf.dispatch(x, handle=handle, topk_idx=idx)
     with pytest.raises(ValueError, match="tokens"):
