@@ -2,7 +2,8 @@
 
     python examples/bench/ep_normal.py [--gpus 2] [--tokens 4096] [--hidden 7168] [--experts 256]
                                        [--topk 8] [--sms 24] [--dispatch-chunks 4,8,...] [--combine-chunks 2,4,...]
-                                       [--rings 256] [--deepep] [--out ep_normal.png]
+                                       [--rings 256] [--deepep] [--sm-sweep 4,8,12,16,24]
+                                       [--out ep_normal.png]
 
 One process per GPU. Routing as DeepEP's tests/test_intranode.py draws it (top-8 of 256 by
 random scores); timings and bandwidth counted as that test counts them: dispatch and combine
@@ -14,6 +15,9 @@ libraries are tuned over the same NVL chunk sizes with the same SM count; the be
 is reported, and the slowest rank's time counts. The all_to_all_single pipeline moves the
 same rows over NCCL (each token once per destination rank; counts exchanged first for
 dispatch, as a layer must) and sums them back with index_add.
+
+``--sm-sweep`` runs every op again at each of the given SM counts (both libraries, the same
+chunk sweep) and prints how many SMs each op needs to reach 90% of its best bandwidth.
 
 ``--deepep`` runs DeepEP v1 (``import deep_ep``) in the same processes; without it, or
 where it is not importable, its rows are skipped.
@@ -81,19 +85,33 @@ def worker(rank, world, port, args, q):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=nccl)
         return float(t)
 
-    rows = []
+    rows, sweep = [], []
+    sm_counts = [int(n) for n in args.sm_sweep.split(",")] if args.sm_sweep else []
 
-    def tune(lib, name, run, make_config, chunks, nbytes):
+    def tune(lib, name, run, make_config, chunks, nbytes, sms=None):
         best = None
         for c in chunks:
             avg, med = bench(lambda: run(make_config(c)), flush)  # noqa: B023
             avg, med = slowest(avg), slowest(med)
             if best is None or avg < best[0]:
                 best = (avg, med, c)
-        rows.append((name, lib, best[0] * 1e6, best[1] * 1e6, nbytes / 1e9 / best[0], best[2]))
+        if sms is None:
+            rows.append((name, lib, best[0] * 1e6, best[1] * 1e6, nbytes / 1e9 / best[0], best[2]))
+        else:
+            sweep.append((name, lib, sms, nbytes / 1e9 / best[0], best[2]))
         if rank == 0:
-            print(f"  [{time.time() - t_start:5.1f} s] {name:14s} {lib:10s} {best[0] * 1e6:9.1f} us  "
-                  f"{nbytes / 1e9 / best[0]:7.1f} GB/s  chunk, ring {best[2]}", flush=True)
+            print(f"  [{time.time() - t_start:5.1f} s] {name:14s} {lib:10s} {'' if sms is None else f'{sms:2d} SMs '}"
+                  f"{best[0] * 1e6:9.1f} us  {nbytes / 1e9 / best[0]:7.1f} GB/s  chunk, ring {best[2]}", flush=True)
+
+    def sm_sweep(lib, make_handle, dispatch, combine, make_config, fp8_x):
+        """The three ops at each SM count of --sm-sweep, each tuned over the same chunks."""
+        for n in sm_counts:
+            mk = lambda c, n=n: make_config(n, c)  # noqa: E731
+            h = make_handle(n)
+            tune(lib, "dispatch FP8", lambda cfg: dispatch(fp8_x, h, cfg), mk, disp_chunks,  # noqa: B023
+                 bf16_bytes * fp8_factor, n)
+            tune(lib, "dispatch BF16", lambda cfg: dispatch(x, h, cfg), mk, disp_chunks, bf16_bytes, n)  # noqa: B023
+            tune(lib, "combine BF16", lambda cfg: combine(h, cfg), mk, comb_chunks, bf16_bytes, n)  # noqa: B023
 
     fp8_factor = (1 + 4 / 128) / 2
     rings = [int(r) for r in args.rings.split(",")]
@@ -121,9 +139,14 @@ def worker(rank, world, port, args, q):
     rows.append(("get_dispatch_layout", "moelink", slowest(layout_t) * 1e6, 0, 0, "-"))
     # the correctness of what was timed, against the pipeline below (same routing)
     combined = buf.combine(recv_x, handle)[0]
+    if sm_counts:
+        def m_handle(n):
+            return buf.dispatch(x, topk_idx=idx, topk_weights=w, config=moelink.Config(n, 8, 256), **kw)[4]
+
+        sm_sweep("moelink", m_handle, lambda d, h, cfg: buf.dispatch(d, handle=h, config=cfg),
+                 lambda h, cfg: buf.combine(recv_x, h, config=cfg), lambda n, c: moelink.Config(n, c[0], c[1]), x_fp8)
 
     # all_to_all_single over NCCL
-    nle = E // world
     tok_of = in_rank.t().nonzero()[:, 1]
     send_counts = in_rank.sum(0).to(torch.int64)
 
@@ -178,8 +201,18 @@ def worker(rank, world, port, args, q):
                  comb_chunks, bf16_bytes)
             d_comb = dbuf.combine(d_recv, d_handle)[0]
             torch.testing.assert_close(d_comb.float(), combined.float(), rtol=1e-2, atol=1e-2)
+            if sm_counts:
+                def d_handle_of(n):
+                    deep_ep.Buffer.set_num_sms(n)
+                    return dbuf.dispatch(x, num_tokens_per_rank=d_per_rank, is_token_in_rank=d_in_rank,
+                                         num_tokens_per_expert=d_per_expert, topk_idx=idx, topk_weights=w,
+                                         config=deep_ep.Config(n, 8, 256))[4]
+
+                sm_sweep("DeepEP v1", d_handle_of, lambda d, h, cfg: dbuf.dispatch(d, handle=h, config=cfg),
+                         lambda h, cfg: dbuf.combine(d_recv, h, config=cfg), lambda n, c: deep_ep.Config(n, c[0], c[1]),
+                         d_fp8)
     if rank == 0:
-        q.put((rows, ok, note, bf16_bytes))
+        q.put((rows, sweep, ok, note, bf16_bytes))
     dist.barrier(group=nccl)
     dist.destroy_process_group()
 
@@ -196,11 +229,12 @@ def main():
     ap.add_argument("--combine-chunks", default="2,4,6,8,10,12,14,16")
     ap.add_argument("--rings", default="256", help="NVL ring sizes (num_max_nvl_chunked_recv_tokens) to tune over")
     ap.add_argument("--deepep", action="store_true", help="also run DeepEP v1 (import deep_ep)")
+    ap.add_argument("--sm-sweep", default="", help="SM counts (e.g. 4,8,12,16,24) to run every op at as well")
     ap.add_argument("--out", default="ep_normal.png")
     args = ap.parse_args()
     if args.gpus < 2:
         sys.exit("needs at least 2 GPUs")
-    rows, ok, note, nbytes = run_ranks(worker, args.gpus, (args,), timeout=900)
+    rows, sweep, ok, note, nbytes = run_ranks(worker, args.gpus, (args,), timeout=900)
     print(f"EP normal mode, {args.gpus} GPUs: {args.tokens} tokens/rank, hidden {args.hidden}, top-{args.topk} of "
           f"{args.experts}, {args.sms} SMs; rank 0 receives {nbytes / 1e6:.1f} MB (bf16)")
     if note:
@@ -210,10 +244,24 @@ def main():
     for name, lib, avg, med, gbs, chunk in rows:
         print(f"{name:34s} {lib:18s} {avg:9.1f} {med:9.1f} {gbs:8.1f}  {chunk}")
 
+    ops = ["dispatch FP8", "dispatch BF16", "combine BF16"]
+    sweep_libs = [lib for lib in ("moelink", "DeepEP v1") if any(r[1] == lib for r in sweep)]
+    if sweep:
+        counts = sorted({r[2] for r in sweep})
+        print("\nSM sweep: GB/s (best chunk, ring) at each SM count; 90%: the fewest SMs within 90% of the op's best")
+        print(f"{'op':14s} {'impl':10s} " + " ".join(f"{str(n) + ' SMs':>9s}" for n in counts) + f" {'90%':>5s}")
+        for op in ops:
+            for lib in sweep_libs:
+                got = {r[2]: r for r in sweep if r[0] == op and r[1] == lib}
+                best = max(r[3] for r in got.values())
+                need = min(n for n in counts if got[n][3] >= 0.9 * best)
+                print(f"{op:14s} {lib:10s} " + " ".join(f"{got[n][3]:9.1f}" for n in counts) + f" {need:5d}")
+                print(f"{'':25s} " + " ".join(f"{str(got[n][4]):>9s}" for n in counts))
+
     def draw(plt):
-        ops = ["dispatch FP8", "dispatch BF16", "combine BF16"]
         libs = [lib for lib in ("moelink", "DeepEP v1", "all_to_all_single") if any(r[1] == lib for r in rows)]
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 7, 4))
+        ax = axes[0] if sweep else axes
         width = 0.8 / len(libs)
         for i, lib in enumerate(libs):
             vals = [next((r[4] for r in rows if r[0] == op and r[1] == lib), 0) for op in ops]
@@ -223,6 +271,16 @@ def main():
         ax.set_ylabel("GB/s (NVL bytes, DeepEP's count)")
         ax.set_title(f"EP normal mode, {args.gpus} GPUs, {args.tokens} tokens, hidden {args.hidden}")
         ax.legend()
+        if sweep:
+            ax = axes[1]
+            for op, mark in zip(ops, "os^"):
+                for lib, style in zip(sweep_libs, ("-", "--")):
+                    pts = sorted((r[2], r[3]) for r in sweep if r[0] == op and r[1] == lib)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=mark, label=f"{op}, {lib}")
+            ax.set_xlabel("SMs")
+            ax.set_ylabel("GB/s")
+            ax.set_title("by SM count")
+            ax.legend(fontsize=7)
         return fig
 
     save_plot(draw, args.out)
