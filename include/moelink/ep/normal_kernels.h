@@ -187,8 +187,13 @@ struct CombineArgs {
   int64_t timeout_ns = 0;
 };
 
-// The piece size that fits combine's bulk-copy stages for every destination into shared memory
-// (a multiple of 16, at most x_bytes rounded up to 16).
+// Combine's bulk-copy sender: kBulkStages shared-memory stages per destination, all of them in
+// about kBulkSmemBytes (the block's dynamic shared memory is num_ranks * kBulkStages * piece).
+constexpr int kBulkStages = 6;
+constexpr int kBulkSmemBytes = 200 << 10;
+
+// The piece size that fits combine's bulk-copy stages for every destination into shared memory:
+// x_bytes (a multiple of 16) cut into equal pieces, each a multiple of 16.
 int bulkPieceBytes(int num_ranks, int x_bytes);
 
 void combine(const CombineArgs& a, cudaStream_t stream);

@@ -433,9 +433,7 @@ __device__ __forceinline__ void bulkWaitRead() {
 // whose later release covers them).
 __device__ __forceinline__ void bulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-constexpr int kBulkStages = 6;  // shared-memory stages per destination
-constexpr int kBulkAhead = 3;   // loads in flight ahead of the stores
-constexpr int kBulkSmemBytes = 200 << 10;
+constexpr int kBulkAhead = 3;  // loads in flight ahead of the stores
 static_assert(kBulkAhead < kBulkStages, "a stage's store must be issued before its next load");
 
 // Combine's sender with bulk copies: warp s streams the rows received from rank s in channel c
@@ -655,9 +653,8 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
     }
     const int n = nr + (a.bias0 ? 1 : 0) + (a.bias1 ? 1 : 0);
     // kSumBatch int4 (8 bf16 each) per lane of kGroup rows at a time: their loads are in flight
-    // together before they are summed.
-    // Every lane takes every step (the shuffles need the whole warp), a lane past the row's end
-    // with its loads and stores switched off.
+    // together before they are summed. Every lane takes every step (the shuffles need the whole
+    // warp), a lane past the row's end with its loads and stores switched off.
     constexpr int kSumBatch = 2, kGroup = 4;
     for (int step = 0; step < hidden8; step += 32 * kSumBatch) {
       const int base = step + lane;
