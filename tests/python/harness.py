@@ -11,11 +11,13 @@
   read its results.
 
 Each process's return value (or the traceback it raised) comes back through a file. Processes
-that do not finish within `timeout` are killed and reported, so no test can hang.
+that do not finish within `timeout` are killed and reported with the Python stacks of their
+threads at that moment (faulthandler, on SIGUSR1), so no test can hang and a hang says where.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -34,8 +36,12 @@ def free_port() -> int:
 
 
 def _reported(out_path, fn, args, kwargs, env):
-    """A process's body: runs fn and writes {"value": ...} or {"error": traceback} to out_path."""
+    """A process's body: runs fn and writes {"value": ...} or {"error": traceback} to out_path.
+    SIGUSR1 writes the Python stacks of all its threads to out_path + ".stacks" (the parent asks
+    for them before it kills a process that did not finish)."""
     os.environ.update(env)
+    stacks = open(out_path + ".stacks", "w")  # noqa: SIM115  open while the process lives
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     result = {}
     try:
         result["value"] = fn(*args, **kwargs)
@@ -68,6 +74,13 @@ def _run_processes(starts, timeout, replacement=None):
         for p in procs.values():
             p.join(max(1, deadline - time.monotonic()))
         hung = [name for name, p in procs.items() if p.is_alive()]
+        for name in hung:  # where they are stuck, before they go
+            try:
+                os.kill(procs[name].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        if hung:
+            time.sleep(1)
         for p in procs.values():
             if p.is_alive():
                 p.kill()
@@ -82,7 +95,20 @@ def _run_processes(starts, timeout, replacement=None):
                 results[name] = {"killed": True}
             else:
                 results[name] = {"error": f"{name} produced no result (exit code {p.exitcode})"}
+            if name in hung and os.path.exists(path + ".stacks"):
+                with open(path + ".stacks") as f:
+                    results[name]["stacks"] = f.read()
     return results, hung
+
+
+def _hung_message(hung, results, timeout):
+    """What a test prints for processes that did not finish: their names and, for each, the
+    last Python frames of every thread when it was stopped."""
+    parts = [f"{hung} did not finish within {timeout} s"]
+    for name in hung:
+        lines = results.get(name, {}).get("stacks", "").strip().splitlines()
+        parts.append(f"--- {name}: stacks when stopped ---\n" + ("\n".join(lines[-60:]) or "(none written)"))
+    return "\n".join(parts)
 
 
 def _member(rank, world, port, target_mod, target_name, kwargs, backend, pg_timeout, store_host):
@@ -112,7 +138,7 @@ def run_group(world, target, *, kwargs=None, env=None, timeout=300, backend="ep"
                {**(env or {}), **((rank_env or {}).get(r, {}))}) for r in range(world)]
     results, hung = _run_processes(starts, timeout)
     if hung:
-        raise AssertionError(f"{hung} did not finish within {timeout} s")
+        raise AssertionError(_hung_message(hung, results, timeout))
     errors = [f"--- rank {r} ---\n{results[f'rank{r}']['error']}" for r in range(world)
               if "error" in results[f"rank{r}"] and r not in killed]
     assert not errors, "\n".join(errors)
@@ -143,7 +169,7 @@ def run_elastic(world, target, *, kwargs=None, env=None, replacement=None, timeo
                                        dict(kwargs, replacement=True), env or {}))
     results, hung = _run_processes(starts, timeout, extra)
     del store
-    assert not hung, f"{hung} did not finish within {timeout} s"
+    assert not hung, _hung_message(hung, results, timeout)
     errors = {k: v["error"] for k, v in results.items() if "error" in v}
     assert not errors, "\n".join(f"--- {k} ---\n{v}" for k, v in errors.items())
     return {k: v["value"] for k, v in results.items() if "value" in v}

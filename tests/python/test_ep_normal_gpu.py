@@ -25,6 +25,11 @@ def test_normal_mode_gpu(route, world):
         pytest.skip(f"needs {world} GPUs (or one and MOELINK_TEST_SHARE_GPU=1)")
     env = {"MOELINK_EP_RANKS_PER_HOST": {"nvlink": "", "group": "1", "two_hop": "2"}[route]}
     kwargs = dict(big_tokens=1024 if route == "two_hop" else 2048, hiddens=(7168,)) if world == 4 else {}
-    res = run_group(world, cases_normal.all_gpu, env=env, kwargs=kwargs, timeout=900)
+    # The NVLink and group cases take about a minute on their own GPUs: a hang there is reported
+    # (with the ranks' stacks) well inside the GPU script's stage timeout. Ranks sharing one GPU,
+    # and the two-hop route's host hop, take longer.
+    shared = os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"
+    timeout = 900 if shared or route == "two_hop" else 240
+    res = run_group(world, cases_normal.all_gpu, env=env, kwargs=kwargs, timeout=timeout)
     assert [r["path"] for r in res] == [route] * world
     assert all(r["losses"] == res[0]["losses"] for r in res)
