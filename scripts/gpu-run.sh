@@ -92,7 +92,8 @@ T0=$(date +%s)
 say() { echo "=== [$(($(date +%s) - T0))s] $*"; }
 
 # One function per stage: it runs in the repository root with its output going to the stage's log.
-PYTEST="python3 -m pytest -q -rf -rs"
+# -v: each test is named as it starts, so a stage that times out shows which test it was in
+PYTEST="python3 -u -m pytest -v -rf -rs"
 ep_env() { export MOELINK_EP_TIMEOUT_US=${EPT:-5000000}; }
 stage_gtest() { ./build-dev/tests/cpp/moelink_cpp_tests --gtest_filter='Ibgda*'; }
 stage_gtestall() { ./build-dev/tests/cpp/moelink_cpp_tests; }
