@@ -37,12 +37,6 @@ struct Pieces {
 
 uint64_t perChunk(const AlgoContext& c, size_t es) { return std::max<uint64_t>(1, c.chunk / es); }
 
-size_t indexOf(const AlgoContext& c, int rank) {
-  auto it = std::find(c.ranks.begin(), c.ranks.end(), rank);
-  MOELINK_CHECK(it != c.ranks.end(), "rank ", rank, " is not active in the group (it left; moelink.recover_ranks readmits a replacement)");
-  return static_cast<size_t>(it - c.ranks.begin());
-}
-
 char* at(void* p, uint64_t off) { return static_cast<char*>(p) + off; }
 
 int worldOf(const AlgoContext& c) { return c.world ? c.world : static_cast<int>(c.ranks.size()); }
@@ -108,16 +102,6 @@ void recvBlocksFromAllPeers(const AlgoContext& c, Step& st, void* out, uint64_t 
   st.consume = [dst, len](const std::vector<const char*>& got) {
     for (size_t k = 0; k < dst.size(); ++k) copyIfElsewhere(dst[k], got[k], len);
   };
-}
-
-OpSpec base(OpKind k, DType t, ReduceOp op, int root, uint64_t op_bytes) {
-  OpSpec s;
-  s.kind = k;
-  s.dtype = t;
-  s.redop = op;
-  s.root = root;
-  s.op_bytes = op_bytes;
-  return s;
 }
 
 // Allreduce as a pipelined ring over the participants in order. Block b (of n) travels the
@@ -186,9 +170,26 @@ OpSpec ringAllreduce(const AlgoContext& c, OpSpec s, void* buf, uint64_t count, 
 
 }  // namespace
 
+size_t indexOf(const AlgoContext& c, int rank) {
+  auto it = std::find(c.ranks.begin(), c.ranks.end(), rank);
+  MOELINK_CHECK(it != c.ranks.end(), "rank ", rank, " is not active in the group (it left; moelink.recover_ranks readmits a replacement)");
+  return static_cast<size_t>(it - c.ranks.begin());
+}
+
+OpSpec emptyOp(OpKind k, DType t, ReduceOp op, int root, uint64_t op_bytes) {
+  OpSpec s;
+  s.kind = k;
+  s.dtype = t;
+  s.redop = op;
+  s.root = root;
+  s.op_bytes = op_bytes;
+  return s;
+}
+
+
 OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root) {
   size_t r = indexOf(c, root);
-  OpSpec s = base(OpKind::kBroadcast, DType::kBytes, ReduceOp::kNone, root, bytes);
+  OpSpec s = emptyOp(OpKind::kBroadcast, DType::kBytes, ReduceOp::kNone, root, bytes);
   s.pullable = true;  // the root's buffer only changes on the others, a chunk only once before it is forwarded
   // First every other rank tells the root it takes part, with this root in its header: a rank
   // that disagrees about the root then receives a message naming another root, and the op
@@ -238,7 +239,7 @@ OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root) {
 OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, ReduceOp op) {
   size_t es = elementSize(t);
   size_t n = c.ranks.size();
-  OpSpec s = base(OpKind::kAllreduce, t, op, -1, count * es);
+  OpSpec s = emptyOp(OpKind::kAllreduce, t, op, -1, count * es);
   s.inplace = true;
   auto scratch = std::make_shared<std::vector<char>>();
   uint64_t per = perChunk(c, es);
@@ -311,7 +312,7 @@ OpSpec reduceOp(const AlgoContext& c, const void* in, void* out, uint64_t count,
                 ReduceOp op, int root) {
   indexOf(c, root);
   size_t es = elementSize(t);
-  OpSpec s = base(OpKind::kReduce, t, op, root, count * es);
+  OpSpec s = emptyOp(OpKind::kReduce, t, op, root, count * es);
   s.inplace = in == out;
   auto scratch = std::make_shared<std::vector<char>>();
   Pieces pc{count, perChunk(c, es)};
@@ -338,7 +339,7 @@ OpSpec allgatherOp(const AlgoContext& c, const void* in, void* out, uint64_t byt
   indexOf(c, c.me);
   const uint64_t me = static_cast<uint64_t>(c.me);
   const auto gone = absent(c);
-  OpSpec s = base(OpKind::kAllgather, DType::kBytes, ReduceOp::kNone, -1, bytes);
+  OpSpec s = emptyOp(OpKind::kAllgather, DType::kBytes, ReduceOp::kNone, -1, bytes);
   s.pullable = disjoint(in, bytes, out, bytes * worldOf(c)) || in == at(out, me * bytes);
   Pieces pc{bytes, c.chunk};
   for (size_t i = 0; i < pc.count(); ++i) {
@@ -360,7 +361,7 @@ OpSpec gatherOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes,
   indexOf(c, c.me);
   const uint64_t me = static_cast<uint64_t>(c.me);
   const auto gone = absent(c);
-  OpSpec s = base(OpKind::kGather, DType::kBytes, ReduceOp::kNone, root, bytes);
+  OpSpec s = emptyOp(OpKind::kGather, DType::kBytes, ReduceOp::kNone, root, bytes);
   s.pullable = true;  // only the root receives, and it sends nothing
   Pieces pc{bytes, c.chunk};
   for (size_t i = 0; i < pc.count(); ++i) {
@@ -385,7 +386,7 @@ OpSpec scatterOp(const AlgoContext& c, const void* in, void* out, uint64_t bytes
   indexOf(c, root);
   indexOf(c, c.me);
   const uint64_t me = static_cast<uint64_t>(c.me);
-  OpSpec s = base(OpKind::kScatter, DType::kBytes, ReduceOp::kNone, root, bytes);
+  OpSpec s = emptyOp(OpKind::kScatter, DType::kBytes, ReduceOp::kNone, root, bytes);
   s.pullable = true;  // only the root sends, and it receives nothing
   Pieces pc{bytes, c.chunk};
   for (size_t i = 0; i < pc.count(); ++i) {
@@ -410,7 +411,7 @@ OpSpec reduceScatterOp(const AlgoContext& c, const void* in, void* out, uint64_t
   size_t es = elementSize(t);
   indexOf(c, c.me);
   const uint64_t me = static_cast<uint64_t>(c.me);
-  OpSpec s = base(OpKind::kReduceScatter, t, op, -1, count * es);
+  OpSpec s = emptyOp(OpKind::kReduceScatter, t, op, -1, count * es);
   auto scratch = std::make_shared<std::vector<char>>();
   uint64_t block = count * es;
   Pieces pc{count, perChunk(c, es)};
@@ -433,7 +434,7 @@ OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64
   indexOf(c, c.me);
   const size_t w = static_cast<size_t>(worldOf(c));
   MOELINK_CHECK(send_bytes.size() == w && recv_bytes.size() == w, "alltoall needs one split per rank");
-  OpSpec s = base(OpKind::kAlltoall, DType::kBytes, ReduceOp::kNone, -1, 0);
+  OpSpec s = emptyOp(OpKind::kAlltoall, DType::kBytes, ReduceOp::kNone, -1, 0);
   uint64_t in_end = 0, out_end = 0;
   for (size_t r = 0; r < w; ++r) {
     in_end = std::max(in_end, send_off[r] + send_bytes[r]);
@@ -484,7 +485,7 @@ OpSpec alltoallOp(const AlgoContext& c, const void* in, const std::vector<uint64
 }
 
 OpSpec barrierOp(const AlgoContext& c) {
-  OpSpec s = base(OpKind::kBarrier, DType::kBytes, ReduceOp::kNone, -1, 0);
+  OpSpec s = emptyOp(OpKind::kBarrier, DType::kBytes, ReduceOp::kNone, -1, 0);
   Step st;
   st.sends = toAllPeers(c, nullptr, 0);
   st.recvs = fromAllPeers(c, 0);

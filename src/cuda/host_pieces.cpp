@@ -25,19 +25,8 @@ uint64_t roundUp(uint64_t v, uint64_t a) { return ceilDiv(v, a) * a; }
 // Elements per 16-byte vector of the GPU's reduction (at least one).
 uint64_t vecOf(size_t e) { return e >= 16 ? 1 : 16 / e; }
 
-int indexIn(const AlgoContext& c, int rank) {
-  auto it = std::find(c.ranks.begin(), c.ranks.end(), rank);
-  MOELINK_CHECK(it != c.ranks.end(), "rank ", rank, " is not active in the group");
-  return static_cast<int>(it - c.ranks.begin());
-}
-
 OpSpec pipelineOp(OpKind kind, DType t, ReduceOp op, int root, uint64_t bytes) {
-  OpSpec s;
-  s.kind = kind;
-  s.dtype = t;
-  s.redop = op;
-  s.root = root;
-  s.op_bytes = bytes | kPipelineMark;
+  OpSpec s = collective::emptyOp(kind, t, op, root, bytes | kPipelineMark);
   // A consumed piece cannot be taken back: a membership change after it fails the op.
   s.inplace = true;
   return s;
@@ -107,7 +96,7 @@ OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std:
                        uint64_t count, DType t, ReduceOp rop, int world, int rank) {
   const uint64_t e = collective::elementSize(t), vec = vecOf(e);
   OpSpec op = pipelineOp(OpKind::kAllreduce, t, rop, -1, count * e);
-  const int m = static_cast<int>(ctx.ranks.size()), me = indexIn(ctx, rank);
+  const int m = static_cast<int>(ctx.ranks.size()), me = static_cast<int>(collective::indexOf(ctx, rank));
   // The all-gather halves read and write the same slot, so the op is not pullable
   // (appendGatedPiece): no piece may be cut for pulled messages.
   AlgoContext c1 = ctx;
@@ -165,7 +154,7 @@ OpSpec reduceScatterPieces(const AlgoContext& ctx, const PieceRing& ring, const 
                            uint64_t count, uint64_t per, DType t, ReduceOp rop, int world, int rank) {
   const uint64_t e = collective::elementSize(t), row = per * e;
   OpSpec op = pipelineOp(OpKind::kReduceScatter, t, rop, -1, count * e * static_cast<uint64_t>(world));
-  const int m = static_cast<int>(ctx.ranks.size()), me = indexIn(ctx, rank);
+  const int m = static_cast<int>(ctx.ranks.size()), me = static_cast<int>(collective::indexOf(ctx, rank));
   std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
   for (const HostPiece& pc : ps) {
     std::fill(sb.begin(), sb.end(), 0);

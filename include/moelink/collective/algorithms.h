@@ -40,6 +40,11 @@ struct AlgoContext {
   uint64_t pull_chunk = 0;
 };
 
+// The position of `rank` among c.ranks; throws moelink::Error when it is not an active rank.
+size_t indexOf(const AlgoContext& c, int rank);
+// An op of this kind with no steps yet (op_bytes: what the ranks compare in the headers).
+OpSpec emptyOp(OpKind k, DType t, ReduceOp op, int root, uint64_t op_bytes);
+
 OpSpec broadcastOp(const AlgoContext& c, void* buf, uint64_t bytes, int root);
 // in: count elements; inout may alias. Allreduce in place on `buf`.
 OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, ReduceOp op);
