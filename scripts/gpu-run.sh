@@ -45,6 +45,7 @@ cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
 cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
 cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
 cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, tcp between them) beside NCCL on its socket transport, 4 MiB-256 MiB, GPUS ranks, MOELINK_TCP_STREAMS 1 and the default
+nvlinkbench   | 200 | the NVLink all-to-all ceiling by way of copying and SMs (examples/bench/nvlink.py), GPUS GPUs
 tcpbench      | 200 | the tcp transport's own loopback bandwidth by number of streams (examples/bench/tcp_transport.py)
 cpubench      | 500 | CPU collectives over tcp beside gloo, 4 ranks, 4 MiB-256 MiB, MOELINK_TCP_STREAMS 1 and the default
 mooncake      | 400 | Mooncake's API on moelink (moelink.compat.mooncake): its GPU tests, the migration example
@@ -142,6 +143,7 @@ stage_cudabenchhost() {
       $(sweep_sizes) --out "$OUT/cuda${GPUS:-2}host-s${st:-default}.png"
   done
 }
+stage_nvlinkbench() { python3 examples/bench/nvlink.py --gpus "${GPUS:-2}" --build build-dev --out "$OUT/nvlink${GPUS:-2}.png"; }
 stage_tcpbench() { python3 examples/bench/tcp_transport.py --streams 1,2,4,8,16 --build build-dev --out "$OUT/tcp_transport.png"; }
 stage_cpubench() {
   for st in ${STREAMS:-1 default}; do

@@ -480,7 +480,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::combine(
   c.report = report_dev_;
   c.timeout_ns = timeoutNs(timeout_us);
   c.max_rows = static_cast<int>(x.size(0));
-  c.piece_bytes = use_tma_ ? normal::bulkPieceBytes(size_, L.x_bytes) : 0;
+  c.bulk_warps = normal::bulkWarps(size_);
+  c.piece_bytes = use_tma_ ? normal::bulkPieceBytes(size_ * c.bulk_warps, L.x_bytes) : 0;
   normal::combine(c, stream);
   raiseOverflow(overflow);
   return {out, out_w};

@@ -183,18 +183,27 @@ struct CombineArgs {
   // > 0: the sender moves rows with bulk copies (TMA) through shared memory, in pieces of this
   // many bytes (bulkPieceBytes); 0: with warp copies
   int piece_bytes = 0;
+  int bulk_warps = 1;  // with bulk copies: warps per destination (bulkWarps)
   HostReport* report = nullptr;
   int64_t timeout_ns = 0;
 };
 
-// Combine's bulk-copy sender: kBulkStages shared-memory stages per destination, all of them in
-// about kBulkSmemBytes (the block's dynamic shared memory is num_ranks * kBulkStages * piece).
+// Combine's bulk-copy sender: bulkWarps(num_ranks) warps per destination, which take the
+// destination's chunks in turn, each warp with kBulkStages shared-memory stages, all of them in
+// about kBulkSmemBytes (the block's dynamic shared memory is warps * kBulkStages * piece).
 constexpr int kBulkStages = 6;
 constexpr int kBulkSmemBytes = 200 << 10;
+constexpr int kBulkWarpsPerDest = 4;  // from a sweep of 1-6 at 4 ranks (docs/PERF.md)
 
-// The piece size that fits combine's bulk-copy stages for every destination into shared memory:
-// x_bytes (a multiple of 16) cut into equal pieces, each a multiple of 16.
-int bulkPieceBytes(int num_ranks, int x_bytes);
+// Warps per destination: kBulkWarpsPerDest, fewer where the block has too few warps for them.
+inline int bulkWarps(int num_ranks) {
+  const int fit = kWarps / (num_ranks > 0 ? num_ranks : 1);
+  return fit < 1 ? 1 : fit < kBulkWarpsPerDest ? fit : kBulkWarpsPerDest;
+}
+
+// The piece size that fits `warps` warps' bulk-copy stages into shared memory: x_bytes (a
+// multiple of 16) cut into equal pieces, each a multiple of 16.
+int bulkPieceBytes(int warps, int x_bytes);
 
 void combine(const CombineArgs& a, cudaStream_t stream);
 

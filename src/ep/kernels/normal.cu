@@ -67,11 +67,13 @@ __device__ void reportError(HostReport* r, int code, int peer) {
 }
 
 // Spins until the int at p reaches at least `want` (wrap-safe); false on timeout.
-__device__ bool waitAtLeast(const int* p, int want, int64_t timeout_ns) {
+__device__ bool waitAtLeast(const int* p, int want, int64_t timeout_ns, int* seen = nullptr) {
   const uint64_t start = timeout_ns > 0 ? kernels::globalTimerNs() : 0;
-  while (static_cast<int>(ldAcquireSys(p) - want) < 0) {
+  int v;
+  while (static_cast<int>((v = ldAcquireSys(p)) - want) < 0) {
     if (timeout_ns > 0 && static_cast<int64_t>(kernels::globalTimerNs() - start) > timeout_ns) return false;
   }
+  if (seen) *seen = v;
   return true;
 }
 
@@ -436,22 +438,33 @@ __device__ __forceinline__ void bulkWaitAll() { asm volatile("cp.async.bulk.wait
 constexpr int kBulkAhead = 3;  // loads in flight ahead of the stores
 static_assert(kBulkAhead < kBulkStages, "a stage's store must be issued before its next load");
 
-// Combine's sender with bulk copies: warp s streams the rows received from rank s in channel c
-// back into s's ring for (this rank, c). Its lane 0 cuts each chunk's rows into pieces of
-// a.piece_bytes and runs them through kBulkStages stages of shared memory (load k + kBulkAhead
-// in flight while piece k is stored); the lanes write the top-k weights; the tail is published
-// once the chunk's stores have completed.
+// Combine's sender with bulk copies: a.bulk_warps warps per destination s stream the rows
+// received from rank s in channel c back into s's ring for (this rank, c), taking the stream's
+// chunks in turn (warp j of s: chunks j, j + bulk_warps, ...), so that while one waits for its
+// chunk's stores to complete the others' loads and stores keep the link busy. Lane 0 of a warp
+// cuts a chunk's rows into pieces of a.piece_bytes and runs them through the warp's kBulkStages
+// stages of shared memory (load k + kBulkAhead in flight while piece k is stored); the lanes
+// write the top-k weights. A chunk's tail is published once its stores have completed and the
+// chunk before it is published (s_pub: chunks of each stream published so far).
 __device__ void combineSendBulk(const CombineArgs& a, int c, int warp, int lane) {
   extern __shared__ __align__(128) char s_stage[];
-  __shared__ uint64_t s_bar[kMaxRanks][kBulkStages];
+  __shared__ uint64_t s_bar[kWarps][kBulkStages];
+  __shared__ int s_pub[kMaxRanks];
+  __shared__ int s_fail[kMaxRanks];
+  if (threadIdx.x < kMaxRanks) {
+    s_pub[threadIdx.x] = 0;
+    s_fail[threadIdx.x] = 0;
+  }
+  __syncthreads();
   const RingLayout& L = a.L;
-  const int R = L.num_ranks, C = L.num_channels, K = L.num_topk;
-  const int s = warp;
+  const int R = L.num_ranks, C = L.num_channels, K = L.num_topk, P = a.bulk_warps;
+  const int s = warp / P, j = warp % P;
   if (s >= R) return;
   const uint32_t piece = static_cast<uint32_t>(a.piece_bytes);
-  char* stages = s_stage + static_cast<uint64_t>(s) * kBulkStages * piece;
+  char* stages = s_stage + static_cast<uint64_t>(warp) * kBulkStages * piece;
+  uint64_t* bars = s_bar[warp];
   if (lane == 0) {
-    for (int i = 0; i < kBulkStages; ++i) mbarInit(&s_bar[s][i]);
+    for (int i = 0; i < kBulkStages; ++i) mbarInit(&bars[i]);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
@@ -463,13 +476,19 @@ __device__ void combineSendBulk(const CombineArgs& a, int c, int warp, int lane)
   int* tail = counter(a.peers.base[s], L, a.rank, c, 0);
   const int* head = counter(a.peers.base[s], L, a.rank, c, 1);
   const char* x = static_cast<const char*>(a.x);
-  uint32_t n0 = 0;  // pieces through the stages so far (lane 0)
-  for (int chunk_begin = 0; chunk_begin < total; chunk_begin += a.send_chunk) {
-    const int chunk_end = min(chunk_begin + a.send_chunk, total);
+  volatile int* pub = &s_pub[s];
+  volatile int* fail = &s_fail[s];
+  uint32_t n0 = 0;    // pieces through the stages so far (lane 0)
+  int seen_head = 0;  // the latest head lane 0 read (the peer frees slots, it never takes them back)
+  for (int chunk = j; chunk * a.send_chunk < total; chunk += P) {
+    const int chunk_begin = chunk * a.send_chunk, chunk_end = min(chunk_begin + a.send_chunk, total);
     int ok = 1;
-    if (lane == 0 && !waitAtLeast(head, chunk_end - L.ring_tokens, a.timeout_ns)) {
-      reportError(a.report, 4, s);
-      ok = 0;
+    if (lane == 0 && seen_head < chunk_end - L.ring_tokens) {
+      if (!waitAtLeast(head, chunk_end - L.ring_tokens, a.timeout_ns, &seen_head)) {
+        reportError(a.report, 4, s);
+        *fail = 1;
+        ok = 0;
+      }
     }
     if (!__shfl_sync(0xffffffffu, ok, 0)) return;  // nothing in flight: the last chunk's stores completed
     if (lane == 0) {
@@ -477,8 +496,8 @@ __device__ void combineSendBulk(const CombineArgs& a, int c, int warp, int lane)
       for (int q = 0; q < Q + kBulkAhead; ++q) {
         if (q < Q) {  // load piece q into its stage, once the stage's previous store has read it
           const uint32_t n = n0 + q;
-          uint64_t* bar = &s_bar[s][n % kBulkStages];
-          if (q >= kBulkStages) bulkWaitRead<kBulkStages - kBulkAhead - 1>();
+          uint64_t* bar = &bars[n % kBulkStages];
+          if (n >= kBulkStages) bulkWaitRead<kBulkStages - kBulkAhead - 1>();
           const int64_t row = row0 + chunk_begin + q / per_row;
           const uint32_t off = (q % per_row) * piece;
           if (a.max_rows > 0 && row >= a.max_rows)
@@ -490,7 +509,7 @@ __device__ void combineSendBulk(const CombineArgs& a, int c, int warp, int lane)
         const int m = q - kBulkAhead;
         if (m >= 0) {  // store piece m once it has landed
           const uint32_t n = n0 + m;
-          mbarWait(&s_bar[s][n % kBulkStages], (n / kBulkStages) & 1);
+          mbarWait(&bars[n % kBulkStages], (n / kBulkStages) & 1);
           const int k = chunk_begin + m / per_row;
           const uint32_t off = (m % per_row) * piece;
           const bool dropped = a.max_rows > 0 && row0 + k >= a.max_rows;
@@ -515,9 +534,20 @@ __device__ void combineSendBulk(const CombineArgs& a, int c, int warp, int lane)
     __syncwarp();
     if (lane == 0) {
       bulkWaitAll();
-      __threadfence_system();
-      stReleaseSys(tail, chunk_end);
+      // In stream order: after the chunk before this one (another warp's, unless P == 1). That
+      // warp either publishes it or, having timed out, flags the stream failed.
+      while (*pub != chunk && !*fail) {
+      }
+      if (*pub == chunk) {
+        __threadfence_system();  // also orders the other warp's rows (seen through *pub) first
+        stReleaseSys(tail, chunk_end);
+        __threadfence_block();
+        *pub = chunk + 1;
+      } else {
+        ok = 0;
+      }
     }
+    if (!__shfl_sync(0xffffffffu, ok, 0)) return;
   }
 }
 
@@ -764,13 +794,14 @@ void dispatch(const DispatchArgs& a, cudaStream_t stream) {
   kernels::check(cudaGetLastError(), "normal-mode dispatch launch");
 }
 
-int bulkPieceBytes(int num_ranks, int x_bytes) {
-  const int per_row = (x_bytes + kBulkSmemBytes / (num_ranks * kBulkStages) - 1) / (kBulkSmemBytes / (num_ranks * kBulkStages));
+int bulkPieceBytes(int warps, int x_bytes) {
+  const int stage = kBulkSmemBytes / (warps * kBulkStages);  // the most one stage may take
+  const int per_row = (x_bytes + stage - 1) / stage;
   return static_cast<int>(align(static_cast<uint64_t>((x_bytes + per_row - 1) / per_row), 16));
 }
 
 void combine(const CombineArgs& a, cudaStream_t stream) {
-  const int smem = a.piece_bytes > 0 ? a.L.num_ranks * kBulkStages * a.piece_bytes : 0;
+  const int smem = a.piece_bytes > 0 ? a.L.num_ranks * a.bulk_warps * kBulkStages * a.piece_bytes : 0;
   if (smem > 0) {
     // Above 48 KiB a kernel's dynamic shared memory needs the opt-in, once per device.
     static std::atomic<int> opted[64];
