@@ -90,8 +90,8 @@ const std::vector<Setting> kSettings = {
     number("MOELINK_HOST_PIPELINE_BYTES", "collectives", 1 * kMiB, 0, UINT64_MAX,
            "CUDA collectives between hosts: all_reduce, reduce_scatter, all_gather and broadcast of at least this "
            "many bytes run in pieces through a pinned ring (GPU copies, the wire and GPU reductions overlap); "
-           "smaller ones stage the whole tensor at once (in a CUDA graph every such op takes the pieces); the same "
-           "on every rank"),
+           "smaller ones stage the whole tensor at once (in a CUDA graph every such op takes the pieces; all_to_all "
+           "takes them at every size); the same on every rank"),
     number("MOELINK_HOST_PIECE_BYTES", "collectives", 8 * kMiB, 64 * kKiB, 1ull << 30,
            "CUDA collectives between hosts: a piece's bytes on this rank's side (the ring holds "
            "`MOELINK_HOST_PIECES` of them twice); the same on every rank"),

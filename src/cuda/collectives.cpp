@@ -295,10 +295,11 @@ HostPipeline::Call CudaCollectives::pipeCall(Op& op) {
 }
 
 void CudaCollectives::flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out,
-                               const HostSpec& host, const Piped& piped) {
+                               const HostSpec& host, const Piped& piped, bool any_size) {
   if (inHost())
     exchange(op, x, ptr(in), ptr(out));
-  else if (piped && pipes(op, std::max(in.defined() ? nbytes(in) : 0, out.defined() ? nbytes(out) : 0)))
+  else if (piped && pipes(op, any_size ? UINT64_MAX
+                                       : std::max(in.defined() ? nbytes(in) : 0, out.defined() ? nbytes(out) : 0)))
     piped(*pipe_, pipeCall(op));
   else
     hostFlat(op, in, out, host);

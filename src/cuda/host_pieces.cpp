@@ -71,6 +71,12 @@ uint64_t allgatherPieceBytes(uint64_t slot_bytes, int world) {
   return std::max<uint64_t>(16, slot_bytes / static_cast<uint64_t>(world) / 16 * 16);
 }
 
+uint64_t alltoallPieceBytes(uint64_t slot_bytes, int world) { return allgatherPieceBytes(slot_bytes, world); }
+
+uint64_t alltoallPairPieces(uint64_t send_bytes, uint64_t recv_bytes, uint64_t per) {
+  return std::max<uint64_t>(1, ceilDiv(std::max(send_bytes, recv_bytes), per));
+}
+
 std::vector<HostPiece> cutPieces(uint64_t total, uint64_t per, int depth, bool two,
                                  const std::function<PieceMark(int word)>& mark) {
   const uint64_t n = std::max<uint64_t>(1, ceilDiv(total, per));
@@ -185,6 +191,33 @@ OpSpec allgatherPieces(const AlgoContext& ctx, const PieceRing& ring, const std:
       rb[r] = r == rank ? 0 : pc.len;
     }
     append(op, ring, collective::alltoallOp(ctx, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
+           nullptr);
+  }
+  return op;
+}
+
+OpSpec alltoallPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps, uint64_t per,
+                      const std::vector<uint64_t>& send_bytes, const std::vector<uint64_t>& recv_bytes, int world,
+                      int rank) {
+  // The ranks compare `per` (a piece size that differs would misplace every row).
+  OpSpec op = pipelineOp(OpKind::kAlltoall, DType::kBytes, ReduceOp::kNone, -1, per);
+  std::vector<uint64_t> off(world), sb(world), rb(world);
+  for (int r = 0; r < world; ++r) off[r] = static_cast<uint64_t>(r) * per;
+  for (size_t p = 0; p < ps.size(); ++p) {
+    const HostPiece& pc = ps[p];
+    auto left = [&](uint64_t n) { return n > pc.off ? std::min(per, n - pc.off) : 0; };
+    // The piece's part: this rank and every active peer whose pair has a piece p; the others'
+    // rows of the slot are zeroed (an inactive rank's) or empty.
+    AlgoContext part = ctx;
+    part.world = world;
+    part.ranks.clear();
+    for (int r = 0; r < world; ++r) {
+      const bool active = std::binary_search(ctx.ranks.begin(), ctx.ranks.end(), r);
+      sb[r] = r == rank || !active ? 0 : left(send_bytes[r]);
+      rb[r] = r == rank ? 0 : left(recv_bytes[r]);
+      if (r == rank || (active && p < alltoallPairPieces(send_bytes[r], recv_bytes[r], per))) part.ranks.push_back(r);
+    }
+    append(op, ring, collective::alltoallOp(part, ring.in(pc.slot), off, sb, ring.out(pc.slot), off, rb), pc.first,
            nullptr);
   }
   return op;

@@ -300,4 +300,44 @@ void HostPipeline::broadcast(const Call& c, char* buf, uint64_t bytes, int root)
   }
 }
 
+void HostPipeline::alltoall(const Call& c, const char* in, char* out, const std::vector<uint64_t>& send_off,
+                            const std::vector<uint64_t>& send_bytes, const std::vector<uint64_t>& recv_off,
+                            const std::vector<uint64_t>& recv_bytes) {
+  const uint64_t per = alltoallPieceBytes(tuning_.slot_bytes, size_);
+  const int depth = tuning_.depth;
+  uint64_t longest = 0;  // of the pairs with peers
+  for (int r = 0; r < size_; ++r)
+    if (r != rank_) longest = std::max({longest, send_bytes[r], recv_bytes[r]});
+  const std::vector<HostPiece> ps = cutPieces(longest, per, depth, false, [&](int word) { return mark(c, word); });
+  std::vector<Mark> marks;
+  for (const HostPiece& pc : ps) marks.push_back(pc.first);
+  submit(c, OpKind::kAlltoall,
+         [r = ring(), ps, per, send_bytes, recv_bytes, world = size_, rank = rank_](const AlgoContext& ctx) {
+           return alltoallPieces(ctx, r, ps, per, send_bytes, recv_bytes, world, rank);
+         },
+         std::move(marks));
+  const cudaStream_t s = c.stream;
+  const auto me = static_cast<size_t>(rank_);
+  copyAsync(out + recv_off[me], in + send_off[me], std::min(send_bytes[me], recv_bytes[me]), cudaMemcpyDeviceToDevice,
+            s);
+  auto left = [per](uint64_t n, const HostPiece& pc) { return n > pc.off ? std::min(per, n - pc.off) : 0; };
+  auto pack = [&](const HostPiece& pc) {
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_)
+        copyAsync(inHost(pc.slot) + static_cast<uint64_t>(r) * per, in + send_off[r] + pc.off, left(send_bytes[r], pc),
+                  cudaMemcpyDeviceToHost, s);
+    raiseReady(s, pc.first);
+  };
+  for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) pack(ps[p]);
+  for (size_t p = 0; p < ps.size(); ++p) {
+    const HostPiece& pc = ps[p];
+    waitDone(s, pc.first);
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_)
+        copyAsync(out + recv_off[r] + pc.off, outHost(pc.slot) + static_cast<uint64_t>(r) * per,
+                  left(recv_bytes[r], pc), cudaMemcpyHostToDevice, s);
+    if (p + depth < ps.size()) pack(ps[p + depth]);
+  }
+}
+
 }  // namespace moelink::cuda

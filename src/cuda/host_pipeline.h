@@ -81,6 +81,10 @@ class HostPipeline {
   // `out`: one block of `bytes` per rank.
   void allgather(const Call& c, const char* in, char* out, uint64_t bytes);
   void broadcast(const Call& c, char* buf, uint64_t bytes, int root);
+  // Pairs of any lengths (byte offsets and lengths per rank, in `in` and `out`).
+  void alltoall(const Call& c, const char* in, char* out, const std::vector<uint64_t>& send_off,
+                const std::vector<uint64_t>& send_bytes, const std::vector<uint64_t>& recv_off,
+                const std::vector<uint64_t>& recv_bytes);
 
  private:
   struct Batch;

@@ -16,6 +16,13 @@ CudaCollectives::Piped CudaCollectives::scatterPieces(const at::Tensor& in, cons
   };
 }
 
+CudaCollectives::Piped CudaCollectives::alltoallPieces(const at::Tensor& in, const at::Tensor& out,
+                                                       const PairLayout& l) {
+  return [in, out, l](HostPipeline& p, const HostPipeline::Call& c) {
+    p.alltoall(c, ptr(in), ptr(out), l.send_off, l.send_bytes, l.recv_off, l.recv_bytes);
+  };
+}
+
 Work CudaCollectives::broadcast(at::Tensor& t, int root, const Call& call) {
   return run({"broadcast", OpType::BROADCAST, "ep:broadcast", true}, {t}, {t}, Route::kGroup, call, [&](Op& op) {
     at::Tensor buf = t.contiguous();
@@ -170,20 +177,21 @@ Work CudaCollectives::reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, 
 }
 
 Work CudaCollectives::alltoall(at::Tensor& output, at::Tensor& input, const PairLayout& l, const Call& call) {
-  Kind k{"all_to_all_single", OpType::ALLTOALL_BASE, "ep:all_to_all"};
+  Kind k{"all_to_all_single", OpType::ALLTOALL_BASE, "ep:all_to_all", true};
   return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
     flat(op, exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) {
            return algo::alltoallOp(c, i, l.send_off, l.send_bytes, o, l.recv_off, l.recv_bytes);
-         });
+         },
+         alltoallPieces(in, out, l), true);
     settle(output, out);
   });
 }
 
 Work CudaCollectives::alltoall(Tensors& outputs, Tensors& inputs, const PairLayout& l, const Call& call) {
-  return run({"all_to_all", OpType::ALLTOALL, "ep:all_to_all"}, outputs, joined(outputs, inputs), Route::kGroup,
-             call, [&](Op& op) {
+  return run({"all_to_all", OpType::ALLTOALL, "ep:all_to_all", true}, outputs, joined(outputs, inputs),
+             Route::kGroup, call, [&](Op& op) {
                at::Tensor in = flatten(inputs);
                const uint64_t total = l.recv_off.back() + l.recv_bytes.back();
                at::Tensor out = at::empty({static_cast<int64_t>(total / in.element_size())}, in.options());
@@ -191,7 +199,8 @@ Work CudaCollectives::alltoall(Tensors& outputs, Tensors& inputs, const PairLayo
                     exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes),
                     in, out, [=](const algo::AlgoContext& c, char* i, char* o) {
                       return algo::alltoallOp(c, i, l.send_off, l.send_bytes, o, l.recv_off, l.recv_bytes);
-                    });
+                    },
+                    alltoallPieces(in, out, l), true);
                unflatten(out, outputs);
              });
 }

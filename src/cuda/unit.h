@@ -145,14 +145,17 @@ class CudaCollectives final : public Collectives {
   // has none), by the group's route: the exchange `x`, or the worker op `host(ctx, in, out)`
   // built over pinned copies.
   using HostSpec = std::function<collective::OpSpec(const algo::AlgoContext&, char* in, char* out)>;
-  // The op in pieces through the host pipeline (when pipes() says so), else nullptr.
+  // The op in pieces through the host pipeline (when pipes() says so), else nullptr. With
+  // `any_size` in pieces at every size: an all-to-all, whose ranks' buffers differ in size, so
+  // that a size threshold could send them different ways.
   using Piped = std::function<void(HostPipeline&, const HostPipeline::Call&)>;
   void flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out, const HostSpec& host,
-            const Piped& piped = nullptr);
+            const Piped& piped = nullptr, bool any_size = false);
   void exchange(Op& op, const Exchange& x, const void* in, void* out);
   void hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host);
   static Piped gatherPieces(const at::Tensor& in, const at::Tensor& out);
   static Piped scatterPieces(const at::Tensor& in, const at::Tensor& out, ReduceOp rop);
+  static Piped alltoallPieces(const at::Tensor& in, const at::Tensor& out, const PairLayout& l);
   // Whether a host-route op of `bytes` (its largest buffer) runs in pieces: from the
   // pipeline's threshold, and always when captured. Sets the pipeline up if needed.
   bool pipes(const Op& op, uint64_t bytes);
@@ -258,7 +261,7 @@ Work CudaCollectives::run(const Kind& k, Tensors outputs, const Tensors& used, R
                     ": in this group the op runs through host memory (",
                     !group ? "point-to-point ops always do" : "its ranks are on several hosts",
                     ") and cannot be captured in a CUDA graph",
-                    group ? " (there, all_reduce, reduce_scatter, all_gather and broadcast can)" : "");
+                    group ? " (there, all_reduce, reduce_scatter, all_gather, broadcast and all_to_all can)" : "");
   // A synchronous group op runs where the caller's next work will wait for it anyway.
   const bool on_caller = group && !call.async;
   op.stream = route == Route::kHostRecv ? *recv_ : on_caller ? user : *comm_;

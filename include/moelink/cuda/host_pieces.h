@@ -61,6 +61,12 @@ struct HostPiece {
 uint64_t allreducePieceElems(size_t elem, uint64_t slot_bytes);
 uint64_t reduceScatterPieceElems(size_t elem, uint64_t slot_bytes, int world);  // also its rows' stride / elem
 uint64_t allgatherPieceBytes(uint64_t slot_bytes, int world);                   // also its rows' stride
+// all_to_all: a pair's bytes per piece, also the stride of the slot's rows (the `in` area by
+// destination rank, the `out` area by source rank).
+uint64_t alltoallPieceBytes(uint64_t slot_bytes, int world);
+// all_to_all: the pieces of the pair of this rank and `peer`, from both directions' lengths
+// (each end of a pair knows both, so the two agree): at least one.
+uint64_t alltoallPairPieces(uint64_t send_bytes, uint64_t recv_bytes, uint64_t per);
 // An op of `total` cut at `per` (at least one piece, empty for an empty op), over `depth`
 // slots; `mark(word)` gives each piece's marks (words 2 * slot and, with `two`, 2 * slot + 1).
 std::vector<HostPiece> cutPieces(uint64_t total, uint64_t per, int depth, bool two,
@@ -75,7 +81,10 @@ std::function<bool()> readyGate(const PieceRing& ring, PieceMark m);
 // the slot's `out` rows, then (after the next piece's) an all-gather of the reduced blocks in
 // the slot's `in` area; reduce_scatter: the `in` rows (by rank, `per` elements apart) to their
 // ranks, received by active index; all_gather: the `in` piece to every rank, received by rank
-// (an inactive rank's row zeroed); broadcast: the root's `in` piece.
+// (an inactive rank's row zeroed); broadcast: the root's `in` piece; all_to_all: piece p moves
+// bytes [p * per, (p + 1) * per) of every pair that has that many pieces (alltoallPairPieces;
+// this rank's pieces: as many as its longest pair has), from the `in` rows to the peers' `out`
+// rows (an inactive rank's row zeroed); this rank's own pair is the stream's.
 collective::OpSpec allreducePieces(const collective::AlgoContext& c, const PieceRing& ring,
                                    const std::vector<HostPiece>& pieces, uint64_t count, collective::DType t,
                                    collective::ReduceOp op, int world, int rank);
@@ -85,6 +94,10 @@ collective::OpSpec reduceScatterPieces(const collective::AlgoContext& c, const P
 collective::OpSpec allgatherPieces(const collective::AlgoContext& c, const PieceRing& ring,
                                    const std::vector<HostPiece>& pieces, uint64_t bytes, uint64_t per, int world,
                                    int rank);
+collective::OpSpec alltoallPieces(const collective::AlgoContext& c, const PieceRing& ring,
+                                  const std::vector<HostPiece>& pieces, uint64_t per,
+                                  const std::vector<uint64_t>& send_bytes, const std::vector<uint64_t>& recv_bytes,
+                                  int world, int rank);
 collective::OpSpec broadcastPieces(const collective::AlgoContext& c, const PieceRing& ring,
                                    const std::vector<HostPiece>& pieces, uint64_t bytes, int root);
 

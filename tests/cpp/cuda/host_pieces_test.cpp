@@ -3,8 +3,9 @@
 // stream does in src/cuda/host_pipeline.cpp (pack a piece, raise its ready word, wait for its
 // done word, reduce by the worker's plan or copy back, pack the piece after next). Every op at
 // 2-4 ranks over tcp, shared memory and pulled messages, with few, small slots (many pieces,
-// reused slots), sizes around the piece boundaries, and groups with an inactive rank (blocks,
-// rows and reductions over the active ranks, an inactive rank's all-gather row zeroed).
+// reused slots), sizes around the piece boundaries (all_to_all: pairs of different lengths), and
+// groups with an inactive rank (blocks, rows and reductions over the active ranks, an inactive
+// rank's all-gather and all-to-all rows zeroed).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -277,6 +278,59 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
       for (uint64_t i = 0; i < bytes; ++i)
         ASSERT_EQ(buf[i], moelink::testing::pattern(root, i)) << "broadcast bytes " << bytes << " byte " << i;
     }
+    // all_to_all: pairs of every length around the piece size (empty ones included), a
+    // different one for each (source, destination), each rank's longest pair its own.
+    const uint64_t per_aa = alltoallPieceBytes(kSlotBytes, world);
+    for (uint64_t salt : {0, 1, 2}) {
+      auto len = [&](int src, int dst) {
+        const uint64_t sizes[] = {0, 1, per_aa - 1, per_aa, per_aa + 1, 3 * per_aa + 5, 2 * per_aa};
+        return sizes[(static_cast<uint64_t>(src * 5 + dst * 3) + salt) % 7];
+      };
+      auto layoutOf = [&](int q, std::vector<uint64_t>& so, std::vector<uint64_t>& sb, std::vector<uint64_t>& ro,
+                          std::vector<uint64_t>& rb) {
+        so.assign(world, 0), sb.assign(world, 0), ro.assign(world, 0), rb.assign(world, 0);
+        uint64_t at_in = 0, at_out = 0;
+        for (int p = 0; p < world; ++p) {
+          so[p] = at_in, sb[p] = len(q, p), at_in += sb[p];
+          ro[p] = at_out, rb[p] = len(p, q), at_out += rb[p];
+        }
+      };
+      std::vector<uint64_t> so, sb, ro, rb;
+      layoutOf(rank, so, sb, ro, rb);
+      std::vector<uint8_t> in(so.back() + sb.back()), out(ro.back() + rb.back(), 0xee);
+      for (uint64_t i = 0; i < in.size(); ++i) in[i] = moelink::testing::pattern(rank + 10 * static_cast<int>(salt), i);
+      uint64_t longest = 0;
+      for (int q = 0; q < world; ++q)
+        if (q != rank) longest = std::max({longest, sb[q], rb[q]});
+      auto ps = cutPieces(longest, per_aa, kDepth, false, mark);
+      PieceRing view = ring.view();
+      auto done = submit(r, ring, [=](const AlgoContext& c) {
+        return alltoallPieces(c, view, ps, per_aa, sb, rb, world, rank);
+      }, marksOf(ps, false), active);
+      copy(out.data() + ro[rank], in.data() + so[rank], std::min(sb[rank], rb[rank]));
+      auto left = [&](uint64_t n, const HostPiece& pc) { return n > pc.off ? std::min(per_aa, n - pc.off) : 0; };
+      auto pack = [&](const HostPiece& pc) {
+        for (int q = 0; q < world; ++q)
+          if (q != rank) copy(view.in(pc.slot) + q * per_aa, in.data() + so[q] + pc.off, left(sb[q], pc));
+        ring.raise(pc.first);
+      };
+      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
+      for (size_t p = 0; p < ps.size(); ++p) {
+        ring.wait(ps[p].first);
+        for (int q = 0; q < world; ++q)
+          if (q != rank) copy(out.data() + ro[q] + ps[p].off, view.out(ps[p].slot) + q * per_aa, left(rb[q], ps[p]));
+        if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
+      }
+      ASSERT_EQ("", done.get()) << "all_to_all salt " << salt;
+      for (int q = 0; q < world; ++q) {
+        const bool in_group = std::find(active.begin(), active.end(), q) != active.end();
+        std::vector<uint64_t> qso, qsb, qro, qrb;
+        layoutOf(q, qso, qsb, qro, qrb);  // where q's row for this rank starts in q's input
+        for (uint64_t i = 0; i < rb[q]; ++i)
+          ASSERT_EQ(out[ro[q] + i], in_group ? moelink::testing::pattern(q + 10 * static_cast<int>(salt), qso[rank] + i) : 0)
+              << "all_to_all salt " << salt << " from rank " << q << " byte " << i << " of " << rb[q];
+      }
+    }
     storeBarrier(*store, "done", world, seconds(60));
   });
 }
@@ -330,6 +384,47 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
   });
 }
 
+// An all_to_all whose ranks disagree on a pair's length (rank 0 sends rank 1 more than rank 1
+// expects) fails on both ranks with the pair's sizes named, without a hang, and the group's
+// next op is exact.
+TEST(HostPieces, AlltoallWithSplitsThatDisagreeFails) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    Rank r = makeRank(store, rank, 2, "tcp");
+    Ring ring(2);
+    const uint64_t per = alltoallPieceBytes(kSlotBytes, 2);
+    // rank 0 -> 1: 3 pieces and a bit on rank 0, 2 pieces on rank 1; 1 -> 0 agrees (10 bytes).
+    const std::vector<uint64_t> sb = rank == 0 ? std::vector<uint64_t>{0, 3 * per + 7} : std::vector<uint64_t>{10, 0};
+    const std::vector<uint64_t> rb = rank == 0 ? std::vector<uint64_t>{0, 10} : std::vector<uint64_t>{2 * per, 0};
+    auto ps = cutPieces(std::max(sb[1 - rank], rb[1 - rank]), per, kDepth, false,
+                        [&](int word) { return ring.mark(word); });
+    std::vector<PieceMark> marks;
+    for (const auto& pc : ps) marks.push_back(pc.first);
+    PieceRing view = ring.view();
+    auto done = submit(r, ring, [=](const AlgoContext& c) {
+      return alltoallPieces(c, view, ps, per, sb, rb, 2, rank);
+    }, marks, {0, 1});
+    for (size_t p = 0; p < ps.size(); ++p) {  // the stream, one piece at a time (the data does not matter)
+      ring.raise(ps[p].first);
+      ring.wait(ps[p].first);
+    }
+    const std::string err = done.get();
+    if (rank == 1)
+      EXPECT_NE(err.find("alltoall #1: rank 0 sent " + std::to_string(3 * per + 7) + " bytes to this rank, this "
+                         "rank expects " + std::to_string(2 * per)),
+                std::string::npos)
+          << err;
+    else
+      EXPECT_FALSE(err.empty());
+    // The group goes on.
+    std::vector<float> x(5000, static_cast<float>(rank + 1));
+    EXPECT_EQ("", moelink::testing::run(*r.worker, moelink::collective::allreduceOp(
+                                                     r.worker->context(), x.data(), x.size(), DType::kFloat32,
+                                                     ReduceOp::kSum)));
+    for (float v : x) ASSERT_EQ(v, 3.0f);
+  });
+}
+
 // The cuts: every op's pieces cover it exactly, once, in order, over the slots in turn, and a
 // piece's rows or blocks fit the slot's areas for every group size.
 TEST(HostPieces, CutsCoverTheOpAndFitTheSlots) {
@@ -351,6 +446,15 @@ TEST(HostPieces, CutsCoverTheOpAndFitTheSlots) {
           EXPECT_LE((blk + vec - 1) / vec * vec * e * static_cast<uint64_t>(m), PieceRing::outBytes(slot, world));
         }
       }
+      const uint64_t aa = alltoallPieceBytes(slot, world);
+      EXPECT_LE(aa * static_cast<uint64_t>(world), slot);
+      EXPECT_EQ(aa % 16, 0u);
+      // A pair's pieces: the same from both ends, enough for both directions, at least one.
+      for (uint64_t a : std::vector<uint64_t>{0, 1, aa, aa + 1, 5 * aa})
+        for (uint64_t b : std::vector<uint64_t>{0, aa - 1, 2 * aa + 3}) {
+          EXPECT_EQ(alltoallPairPieces(a, b, aa), alltoallPairPieces(b, a, aa));
+          EXPECT_EQ(alltoallPairPieces(a, b, aa), std::max<uint64_t>(1, (std::max(a, b) + aa - 1) / aa));
+        }
       for (uint64_t total : std::vector<uint64_t>{0, 1, slot - 1, slot, slot + 1, 7 * slot + 3}) {
         auto ps = cutPieces(total, slot, 4, true, mark);
         uint64_t next = 0;
