@@ -2,6 +2,7 @@
 #include "host_pipeline.h"
 
 #include <algorithm>
+#include <functional>
 
 #include <glog/logging.h>
 
@@ -27,6 +28,18 @@ void copy2DAsync(void* dst, uint64_t dpitch, const void* src, uint64_t spitch, u
                  cudaMemcpyKind kind, cudaStream_t s) {
   if (width == 0 || rows == 0) return;
   cudaCheck(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, kind, s), "cudaMemcpy2DAsync (host route)");
+}
+
+// The stream's side of an op of one exchange per piece: the first `depth` pieces are packed,
+// then piece p is consumed (`consume` waits for its done word) and its slot packed with piece
+// p + depth.
+void streamPieces(const std::vector<HostPiece>& ps, int depth, const std::function<void(const HostPiece&)>& pack,
+                  const std::function<void(const HostPiece&)>& consume) {
+  for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) pack(ps[p]);
+  for (size_t p = 0; p < ps.size(); ++p) {
+    consume(ps[p]);
+    if (p + depth < ps.size()) pack(ps[p + depth]);
+  }
 }
 
 }  // namespace
@@ -233,14 +246,11 @@ void HostPipeline::reduceScatter(const Call& c, const char* in, char* out, uint6
                 cudaMemcpyDeviceToHost, s);
     raiseReady(s, pc.first);
   };
-  for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) pack(ps[p]);
-  for (size_t p = 0; p < ps.size(); ++p) {
-    const HostPiece& pc = ps[p];
+  streamPieces(ps, depth, pack, [&](const HostPiece& pc) {
     waitDone(s, pc.first);
     launchReduce(s, out + pc.off * e, pc.slot, in + static_cast<uint64_t>(rank_) * block + pc.off * e,
                  pc.first.ticket, pc.len * e, t, rop);
-    if (p + depth < ps.size()) pack(ps[p + depth]);
-  }
+  });
 }
 
 void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t bytes) {
@@ -260,9 +270,7 @@ void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t 
     copyAsync(inHost(pc.slot), in + pc.off, pc.len, cudaMemcpyDeviceToHost, s);
     raiseReady(s, pc.first);
   };
-  for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) pack(ps[p]);
-  for (size_t p = 0; p < ps.size(); ++p) {
-    const HostPiece& pc = ps[p];
+  streamPieces(ps, depth, pack, [&](const HostPiece& pc) {
     waitDone(s, pc.first);
     // The rows of the ranks before this one, then those after it.
     copy2DAsync(out + pc.off, bytes, outHost(pc.slot), per, pc.len, static_cast<uint64_t>(rank_),
@@ -270,8 +278,7 @@ void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t 
     copy2DAsync(out + static_cast<uint64_t>(rank_ + 1) * bytes + pc.off, bytes,
                 outHost(pc.slot) + static_cast<uint64_t>(rank_ + 1) * per, per, pc.len,
                 static_cast<uint64_t>(size_ - rank_ - 1), cudaMemcpyHostToDevice, s);
-    if (p + depth < ps.size()) pack(ps[p + depth]);
-  }
+  });
 }
 
 void HostPipeline::broadcast(const Call& c, char* buf, uint64_t bytes, int root) {
@@ -291,13 +298,10 @@ void HostPipeline::broadcast(const Call& c, char* buf, uint64_t bytes, int root)
     if (is_root) copyAsync(inHost(pc.slot), buf + pc.off, pc.len, cudaMemcpyDeviceToHost, s);
     raiseReady(s, pc.first);
   };
-  for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) open(ps[p]);
-  for (size_t p = 0; p < ps.size(); ++p) {
-    const HostPiece& pc = ps[p];
+  streamPieces(ps, depth, open, [&](const HostPiece& pc) {
     waitDone(s, pc.first);
     if (!is_root) copyAsync(buf + pc.off, inHost(pc.slot), pc.len, cudaMemcpyHostToDevice, s);
-    if (p + depth < ps.size()) open(ps[p + depth]);
-  }
+  });
 }
 
 void HostPipeline::alltoall(const Call& c, const char* in, char* out, const std::vector<uint64_t>& send_off,
@@ -328,16 +332,13 @@ void HostPipeline::alltoall(const Call& c, const char* in, char* out, const std:
                   cudaMemcpyDeviceToHost, s);
     raiseReady(s, pc.first);
   };
-  for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) pack(ps[p]);
-  for (size_t p = 0; p < ps.size(); ++p) {
-    const HostPiece& pc = ps[p];
+  streamPieces(ps, depth, pack, [&](const HostPiece& pc) {
     waitDone(s, pc.first);
     for (int r = 0; r < size_; ++r)
       if (r != rank_)
         copyAsync(out + recv_off[r] + pc.off, outHost(pc.slot) + static_cast<uint64_t>(r) * per,
                   left(recv_bytes[r], pc), cudaMemcpyHostToDevice, s);
-    if (p + depth < ps.size()) pack(ps[p + depth]);
-  }
+  });
 }
 
 }  // namespace moelink::cuda
