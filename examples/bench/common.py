@@ -1,11 +1,25 @@
 """Scaffolding shared by the benchmark scripts: run one process per rank, collect rank 0's
 rows, save a plot."""
 
+import os
 import queue
 import socket
+import subprocess
 import time
 
 import torch.multiprocessing as mp
+
+
+def run_built(build, name, args):
+    """Runs the project's benchmark executable `name` from the build directory with `args` and
+    returns its output lines; a missing executable or a failed run ends the script, saying why."""
+    exe = os.path.join(build, name)
+    if not os.path.exists(exe):
+        raise SystemExit(f"{exe} not found: build the project first (scripts/install.sh or cmake)")
+    out = subprocess.run([exe, *map(str, args)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{name} failed ({out.returncode}): {out.stderr.strip()}")
+    return out.stdout.splitlines()
 
 
 def run_ranks(worker, nprocs, args, timeout):

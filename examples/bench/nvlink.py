@@ -13,12 +13,11 @@ Prints the table and writes a PNG.
 
 import argparse
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import fmt_bytes, save_plot  # noqa: E402
+from common import fmt_bytes, run_built, save_plot  # noqa: E402
 
 WAYS = {"store": "SM stores (push)", "load": "SM loads (pull)", "bulk": "bulk copies, TMA (push)",
         "ce": "copy engines (cudaMemcpyPeerAsync)"}
@@ -33,14 +32,9 @@ def main():
     ap.add_argument("--build", default=os.path.join(HERE, "..", "..", "build"))
     ap.add_argument("--out", default="nvlink.png")
     args = ap.parse_args()
-    exe = os.path.join(args.build, "moelink_nvlink_bench")
-    if not os.path.exists(exe):
-        raise SystemExit(f"{exe} not found: build the project with CUDA first (scripts/install.sh or cmake)")
-    out = subprocess.run([exe, "--gpus", str(args.gpus), "--bytes", str(args.bytes), "--sms", args.sms, "--iters",
-                          str(args.iters)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"moelink_nvlink_bench failed ({out.returncode}): {out.stderr.strip()}")
-    rows = [(w, int(n), float(g)) for w, n, g in (line.split() for line in out.stdout.splitlines())]
+    lines = run_built(args.build, "moelink_nvlink_bench", ["--gpus", args.gpus, "--bytes", args.bytes, "--sms",
+                                                            args.sms, "--iters", args.iters])
+    rows = [(w, int(n), float(g)) for w, n, g in (line.split() for line in lines)]
     counts = sorted({n for w, n, _ in rows if w != "ce"})
     print(f"# NVLink all-to-all, {fmt_bytes(args.bytes)} per pair: GB/s per GPU and direction (median of "
           f"{args.iters}), by SMs per GPU")

@@ -23,6 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "sync.cuh"
+
 namespace {
 
 #define CHECK(x)                                                                         \
@@ -47,13 +49,7 @@ struct Pairs {
   uint64_t n16;  // 16-byte vectors per pair
 };
 
-__device__ __forceinline__ int4 ldNc(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+using moelink::ep::kernels::ldNc;  // the EP kernels' load of their inputs
 
 // Block b takes pair b % npeers and its share of that pair's vectors.
 __global__ void __launch_bounds__(kThreads, 1) copyKernel(Pairs p) {

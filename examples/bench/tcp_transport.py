@@ -12,12 +12,11 @@ PNG.
 
 import argparse
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import fmt_bytes, save_plot  # noqa: E402
+from common import fmt_bytes, run_built, save_plot  # noqa: E402
 
 
 def main():
@@ -29,12 +28,9 @@ def main():
     ap.add_argument("--build", default=os.path.join(HERE, "..", "..", "build"))
     ap.add_argument("--out", default="tcp_transport.png")
     args = ap.parse_args()
-    exe = os.path.join(args.build, "moelink_tcp_bench")
-    if not os.path.exists(exe):
-        raise SystemExit(f"{exe} not found: build the project first (scripts/install.sh or cmake)")
-    out = subprocess.run([exe, "--streams", args.streams, "--min-bytes", str(args.min_bytes), "--max-bytes",
-                          str(args.max_bytes), "--iters", str(args.iters)], check=True, capture_output=True, text=True)
-    rows = [(int(s), int(b), float(o), float(t)) for s, b, o, t in (line.split() for line in out.stdout.splitlines())]
+    lines = run_built(args.build, "moelink_tcp_bench", ["--streams", args.streams, "--min-bytes", args.min_bytes,
+                                                         "--max-bytes", args.max_bytes, "--iters", args.iters])
+    rows = [(int(s), int(b), float(o), float(t)) for s, b, o, t in (line.split() for line in lines)]
     print(f"# tcp transport over loopback, {os.cpu_count()} cores: GB/s of one write (median of up to "
           f"{args.iters}), one way and each way while the peer writes back")
     print(f"{'streams':>8}{'size':>10}{'one way':>10}{'both ways':>11}")
