@@ -8,6 +8,11 @@ namespace {
 
 const char* kindName(uint8_t k) { return opKindName(static_cast<OpKind>(k)); }
 
+// An op's size as the headers carry it, "in pieces" where marked (kOpBytesInPieces).
+std::string opBytesText(uint64_t b, const char* unit) {
+  return str(b & ~kOpBytesInPieces, unit, b & kOpBytesInPieces ? " in pieces" : "");
+}
+
 }  // namespace
 
 std::string describeOpMismatch(const OpFields& mine, const OpFields& theirs, int peer) {
@@ -26,7 +31,8 @@ std::string describeOpMismatch(const OpFields& mine, const OpFields& theirs, int
     return str(who(), " reduces with ", reduceOpName(static_cast<ReduceOp>(theirs.redop)), ", this rank with ",
                reduceOpName(static_cast<ReduceOp>(mine.redop)));
   if (theirs.op_bytes && mine.op_bytes && theirs.op_bytes != mine.op_bytes)
-    return str(who(), " sent ", theirs.op_bytes, " bytes, this rank expects ", mine.op_bytes);
+    return str(who(), " sent ", opBytesText(theirs.op_bytes, " bytes"), ", this rank expects ",
+               opBytesText(mine.op_bytes, ""));
   return "";
 }
 

@@ -15,18 +15,16 @@ using collective::ReduceOp;
 
 namespace {
 
-// Pipeline ops carry their size with this bit in the headers' op size, so that a rank on the
-// one-shot route and one on the pipeline (a size near the threshold read differently, or an op
-// captured on one rank only) fail the op on the header check rather than mix their messages.
-constexpr uint64_t kPipelineMark = 1ull << 63;
-
 uint64_t ceilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 uint64_t roundUp(uint64_t v, uint64_t a) { return ceilDiv(v, a) * a; }
 // Elements per 16-byte vector of the GPU's reduction (at least one).
 uint64_t vecOf(size_t e) { return e >= 16 ? 1 : 16 / e; }
 
+// Pipeline ops carry their size marked (collective::kOpBytesInPieces), so that a rank on the
+// one-shot route and one on the pipeline (a size near the threshold read differently, or an op
+// captured on one rank only) fail the op on the header check rather than mix their messages.
 OpSpec pipelineOp(OpKind kind, DType t, ReduceOp op, int root, uint64_t bytes) {
-  OpSpec s = collective::emptyOp(kind, t, op, root, bytes | kPipelineMark);
+  OpSpec s = collective::emptyOp(kind, t, op, root, bytes | collective::kOpBytesInPieces);
   // A consumed piece cannot be taken back: a membership change after it fails the op.
   s.inplace = true;
   return s;
@@ -199,8 +197,9 @@ OpSpec allgatherPieces(const AlgoContext& ctx, const PieceRing& ring, const std:
 OpSpec alltoallPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps, uint64_t per,
                       const std::vector<uint64_t>& send_bytes, const std::vector<uint64_t>& recv_bytes, int world,
                       int rank) {
-  // The ranks compare `per` (a piece size that differs would misplace every row).
-  OpSpec op = pipelineOp(OpKind::kAlltoall, DType::kBytes, ReduceOp::kNone, -1, per);
+  // No size to compare (the ranks' differ). Ranks whose piece sizes differ still place every row
+  // by their own cut: where a pair's cuts differ, the message sizes disagree and fail the op.
+  OpSpec op = pipelineOp(OpKind::kAlltoall, DType::kBytes, ReduceOp::kNone, -1, 0);
   std::vector<uint64_t> off(world), sb(world), rb(world);
   for (int r = 0; r < world; ++r) off[r] = static_cast<uint64_t>(r) * per;
   for (size_t p = 0; p < ps.size(); ++p) {

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "moelink/collective/algorithms.h"
+#include "moelink/collective/message_check.h"
 #include "moelink/collective/worker.h"
 #include "moelink/common/error.h"
 #include "moelink/transfer/transfer_engine.h"
@@ -237,6 +238,20 @@ INSTANTIATE_TEST_SUITE_P(All, CollectiveTest,
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_w" + std::to_string(std::get<1>(info.param));
                          });
+
+// An op one rank runs whole and another in pieces (the CUDA host route's pipeline) is named so.
+TEST(Collective, OpSizesInPiecesReadAsSuch) {
+  using moelink::collective::OpFields;
+  const auto kind = static_cast<uint8_t>(moelink::collective::OpKind::kAllreduce);
+  const OpFields whole{kind, 5, -1, 0, 0, 1 << 20};
+  OpFields pieces = whole;
+  pieces.op_bytes |= moelink::collective::kOpBytesInPieces;
+  EXPECT_EQ(moelink::collective::describeOpMismatch(whole, pieces, 2),
+            "allreduce #5: rank 2 sent 1048576 bytes in pieces, this rank expects 1048576");
+  EXPECT_EQ(moelink::collective::describeOpMismatch(pieces, whole, 2),
+            "allreduce #5: rank 2 sent 1048576 bytes, this rank expects 1048576 in pieces");
+  EXPECT_EQ(moelink::collective::describeOpMismatch(pieces, pieces, 2), "");
+}
 
 TEST(Collective, SizeMismatchFailsBothSidesThenRecovers) {
   auto store = std::make_shared<InProcessStore>();

@@ -58,12 +58,18 @@ struct Step {
   std::function<bool()> gate;
 };
 
+// OpSpec::op_bytes of an op that runs in pieces (a size with this bit set): ranks that run one op
+// the two ways, whole and in pieces, fail it on the header check instead of mixing messages.
+constexpr uint64_t kOpBytesInPieces = 1ull << 63;
+
 struct OpSpec {
   OpKind kind = OpKind::kBarrier;
   DType dtype = DType::kBytes;
   ReduceOp redop = ReduceOp::kNone;
   int root = -1;
-  uint64_t op_bytes = 0;  // compared across ranks when non-zero on both sides
+  // Compared across ranks when non-zero on both sides; with kOpBytesInPieces set, the op runs
+  // in pieces through a pipeline outside the worker (the CUDA host route's).
+  uint64_t op_bytes = 0;
   // Consuming a step overwrites the op's own input (an in-place reduction): once a step has
   // been consumed, the op cannot be run again from its inputs.
   bool inplace = false;

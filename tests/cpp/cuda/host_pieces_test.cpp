@@ -425,6 +425,41 @@ TEST(HostPieces, AlltoallWithSplitsThatDisagreeFails) {
   });
 }
 
+// Ranks whose piece sizes differ (MOELINK_HOST_PIECE_BYTES) cut an all_to_all's longer pairs
+// differently: the op fails on both ranks with the message sizes named, and the group's next op
+// is exact.
+TEST(HostPieces, AlltoallWithPieceSizesThatDifferFails) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    Rank r = makeRank(store, rank, 2, "tcp");
+    Ring ring(2);
+    const uint64_t per = alltoallPieceBytes(rank == 0 ? kSlotBytes : kSlotBytes / 2, 2);
+    const std::vector<uint64_t> sb{3000, 3000}, rb{3000, 3000};  // 2 pieces on rank 0, 3 on rank 1
+    auto ps = cutPieces(3000, per, kDepth, false, [&](int word) { return ring.mark(word); });
+    std::vector<PieceMark> marks;
+    for (const auto& pc : ps) marks.push_back(pc.first);
+    PieceRing view = ring.view();
+    auto done = submit(r, ring, [=](const AlgoContext& c) {
+      return alltoallPieces(c, view, ps, per, sb, rb, 2, rank);
+    }, marks, {0, 1});
+    for (const auto& pc : ps) {
+      ring.raise(pc.first);
+      ring.wait(pc.first);
+    }
+    const std::string err = done.get();
+    EXPECT_NE(err.find("alltoall #1: rank " + std::to_string(1 - rank) + " sent a " +
+                       std::to_string(rank == 0 ? per / 2 : 2 * per) + "-byte piece, this rank expects " +
+                       std::to_string(per)),
+              std::string::npos)
+        << err;
+    std::vector<float> x(5000, static_cast<float>(rank + 1));
+    EXPECT_EQ("", moelink::testing::run(*r.worker, moelink::collective::allreduceOp(
+                                                     r.worker->context(), x.data(), x.size(), DType::kFloat32,
+                                                     ReduceOp::kSum)));
+    for (float v : x) ASSERT_EQ(v, 3.0f);
+  });
+}
+
 // The cuts: every op's pieces cover it exactly, once, in order, over the slots in turn, and a
 // piece's rows or blocks fit the slot's areas for every group size.
 TEST(HostPieces, CutsCoverTheOpAndFitTheSlots) {
