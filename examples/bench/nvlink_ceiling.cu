@@ -73,9 +73,10 @@ __global__ void __launch_bounds__(kThreads, 1) copyKernel(Pairs p) {
   }
 }
 
-__device__ __forceinline__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
+// The EP kernels' bulk copies (sync.cuh), as combine's sender runs them: per piece a load into
+// shared memory, then a store group to the peer.
 __global__ void __launch_bounds__(kBulkWarps * 32, 1) bulkKernel(Pairs p) {
+  using namespace moelink::ep::kernels;
   extern __shared__ __align__(128) char stage[];
   __shared__ uint64_t bar[kBulkWarps][kBulkStages];
   const int warp = threadIdx.x / 32;
@@ -90,34 +91,20 @@ __global__ void __launch_bounds__(kBulkWarps * 32, 1) bulkKernel(Pairs p) {
   const uint64_t chunk = ((bytes + per_pair - 1) / per_pair + kBulkPiece - 1) / kBulkPiece * kBulkPiece;
   const uint64_t lo = part * chunk, hi = min(bytes, lo + chunk);
   char* st = stage + warp * kBulkStages * kBulkPiece;
-  for (int i = 0; i < kBulkStages; ++i)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem(&bar[warp][i])) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  for (int i = 0; i < kBulkStages; ++i) mbarInit(&bar[warp][i]);
+  mbarInitDone();
   const char* s = reinterpret_cast<const char*>(p.src[q]);
   char* d = reinterpret_cast<char*>(p.dst[q]);
   uint32_t n = 0;
   for (uint64_t off = lo; off < hi; off += kBulkPiece, ++n) {
     const uint32_t len = static_cast<uint32_t>(min(static_cast<uint64_t>(kBulkPiece), hi - off));
     const int k = n % kBulkStages;
-    if (n >= kBulkStages) asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kBulkStages - 1) : "memory");
-    uint64_t* b = &bar[warp][k];
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(b)), "r"(len) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem(st + k * kBulkPiece)),
-                 "l"(s + off), "r"(len), "r"(smem(b))
-                 : "memory");
-    uint32_t done = 0;
-    while (!done)
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(done)
-                   : "r"(smem(b)), "r"((n / kBulkStages) & 1)
-                   : "memory");
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d + off),
-                 "r"(smem(st + k * kBulkPiece)), "r"(len)
-                 : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    if (n >= kBulkStages) bulkWaitRead<kBulkStages - 1>();
+    bulkLoad(st + k * kBulkPiece, s + off, len, &bar[warp][k]);
+    mbarWait(&bar[warp][k], (n / kBulkStages) & 1);
+    bulkStoreGroup(d + off, st + k * kBulkPiece, len);
   }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  bulkWaitAll();
 }
 
 std::vector<int> parseList(const char* s) {

@@ -10,8 +10,16 @@
 
 namespace moelink::ep::normal {
 
+using kernels::bulkLoad;
+using kernels::bulkStoreGroup;
+using kernels::bulkWaitAll;
+using kernels::bulkWaitRead;
 using kernels::ldAcquireSys;
 using kernels::ldNc;
+using kernels::mbarArrive;
+using kernels::mbarInit;
+using kernels::mbarInitDone;
+using kernels::mbarWait;
 using kernels::stReleaseSys;
 
 namespace {
@@ -381,60 +389,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatchKernel(DispatchArgs a) {
   }
 }
 
-// ---- Bulk copies (TMA) for combine's sender: rows go global -> shared -> peer's ring. ----
-
-__device__ __forceinline__ uint32_t smemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbarInit(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smemAddr(bar)) : "memory");
-}
-
-// Starts a bulk copy of `bytes` from global memory into shared memory; the barrier's current
-// phase completes once they have landed.
-__device__ __forceinline__ void bulkLoad(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smemAddr(bar)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smemAddr(smem_dst)),
-               "l"(src), "r"(bytes), "r"(smemAddr(bar))
-               : "memory");
-}
-
-// Completes the barrier's current phase without a copy (a stage with nothing to load).
-__device__ __forceinline__ void mbarArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smemAddr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbarWait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done)
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(smemAddr(bar)), "r"(parity)
-        : "memory");
-}
-
-// One bulk-copy group: `bytes` from shared memory to (a peer's) global memory.
-__device__ __forceinline__ void bulkStoreGroup(void* dst, const void* smem_src, uint32_t bytes) {
-  if (bytes > 0)
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smemAddr(smem_src)),
-                 "r"(bytes)
-                 : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-// Until every bulk-copy group but the newest N has read its shared memory.
-template <int N>
-__device__ __forceinline__ void bulkWaitRead() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-
-// Until every bulk-copy group of this thread has completed (its writes visible to the thread,
-// whose later release covers them).
-__device__ __forceinline__ void bulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
 constexpr int kBulkAhead = 3;  // loads in flight ahead of the stores
 static_assert(kBulkAhead < kBulkStages, "a stage's store must be issued before its next load");
 
@@ -465,8 +419,7 @@ __device__ void combineSendBulk(const CombineArgs& a, int c, int warp, int lane)
   uint64_t* bars = s_bar[warp];
   if (lane == 0) {
     for (int i = 0; i < kBulkStages; ++i) mbarInit(&bars[i]);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    mbarInitDone();
   }
   __syncwarp();
   const int per_row = (L.x_bytes + static_cast<int>(piece) - 1) / static_cast<int>(piece);

@@ -90,19 +90,77 @@ __device__ __forceinline__ void stNa(int4* p, int4 v) {
                : "memory");
 }
 
-// Bulk copy (TMA) of `bytes` (a multiple of 16) from shared memory to global memory (a
-// peer's, through its mapping); returns once the writes are complete (visible to this
-// thread, whose later release then covers them).
-__device__ __forceinline__ void bulkStoreAndWait(void* dst, const void* smem_src, uint32_t bytes) {
-  const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(smem_src));
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+// ---- Bulk copies (TMA): global -> shared memory under an mbarrier, shared -> global memory
+// (a peer's, through its mapping) in bulk-copy groups. Sizes and addresses: multiples of 16. ----
+
+__device__ __forceinline__ uint32_t smemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// A barrier that one arrival (with its transaction bytes) completes per phase.
+__device__ __forceinline__ void mbarInit(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smemAddr(bar)) : "memory");
 }
 
 // Makes this thread's generic-proxy writes to shared memory visible to bulk copies.
 __device__ __forceinline__ void fenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// After mbarInit of a thread's barriers: they (and its shared memory) are visible to the bulk copies.
+__device__ __forceinline__ void mbarInitDone() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  fenceProxyAsyncShared();
+}
+
+// Starts a bulk copy of `bytes` from global memory into shared memory; the barrier's current
+// phase completes once they have landed.
+__device__ __forceinline__ void bulkLoad(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smemAddr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smemAddr(smem_dst)),
+               "l"(src), "r"(bytes), "r"(smemAddr(bar))
+               : "memory");
+}
+
+// Completes the barrier's current phase without a copy (a stage with nothing to load).
+__device__ __forceinline__ void mbarArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smemAddr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbarWait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smemAddr(bar)), "r"(parity)
+        : "memory");
+}
+
+// One bulk-copy group: `bytes` from shared memory to (a peer's) global memory.
+__device__ __forceinline__ void bulkStoreGroup(void* dst, const void* smem_src, uint32_t bytes) {
+  if (bytes > 0)
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smemAddr(smem_src)),
+                 "r"(bytes)
+                 : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Until every bulk-copy group but the newest N has read its shared memory.
+template <int N>
+__device__ __forceinline__ void bulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// Until every bulk-copy group of this thread has completed (its writes visible to the thread,
+// whose later release covers them).
+__device__ __forceinline__ void bulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// One bulk copy of `bytes` from shared memory to global memory, returning once its writes are
+// complete (visible to this thread, whose later release then covers them).
+__device__ __forceinline__ void bulkStoreAndWait(void* dst, const void* smem_src, uint32_t bytes) {
+  bulkStoreGroup(dst, smem_src, bytes);
+  bulkWaitAll();
+}
 
 __device__ __forceinline__ void tracePoint(const Common& c, int point) {
   if (c.trace != nullptr) c.trace[blockIdx.x * kTracePoints + point] = globalTimerNs();

@@ -343,6 +343,34 @@ INSTANTIATE_TEST_SUITE_P(All, HostPieces,
                                   (std::get<2>(info.param) ? "_masked" : "");
                          });
 
+// After a failed op: the group's next op (an all_reduce of rank + 1 over 2 ranks) is exact.
+void expectGroupGoesOn(Rank& r, int rank) {
+  std::vector<float> x(5000, static_cast<float>(rank + 1));
+  EXPECT_EQ("", moelink::testing::run(*r.worker, moelink::collective::allreduceOp(
+                                                   r.worker->context(), x.data(), x.size(), DType::kFloat32,
+                                                   ReduceOp::kSum)));
+  for (float v : x) ASSERT_EQ(v, 3.0f);
+}
+
+// An all_to_all over 2 ranks in pieces of `per` with these pair lengths, the stream raising each
+// piece and waiting for it (the data does not matter); returns the op's error.
+std::string alltoallOutcome(Rank& r, Ring& ring, int rank, uint64_t per, std::vector<uint64_t> sb,
+                            std::vector<uint64_t> rb) {
+  auto ps = cutPieces(std::max(sb[1 - rank], rb[1 - rank]), per, kDepth, false,
+                      [&](int word) { return ring.mark(word); });
+  std::vector<PieceMark> marks;
+  for (const auto& pc : ps) marks.push_back(pc.first);
+  PieceRing view = ring.view();
+  auto done = submit(r, ring, [=](const AlgoContext& c) {
+    return alltoallPieces(c, view, ps, per, sb, rb, 2, rank);
+  }, marks, {0, 1});
+  for (const auto& pc : ps) {
+    ring.raise(pc.first);
+    ring.wait(pc.first);
+  }
+  return done.get();
+}
+
 // Ranks that cut an op differently (MOELINK_HOST_PIECE_BYTES differs) fail it on every rank
 // with the message sizes named, without a hang (the failed op raises every done word, so the
 // stream gets through), and the group's next op is exact.
@@ -375,12 +403,7 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
     const std::string err = done.get();
     EXPECT_NE(err.find("allreduce #1: rank " + std::to_string(1 - rank) + " sent a "), std::string::npos) << err;
     EXPECT_NE(err.find("-byte piece, this rank expects"), std::string::npos) << err;
-    // The group goes on: the same cut on both ranks now.
-    std::vector<float> x(5000, static_cast<float>(rank + 1));
-    EXPECT_EQ("", moelink::testing::run(*r.worker, moelink::collective::allreduceOp(
-                                                     r.worker->context(), x.data(), x.size(), DType::kFloat32,
-                                                     ReduceOp::kSum)));
-    for (float v : x) ASSERT_EQ(v, 3.0f);
+    expectGroupGoesOn(r, rank);  // the same cut on both ranks now
   });
 }
 
@@ -394,21 +417,8 @@ TEST(HostPieces, AlltoallWithSplitsThatDisagreeFails) {
     Ring ring(2);
     const uint64_t per = alltoallPieceBytes(kSlotBytes, 2);
     // rank 0 -> 1: 3 pieces and a bit on rank 0, 2 pieces on rank 1; 1 -> 0 agrees (10 bytes).
-    const std::vector<uint64_t> sb = rank == 0 ? std::vector<uint64_t>{0, 3 * per + 7} : std::vector<uint64_t>{10, 0};
-    const std::vector<uint64_t> rb = rank == 0 ? std::vector<uint64_t>{0, 10} : std::vector<uint64_t>{2 * per, 0};
-    auto ps = cutPieces(std::max(sb[1 - rank], rb[1 - rank]), per, kDepth, false,
-                        [&](int word) { return ring.mark(word); });
-    std::vector<PieceMark> marks;
-    for (const auto& pc : ps) marks.push_back(pc.first);
-    PieceRing view = ring.view();
-    auto done = submit(r, ring, [=](const AlgoContext& c) {
-      return alltoallPieces(c, view, ps, per, sb, rb, 2, rank);
-    }, marks, {0, 1});
-    for (size_t p = 0; p < ps.size(); ++p) {  // the stream, one piece at a time (the data does not matter)
-      ring.raise(ps[p].first);
-      ring.wait(ps[p].first);
-    }
-    const std::string err = done.get();
+    const std::string err = rank == 0 ? alltoallOutcome(r, ring, rank, per, {0, 3 * per + 7}, {0, 10})
+                                      : alltoallOutcome(r, ring, rank, per, {10, 0}, {2 * per, 0});
     if (rank == 1)
       EXPECT_NE(err.find("alltoall #1: rank 0 sent " + std::to_string(3 * per + 7) + " bytes to this rank, this "
                          "rank expects " + std::to_string(2 * per)),
@@ -416,12 +426,7 @@ TEST(HostPieces, AlltoallWithSplitsThatDisagreeFails) {
           << err;
     else
       EXPECT_FALSE(err.empty());
-    // The group goes on.
-    std::vector<float> x(5000, static_cast<float>(rank + 1));
-    EXPECT_EQ("", moelink::testing::run(*r.worker, moelink::collective::allreduceOp(
-                                                     r.worker->context(), x.data(), x.size(), DType::kFloat32,
-                                                     ReduceOp::kSum)));
-    for (float v : x) ASSERT_EQ(v, 3.0f);
+    expectGroupGoesOn(r, rank);
   });
 }
 
@@ -434,29 +439,14 @@ TEST(HostPieces, AlltoallWithPieceSizesThatDifferFails) {
     Rank r = makeRank(store, rank, 2, "tcp");
     Ring ring(2);
     const uint64_t per = alltoallPieceBytes(rank == 0 ? kSlotBytes : kSlotBytes / 2, 2);
-    const std::vector<uint64_t> sb{3000, 3000}, rb{3000, 3000};  // 2 pieces on rank 0, 3 on rank 1
-    auto ps = cutPieces(3000, per, kDepth, false, [&](int word) { return ring.mark(word); });
-    std::vector<PieceMark> marks;
-    for (const auto& pc : ps) marks.push_back(pc.first);
-    PieceRing view = ring.view();
-    auto done = submit(r, ring, [=](const AlgoContext& c) {
-      return alltoallPieces(c, view, ps, per, sb, rb, 2, rank);
-    }, marks, {0, 1});
-    for (const auto& pc : ps) {
-      ring.raise(pc.first);
-      ring.wait(pc.first);
-    }
-    const std::string err = done.get();
+    // 2 pieces each way on rank 0, 3 on rank 1
+    const std::string err = alltoallOutcome(r, ring, rank, per, {3000, 3000}, {3000, 3000});
     EXPECT_NE(err.find("alltoall #1: rank " + std::to_string(1 - rank) + " sent a " +
                        std::to_string(rank == 0 ? per / 2 : 2 * per) + "-byte piece, this rank expects " +
                        std::to_string(per)),
               std::string::npos)
         << err;
-    std::vector<float> x(5000, static_cast<float>(rank + 1));
-    EXPECT_EQ("", moelink::testing::run(*r.worker, moelink::collective::allreduceOp(
-                                                     r.worker->context(), x.data(), x.size(), DType::kFloat32,
-                                                     ReduceOp::kSum)));
-    for (float v : x) ASSERT_EQ(v, 3.0f);
+    expectGroupGoesOn(r, rank);
   });
 }
 

@@ -1,0 +1,165 @@
+"""Collectives on CUDA tensors between hosts (route `host`, virtual hosts here): the host
+pipeline's pieces at their boundaries and its ops captured in CUDA graphs. Cases of
+cases_cuda.py (which names them in CASES), kept apart as the route's own."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from cuda_support import dev, reduce_ref, same, value
+
+
+def pair_counts(world, unit):
+    """Elements rank q sends rank r in the uneven all-to-alls below: a different count for each
+    pair (some empty, some several of `unit`)."""
+    return [[(q * 5 + r * 3) % 7 * unit // 2 + (q + r) % 3 for r in range(world)] for q in range(world)]
+
+
+def a2a_input(q, counts, salt, device):
+    """Rank q's input of such an all-to-all: distinct, exact values by position."""
+    n = sum(counts[q])
+    return (torch.arange(n, device=device, dtype=torch.int64) * 3 + q * 1000 + salt) % 16_000_000
+
+
+def a2a_expected(rank, counts, salt, device):
+    """What `rank` receives: from each q, q's segment for it."""
+    parts = []
+    for q in range(len(counts)):
+        x = a2a_input(q, counts, salt, device)
+        off = sum(counts[q][:rank])
+        parts.append(x[off:off + counts[q][rank]])
+    return torch.cat(parts)
+
+
+def host_graph_capture(rank, world):
+    """Between hosts all_reduce, all_gather, reduce_scatter, broadcast and all_to_all are captured
+    as pieces through the pinned ring (a host node hands each to the worker at every replay); the
+    other ops refuse capture there with a clear error, and the group stays usable."""
+    d = dev(rank)
+    n, big = 4096, 100_003  # big: several pieces under MOELINK_HOST_PIECE_BYTES=65536
+    x = torch.zeros(n, device=d)
+    y = torch.zeros(big, device=d, dtype=torch.bfloat16)
+    m = torch.zeros(big, device=d, dtype=torch.int64)
+    g_in, g_out = torch.zeros(big, device=d), torch.empty(world * big, device=d)
+    rs_in, rs_out = torch.zeros(world * n, device=d), torch.empty(n, device=d)
+    b = torch.zeros(big, device=d)
+    counts = pair_counts(world, 40_000)  # pairs of 0 to ~120k floats: many pieces each at 64 KiB
+    a_in = torch.zeros(sum(counts[rank]), device=d)
+    a_out = torch.full((sum(c[rank] for c in counts),), -1.0, device=d)
+    dist.all_reduce(x)  # the group's first CUDA op sets its buffers up, outside the graph
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            dist.all_reduce(x)
+            dist.all_reduce(y, op=dist.ReduceOp.AVG)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX)
+            dist.all_gather_into_tensor(g_out, g_in)
+            dist.reduce_scatter_tensor(rs_out, rs_in)
+            dist.broadcast(b, src=world - 1)
+            dist.all_to_all_single(a_out, a_in, output_split_sizes=[c[rank] for c in counts],
+                                   input_split_sizes=counts[rank])
+    torch.cuda.current_stream().wait_stream(s)
+    iota = torch.arange(big, device=d)
+    for it in range(3):
+        x.fill_(rank + it)
+        y.copy_(((iota + rank + it) % 7).to(torch.bfloat16))
+        m.copy_((iota * 3 + rank * 5 + it) % 11)
+        g_in.copy_(iota.float() + rank * 10 + it)
+        rs_in.copy_(torch.arange(world * n, device=d, dtype=torch.float32) + rank + it)
+        b.copy_(iota.float() + it if rank == world - 1 else torch.zeros_like(b))
+        a_in.copy_(a2a_input(rank, counts, it, d).float())
+        graph.replay()
+        torch.cuda.synchronize()
+        same(x, torch.full_like(x, float(sum(r + it for r in range(world)))), f"graph all_reduce {it}")
+        same(y, sum(((iota + r + it) % 7).float() for r in range(world)).div(world).to(torch.bfloat16),
+             f"graph all_reduce AVG {it}")
+        same(m, torch.stack([(iota * 3 + r * 5 + it) % 11 for r in range(world)]).amax(0), f"graph all_reduce MAX {it}")
+        same(g_out, torch.cat([iota.float() + r * 10 + it for r in range(world)]), f"graph all_gather {it}")
+        base = torch.arange(world * n, device=d, dtype=torch.float32).view(world, n)[rank]
+        same(rs_out, base * world + sum(r + it for r in range(world)), f"graph reduce_scatter {it}")
+        same(b, iota.float() + it, f"graph broadcast {it}")
+        same(a_out, a2a_expected(rank, counts, it, d).float(), f"graph uneven all_to_all_single {it}")
+    # reduce stages the whole tensor at once there: not capturable, said before anything is queued.
+    r_buf = torch.zeros(n, device=d)
+    g2 = torch.cuda.CUDAGraph()
+    err = ""
+    try:
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g2, stream=s):
+                dist.reduce(r_buf, dst=0)
+    except Exception as e:  # noqa: BLE001
+        err = str(e)
+    assert "cannot be captured" in err and "broadcast and all_to_all can" in err, err
+    torch.cuda.synchronize()
+    z = torch.full((n,), rank + 1.0, device=d)
+    dist.all_reduce(z)
+    same(z, torch.full_like(z, float(sum(r + 1 for r in range(world)))), "all_reduce after a refused capture")
+
+
+def host_pieces(rank, world):
+    """The host pipeline at its piece boundaries (MOELINK_HOST_PIECE_BYTES, every op in pieces
+    under MOELINK_HOST_PIPELINE_BYTES=0): sizes one below, at and one above 1 and 3 pieces, for
+    all_reduce (several dtypes and ops), reduce_scatter, all_gather and broadcast, eager and
+    async, and all-to-alls whose pairs end around piece boundaries (all_to_all_single with
+    uneven splits, the list form), against each rank's own computation."""
+    if "MOELINK_HOST_PIECE_BYTES" not in os.environ:
+        return  # the "pieces" path of test_cuda_collectives.py
+    piece = int(os.environ["MOELINK_HOST_PIECE_BYTES"])
+    d = dev(rank)
+    works = []
+    for dtype, op in [(torch.float32, "SUM"), (torch.bfloat16, "AVG"), (torch.int64, "MAX"), (torch.int32, "PRODUCT"),
+                      (torch.bool, "BOR"), (torch.complex64, "SUM")]:
+        e = torch.empty((), dtype=dtype).element_size()
+        per = piece // e
+        for k in (1, 3):
+            for n in (k * per - 1, k * per, k * per + 1):
+                xs = [value(r, n, dtype if dtype != torch.complex64 else torch.float32, d) for r in range(world)]
+                if dtype == torch.complex64:
+                    xs = [torch.complex(v, v * 2) for v in xs]
+                t = xs[rank].clone()
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                ref = sum(xs) if dtype == torch.complex64 else reduce_ref(xs, op, world)
+                same(t, ref.to(dtype), f"all_reduce {dtype} {op} n={n}")
+    for k in (1, 3):
+        # reduce_scatter: rows of piece / world bytes per rank and piece
+        per = piece // (4 * world) // 4 * 4
+        for n in (k * per - 1, k * per + 1):
+            ins = [value(r, world * n, torch.float32, d, salt=1) for r in range(world)]
+            out = torch.empty(n, device=d)
+            dist.reduce_scatter_tensor(out, ins[rank])
+            same(out, sum(ins).view(world, n)[rank], f"reduce_scatter n={n}")
+        per = piece // world // 16 * 16  # all_gather: bytes per rank and piece
+        for nb in (k * per - 1, k * per + 1):
+            ins = [value(r, nb, torch.uint8, d, salt=2) for r in range(world)]
+            out = torch.empty(world * nb, device=d, dtype=torch.uint8)
+            works.append((dist.all_gather_into_tensor(out, ins[rank], async_op=True), out, torch.cat(ins), f"all_gather {nb}"))
+        for nb in (k * piece - 1, k * piece + 1):
+            b = value(0, nb, torch.uint8, d, salt=3) if rank == 0 else torch.zeros(nb, device=d, dtype=torch.uint8)
+            dist.broadcast(b, src=0)
+            same(b, value(0, nb, torch.uint8, d, salt=3), f"broadcast {nb}")
+    # all_to_all (bytes per pair and piece: piece // world // 16 * 16): pairs one below, at and one
+    # above 1 and 3 pieces of uint8, and empty ones, a different length for each pair
+    per = piece // world // 16 * 16
+    lens = [0, per - 1, per, per + 1, 3 * per - 1, 3 * per + 1, 1]
+    for salt in range(3):
+        counts = [[lens[(q * 5 + r * 3 + salt) % len(lens)] for r in range(world)] for q in range(world)]
+        inp = (a2a_input(rank, counts, salt, d) % 251).to(torch.uint8)
+        out = torch.empty(sum(c[rank] for c in counts), device=d, dtype=torch.uint8)
+        w = dist.all_to_all_single(out, inp, output_split_sizes=[c[rank] for c in counts],
+                                   input_split_sizes=counts[rank], async_op=salt == 1)
+        works.append((w, out, (a2a_expected(rank, counts, salt, d) % 251).to(torch.uint8), f"all_to_all {salt}"))
+    # the list form, float32, pairs of 1 to 3 pieces
+    e_per = per // 4
+    ins = [value(rank, (rank + q) % 3 * e_per + 1, torch.float32, d, salt=q) for q in range(world)]
+    outs = [torch.empty((q + rank) % 3 * e_per + 1, device=d) for q in range(world)]
+    dist.all_to_all(outs, ins)
+    for q in range(world):
+        same(outs[q], value(q, (q + rank) % 3 * e_per + 1, torch.float32, d, salt=rank), f"all_to_all list from {q}")
+    for w, out, ref, what in works:
+        if w is not None:
+            w.wait()
+        same(out, ref, what)

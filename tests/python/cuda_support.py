@@ -1,0 +1,67 @@
+"""What the CUDA collective cases share: the devices, known inputs, reference reductions and the
+comparison (cases_cuda.py, cases_cuda_host.py)."""
+
+import torch
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.uint8, torch.bool]
+SIZES = [0, 1, 1000, 1 << 18, (1 << 24) + 3]
+REDUCE_OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+
+
+def dev(rank):
+    d = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(d)
+    return d
+
+
+def value(rank, n, dtype, device, salt=0):
+    """Rank `rank`'s input: small values, exact in every dtype."""
+    i = torch.arange(n, device=device, dtype=torch.int64)
+    v = (i * 7 + rank * 13 + salt) % 5 + 1  # 1..5
+    if dtype == torch.bool:
+        return ((i + rank + salt) % 3) == 0
+    if dtype == torch.uint8 or dtype == torch.int8:
+        return v.to(dtype)
+    return v.to(dtype)
+
+
+def reduce_ref(xs, op, world):
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        if op in ("SUM", "AVG"):
+            acc = (acc | x) if acc.dtype == torch.bool else acc + x
+        elif op == "PRODUCT":
+            acc = (acc & x) if acc.dtype == torch.bool else acc * x
+        elif op == "MIN":
+            acc = (acc & x) if acc.dtype == torch.bool else torch.minimum(acc, x)
+        elif op == "MAX":
+            acc = (acc | x) if acc.dtype == torch.bool else torch.maximum(acc, x)
+        elif op == "BAND":
+            acc = acc & x
+        elif op == "BOR":
+            acc = acc | x
+        elif op == "BXOR":
+            acc = acc ^ x
+    if op == "AVG":
+        acc = acc / world
+    return acc
+
+
+def valid(dtype, op):
+    floating = dtype.is_floating_point
+    if op in ("BAND", "BOR", "BXOR") and floating:
+        return False
+    if op == "AVG" and not floating:
+        return False
+    return True
+
+
+def same(a, b, what):
+    if a.dtype in (torch.float16, torch.bfloat16):
+        ok = torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    elif a.dtype.is_floating_point:
+        ok = torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        ok = torch.equal(a, b)
+    assert ok, f"{what}: got {a.flatten()[:8].tolist()}..., expected {b.flatten()[:8].tolist()}..."
