@@ -201,6 +201,7 @@ void CudaCollectives::exchange(Op& op, const Exchange& full, const void* in, voi
   describeLaunch(x, me_, tuning_, l);
   l.in = static_cast<const char*>(in);
   l.out = static_cast<char*>(out);
+  l.guard_input = exchangeOutputMeetsInput(x, me_, in, out);
   for (int j = 0; j < n; ++j) l.staging[j] = staging_->area(members_[j]);
   l.layout = staging_->layout();
   l.timeout_ns = static_cast<uint64_t>(op.timeout.count()) * 1000000ull;

@@ -185,6 +185,11 @@ int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t);
 // every pusher, so an op of one round gains nothing from them and would only pay that wait. A
 // rank-local choice: ranks pair their blocks by index whatever their roles.
 bool exchangeSplits(const Exchange& x, const ExchangeTuning& t);
+// Whether some range of the output that `x` writes at `out` (every received pair, or the
+// reduction's bytes) overlaps input that this rank pushes to a peer from `in` (an in-place
+// op whose pieces meet): then a rank that splits its blocks into roles must not consume a
+// round before its pushing blocks have read it. Addresses only; nothing is dereferenced.
+bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const void* out);
 // Bytes of round r of a pair that moves `bytes` (0 past the end).
 MOELINK_HOST_DEVICE inline uint64_t exchangeRoundLen(uint64_t bytes, uint64_t r, uint64_t round_bytes) {
   uint64_t start = r * round_bytes;

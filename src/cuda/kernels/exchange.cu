@@ -7,9 +7,12 @@
 // (source = this rank, block b) to the round's tag; it then waits for the flags of the
 // peers that send to it, consumes its piece (copy into place, or reduce in rank order with
 // this rank's own range) and acknowledges in the producer's memory. Before reusing a half
-// (round r >= 2) a producer waits for the consumer's acknowledgements of round r-2. A block
-// meets only its namesake blocks on other ranks, so blocks run their rounds independently
-// and NVLink pushes of one block overlap the local consumption of another.
+// (round r >= 2) a producer waits for the acknowledgements of round r-2 from the consumer
+// blocks that read where its piece goes (in full rounds: its namesake alone). A block meets
+// only its namesake blocks on other ranks, so blocks run their rounds independently and
+// NVLink pushes of one block overlap the local consumption of another; with separate roles
+// (exchangeSplits) the pushing and consuming blocks of one rank wait for each other only
+// where the op writes input it also pushes (ExchangeLaunch::guard_input).
 //
 // Across launches: a peer writes the next op's header only once its previous launch has
 // ended, which needed everything this rank sent it; so the header check also guarantees
@@ -204,12 +207,13 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
     uint64_t len = exchangeRoundLen(a.send_bytes[p], r, R), lo, hi;
     exchangePiece(len, b, G, &lo, &hi);
     if (lo >= hi) continue;
-    if (r >= 2) {  // the consumer has finished round r-2 in this half (a pair this long
-                   // has a piece on every launched block of both ranks)
+    if (r >= 2) {  // the consumer blocks that read round r-2 of this half where this piece
+                   // goes have finished (round r-2 was a full round, cut as R)
       uint64_t plo, phi;
       if (threadIdx.x < G) {
         exchangePiece(R, threadIdx.x, G, &plo, &phi);
-        if (plo < phi && !waitAtLeast(c, ackSlot(mine, L, half, p, threadIdx.x), tagOf(c.seq, r - 2), p))
+        if (plo < phi && plo < hi && lo < phi &&
+            !waitAtLeast(c, ackSlot(mine, L, half, p, threadIdx.x), tagOf(c.seq, r - 2), p))
           atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
       }
       if (blockFailed(c)) return false;
@@ -222,6 +226,33 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
     if (threadIdx.x == 0) device::stReleaseSys64(flagSlot(a.staging[p], L, half, me, b), tag);
   }
   return true;
+}
+
+// The source among `pending` (bits by rank) whose piece b of this round has arrived first, the
+// same for every thread of the block (a barrier); -1 when the launch failed or its deadline
+// passed while waiting (recorded).
+__device__ int nextArrival(const Ctx& c, int half, int b, uint64_t tag, unsigned pending) {
+  const ExchangeLaunch& a = *c.a;
+  __shared__ int next;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    char* mine = a.staging[a.rank];
+    int got = -1;
+    for (uint32_t spins = 0; got < 0;) {
+      for (int k = 1; k < a.size && got < 0; ++k) {
+        const int q = (a.rank + a.size - k) % a.size;
+        if ((pending >> q & 1) && device::ldAcquireSys64(flagSlot(mine, a.layout, half, q, b)) >= tag) got = q;
+      }
+      if (got < 0 && (++spins & 1023) == 0) {
+        int waited = 0;  // the first source still pending, for the message
+        while (!(pending >> waited & 1)) ++waited;
+        if (!keepWaiting(c, waited)) break;
+      }
+    }
+    next = got;
+  }
+  __syncthreads();
+  return next;
 }
 
 // The rounds of block b (round 0's pushes already done when `pushed_first`). False when the
@@ -250,9 +281,10 @@ __device__ bool runRounds(const Ctx& c, bool pushed_first) {
     const uint64_t tag = tagOf(c.seq, r);
     if (push && !(r == 0 && pushed_first) && !pushRound(c, r, b)) return false;
     if (a.roles == 2) {
-      // Pushing and consuming blocks part here: this block says when it has read round r of
-      // the input, and consuming blocks wait until every pushing block has (a consumer
-      // writes the output, which may be the input: an in-place all_reduce).
+      // Pushing and consuming blocks part here. Where this rank's output meets the input its
+      // pushing blocks read (ExchangeLaunch::guard_input), a pushing block says when it has
+      // read round r, and consuming blocks wait until every pushing block has.
+      if (push && !a.guard_input) continue;
       if (push) {
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -261,7 +293,7 @@ __device__ bool runRounds(const Ctx& c, bool pushed_first) {
         }
         continue;
       }
-      if (threadIdx.x < Gl && !waitAtLeast(c, flagSlot(mine, L, half, me, threadIdx.x), tag, me))
+      if (a.guard_input && threadIdx.x < Gl && !waitAtLeast(c, flagSlot(mine, L, half, me, threadIdx.x), tag, me))
         atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
       if (blockFailed(c)) return false;
     }
@@ -272,7 +304,9 @@ __device__ bool runRounds(const Ctx& c, bool pushed_first) {
       const char* s = a.in + a.send_off[me] + r * R;
       char* d = a.out + a.recv_off[me] + r * R;
       if (lo < hi && s != d) copyBytes(d + lo, s + lo, hi - lo);
-      // What the peers sent.
+      // What the peers sent: Lamport lines (round 0), then the staged pieces in the order
+      // they arrive.
+      unsigned pending = 0;  // bit q: a staged piece from q in this round
       for (int k = 1; k < n; ++k) {
         const int q = (me + n - k) % n;
         if (linePair(a, a.recv_bytes[q])) {
@@ -286,13 +320,18 @@ __device__ bool runRounds(const Ctx& c, bool pushed_first) {
         }
         uint64_t ql = exchangeRoundLen(a.recv_bytes[q], r, R), qlo, qhi;
         exchangePiece(ql, b, G, &qlo, &qhi);
-        if (qlo >= qhi) continue;
-        if (threadIdx.x == 0 && !waitAtLeast(c, flagSlot(mine, L, half, q, b), tag, q))
-          atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+        if (qlo < qhi) pending |= 1u << q;
+      }
+      while (pending) {
+        const int q = nextArrival(c, half, b, tag, pending);
+        if (q < 0) atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
         if (blockFailed(c)) return false;
+        uint64_t ql = exchangeRoundLen(a.recv_bytes[q], r, R), qlo, qhi;
+        exchangePiece(ql, b, G, &qlo, &qhi);
         copyBytes(a.out + a.recv_off[q] + r * R + qlo, dataSlot(mine, L, n, half, q) + qlo, qhi - qlo);
         __syncthreads();
         if (threadIdx.x == 0) device::stReleaseSys64(ackSlot(a.staging[q], L, half, me, b), tag);
+        pending &= ~(1u << q);
       }
     } else {
       uint64_t len = exchangeRoundLen(a.reduce_bytes, r, R), lo, hi;
@@ -385,6 +424,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   l.roles = exchangeSplits(x, t) ? 2 : 1;
   l.launched = exchangeBlocksWithWork(x, t);
   l.lamport = exchangeLamport(x, t);
+  l.guard_input = true;  // unknown until the pointers are (exchangeOutputMeetsInput)
   if (l.lamport) {
     l.roles = 1;
     l.launched = lamportBlocks(x);

@@ -433,6 +433,37 @@ TEST(ExchangePiece, LaunchedBlocksAndRolesFollowTheLongestPair) {
   EXPECT_FALSE(splits(64 << 20));
 }
 
+TEST(ExchangePiece, RolesWaitForEachOtherOnlyWhereTheOutputMeetsPushedInput) {
+  std::vector<char> buf(1 << 20), other(1 << 20);
+  const uint64_t count = buf.size() / 4;
+  // In place, but the ranges the consumers write are never pushed: the two-shot halves (a
+  // rank reduces its own block, then sends it), broadcast's halves.
+  for (int me = 0; me < 4; ++me) {
+    const auto blocks = allreduceBlocks(4, count, DType::kFloat32);
+    EXPECT_FALSE(exchangeOutputMeetsInput(exchangeAllreduceScatter(4, me, count, DType::kFloat32, ReduceOp::kSum), me,
+                                          buf.data(), buf.data() + blocks[me].first * 4));
+    EXPECT_FALSE(exchangeOutputMeetsInput(exchangeAllreduceGather(4, me, count, DType::kFloat32), me, buf.data(),
+                                          buf.data()));
+    EXPECT_FALSE(exchangeOutputMeetsInput(exchangeBroadcastGather(4, me, buf.size(), 1), me, buf.data(), buf.data()));
+  }
+  // A one-shot all_reduce in place writes all of what it pushes.
+  EXPECT_TRUE(exchangeOutputMeetsInput(exchangeAllreduceOneShot(4, 2, count, DType::kFloat32, ReduceOp::kSum), 2,
+                                       buf.data(), buf.data()));
+  // Out of place: never.
+  EXPECT_FALSE(exchangeOutputMeetsInput(exchangeAllreduceOneShot(4, 2, count, DType::kFloat32, ReduceOp::kSum), 2,
+                                        buf.data(), other.data()));
+  EXPECT_FALSE(exchangeOutputMeetsInput(exchangeAllgather(4, 1, 1000), 1, buf.data(), other.data()));
+  // An all-to-all whose output overlaps the input: only where a received range meets a sent
+  // one; the own pair copied onto itself writes nothing.
+  const uint64_t q = 1000;
+  Exchange a2a = exchangeAlltoall(2, 0, {0, q}, {q, q}, {0, q}, {q, q});
+  EXPECT_TRUE(exchangeOutputMeetsInput(a2a, 0, buf.data(), buf.data()));
+  EXPECT_FALSE(exchangeOutputMeetsInput(a2a, 0, buf.data(), buf.data() + 2 * q));
+  EXPECT_TRUE(exchangeOutputMeetsInput(a2a, 0, buf.data(), buf.data() + 2 * q - 1));
+  Exchange self_only = exchangeAlltoall(2, 0, {0, q}, {q, q}, {0, 2 * q}, {q, 0});
+  EXPECT_FALSE(exchangeOutputMeetsInput(self_only, 0, buf.data(), buf.data()));
+}
+
 TEST(ExchangeLayout, FitsTheRoundsAndAligns) {
   auto l = ExchangeLayout::make(4, 8 << 20);
   EXPECT_EQ(l.data % 4096, 0u);
