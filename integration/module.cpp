@@ -11,6 +11,7 @@
 #include "moelink/backend/work.h"
 #include "moelink/common/error.h"
 #include "moelink/common/settings.h"
+#include "moelink/cuda/exchange.h"
 #include "moelink/ep/ibgda/probe.h"
 #include "moelink/ep/routes.h"
 #ifdef MOELINK_WITH_CUDA
@@ -150,6 +151,34 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       py::arg("name"),
       "The value of a MOELINK_* setting as the library reads it (None: unset, a default that depends on the group); "
       "raises ValueError for a value that does not fit.");
+  m.def(
+      "cuda_tuning",
+      [](int world) {
+        if (world < 1 || world > moelink::cuda::kExchangeMaxRanks)
+          throw py::value_error("moelink.cuda_tuning: in-host CUDA groups hold 1.." +
+                                std::to_string(moelink::cuda::kExchangeMaxRanks) + " ranks, not " +
+                                std::to_string(world));
+        moelink::cuda::ExchangeTuning t;
+        try {
+          t = moelink::cuda::ExchangeTuning::fromEnv(world);
+        } catch (const moelink::Error& e) {
+          throw py::value_error(e.what());
+        }
+        const auto& d = moelink::cuda::exchangeDefaults(world);
+        py::dict out;
+        out["lamport_bytes"] = t.lamport_bytes;
+        out["one_shot_bytes"] = t.oneShot(world, UINT64_MAX) ? py::object(py::none()) : py::object(py::int_(t.one_shot_bytes));
+        out["blocks"] = t.blocks;
+        out["round_bytes"] = t.round_bytes;
+        out["split"] = t.split;
+        out["defaults_measured_on"] = *d.measured ? py::object(py::str(d.measured)) : py::object(py::none());
+        return out;
+      },
+      py::arg("world"),
+      "The in-host CUDA path's tuning for a group of `world` ranks on one host: the MOELINK_CUDA_* settings "
+      "as set, else the defaults of the group size's row (docs/PERF.md, \"Defaults by group size\"). "
+      "one_shot_bytes None: allreduce and broadcast are one exchange at every size; defaults_measured_on None: "
+      "no machine of this size has measured the row's defaults.");
   m.def(
       "settings_table",
       [] {

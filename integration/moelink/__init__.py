@@ -14,7 +14,7 @@ Elastic membership: see ``EpOptions``, ``get_active_ranks``, ``get_peer_state``,
 ``recover_ranks`` and ``failed_ranks`` (and the README's "Elastic membership").
 
 CUDA tensors: see the README's "CUDA tensors"; ``get_backend(group).cuda_path()`` says which
-route a group took.
+route a group took, ``cuda_tuning(world)`` how its in-host kernels are tuned.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.distributed as dist
 __all__ = [
     "Buffer", "EventOverlap", "EpOptions", "get_backend", "transport_of", "reads_directly", "ibgda_status", "BACKEND_NAME",
     "get_active_ranks", "get_peer_state", "recover_ranks", "failed_ranks", "get_num_synced_ranks",
-    "extend_group_size_to", "Config", "dispatch_with_grad", "combine_with_grad",
+    "extend_group_size_to", "Config", "dispatch_with_grad", "combine_with_grad", "cuda_tuning",
 ]
 
 BACKEND_NAME = "ep"
@@ -285,6 +285,17 @@ def ibgda_status() -> dict:
     take the CPU proxy and ``reason`` names what is missing first (no rdma-core, no RDMA device, no
     mlx5 device, or the plugin)."""
     return dict(_C.ibgda_status())
+
+
+def cuda_tuning(world: int) -> dict:
+    """How the in-host CUDA collectives of a group of ``world`` ranks are tuned: the
+    ``MOELINK_CUDA_*`` settings where set, else the defaults of the group size's row (docs/PERF.md,
+    "Defaults by group size"): ``{"lamport_bytes", "one_shot_bytes", "blocks", "round_bytes",
+    "split", "defaults_measured_on"}``. ``one_shot_bytes`` None: allreduce and broadcast are one
+    exchange at every size (groups of 2); ``defaults_measured_on`` None: no machine of this size has
+    measured the row (groups of 5-8 ranks so far). Raises ValueError for a setting that does not fit
+    or a size outside 1-8."""
+    return dict(_C.cuda_tuning(world))
 
 
 from .buffer import Buffer  # noqa: E402

@@ -68,25 +68,28 @@ const std::vector<Setting> kSettings = {
            "from this size (groups of 3 or more), allreduce is a pipelined ring instead of direct exchanges with "
            "every peer",
            "`4194304` in groups that use tcp (forced, or spanning hosts), else off"),
-    number("MOELINK_CUDA_BLOCKS", "collectives", 64, 1, 64,
+    number("MOELINK_CUDA_BLOCKS", "collectives", 0, 1, 64,
            "blocks of the in-host exchange kernel per role, 1..64, the same on every rank: the kernel runs up to this "
            "many pushing and this many consuming blocks (128 SMs at the default, in ops of more than one round; fewer "
-           "for smaller ops); fewer leave more SMs to overlapping compute at some bandwidth (docs/PERF.md)"),
+           "for smaller ops); fewer leave more SMs to overlapping compute at some bandwidth (docs/PERF.md)",
+           "per group size (`moelink.cuda_tuning(n)`): 64 at every size"),
     flag("MOELINK_CUDA_SPLIT", "collectives", true,
          "`0`: each block of the exchange kernel pushes and then consumes in turn in ops of several rounds too "
          "(`MOELINK_CUDA_BLOCKS` SMs in all, lower bandwidth); the same on every rank"),
-    number("MOELINK_CUDA_ROUND_BYTES", "collectives", 8 * kMiB, 64 * kKiB, 1ull << 32,
+    number("MOELINK_CUDA_ROUND_BYTES", "collectives", 0, 64 * kKiB, 1ull << 32,
            "staging bytes per (source, destination) pair and round (a multiple of 16); the staging area is 2 x "
-           "ranks x this"),
-    number("MOELINK_CUDA_ONESHOT_BYTES", "collectives", 1 * kMiB, 0, UINT64_MAX,
+           "ranks x this",
+           "per group size (`moelink.cuda_tuning(n)`): 8388608 at every size"),
+    number("MOELINK_CUDA_ONESHOT_BYTES", "collectives", 0, 0, UINT64_MAX,
            "groups of more than 2: up to this size allreduce and broadcast are one exchange, above it allreduce is "
-           "reduce-scatter + all-gather and broadcast the root's scatter + all-gather"),
+           "reduce-scatter + all-gather and broadcast the root's scatter + all-gather",
+           "per group size (`moelink.cuda_tuning(n)`): 1048576 (groups of 2: one exchange at every size)"),
     number("MOELINK_CUDA_LAMPORT_BYTES", "collectives", 0, 0, 256 * kKiB,
            "in-host CUDA ops whose every (source, destination) pair moves at most this many bytes (all-to-all "
            "excepted) send their data as 16-byte lines that carry the op's number (the Lamport protocol: one NVLink "
            "crossing, no flags or acknowledgements, twice the bytes); `0`: never; at most 262144; the same on "
            "every rank",
-           "per group size: 262144 up to 4 ranks, 65536 above"),
+           "per group size (`moelink.cuda_tuning(n)`): 262144 up to 4 ranks, 65536 above"),
     number("MOELINK_HOST_PIPELINE_BYTES", "collectives", 1 * kMiB, 0, UINT64_MAX,
            "CUDA collectives between hosts: all_reduce, reduce_scatter, all_gather and broadcast of at least this "
            "many bytes run in pieces through a pinned ring (GPU copies, the wire and GPU reductions overlap); "

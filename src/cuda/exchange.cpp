@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 
 #include "moelink/common/settings.h"
 #include "moelink/collective/message_check.h"
@@ -234,21 +235,32 @@ std::vector<std::pair<uint64_t, uint64_t>> droppedRanges(const Exchange& x, cons
   return out;
 }
 
-uint64_t lamportDefault(int n) {
-  // From the sweeps in docs/PERF.md (graph replay, 8-256 KiB, every op beside NCCL): at 2 and 4
-  // ranks the Lamport protocol is ahead of the staged one at every size it can carry. Larger
-  // groups push n - 1 lines per 8 bytes from each rank; no sweep has run there yet, so they take
-  // it for the smaller pairs only.
-  return n <= 4 ? kLamportMaxBytes : 64 << 10;
+const ExchangeDefaults& exchangeDefaults(int n) {
+  // docs/PERF.md, "Defaults by group size", has the sweeps behind the measured rows.
+  static const ExchangeDefaults kRows[] = {
+      // 2 ranks: the Lamport protocol is ahead of the staged one at every size it can carry;
+      // one exchange at every size (a reduce-scatter + all-gather moves the same bytes twice).
+      {2, kLamportMaxBytes, UINT64_MAX, 64, 8 << 20, "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
+      // 4 ranks: Lamport ahead at every size it carries; 64 blocks and 8 MiB rounds the best of
+      // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; two exchanges above 1 MiB.
+      {4, kLamportMaxBytes, 1 << 20, 64, 8 << 20, "4x H200 (nvidia-h100-x4)"},
+      // 5-8 ranks: no machine of this size has been lent. Each rank writes n - 1 lines per
+      // 8 bytes, so the Lamport protocol takes the smaller pairs only; the rest as at 4 ranks.
+      {kExchangeMaxRanks, 64 << 10, 1 << 20, 64, 8 << 20, ""},
+  };
+  MOELINK_CHECK(n >= 1 && n <= kExchangeMaxRanks, "exchange groups hold 1..", kExchangeMaxRanks, " ranks, not ", n);
+  for (const auto& row : kRows)
+    if (n <= row.up_to) return row;
+  return kRows[std::size(kRows) - 1];
 }
 
 ExchangeTuning ExchangeTuning::fromEnv(int n) {
+  const ExchangeDefaults& d = exchangeDefaults(n);
   ExchangeTuning t;
-  const auto lamport = settings::numberIfSet("MOELINK_CUDA_LAMPORT_BYTES");
-  t.lamport_bytes = lamport ? *lamport : lamportDefault(n);
-  t.round_bytes = settings::number("MOELINK_CUDA_ROUND_BYTES");
-  t.blocks = static_cast<int>(settings::number("MOELINK_CUDA_BLOCKS"));
-  t.one_shot_bytes = settings::number("MOELINK_CUDA_ONESHOT_BYTES");
+  t.lamport_bytes = settings::numberIfSet("MOELINK_CUDA_LAMPORT_BYTES").value_or(d.lamport_bytes);
+  t.round_bytes = settings::numberIfSet("MOELINK_CUDA_ROUND_BYTES").value_or(d.round_bytes);
+  t.blocks = static_cast<int>(settings::numberIfSet("MOELINK_CUDA_BLOCKS").value_or(static_cast<uint64_t>(d.blocks)));
+  t.one_shot_bytes = settings::numberIfSet("MOELINK_CUDA_ONESHOT_BYTES").value_or(d.one_shot_bytes);
   t.split = settings::flag("MOELINK_CUDA_SPLIT");
   MOELINK_CHECK(t.round_bytes % 16 == 0, "MOELINK_CUDA_ROUND_BYTES must be a multiple of 16, got ", t.round_bytes);
   static_assert(kExchangeMaxBlocks == 64, "MOELINK_CUDA_BLOCKS' range in settings.cpp is 1..kExchangeMaxBlocks");

@@ -7,6 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
+import moelink
+
 import cases_fsdp
 import cases_funcol
 from cases_cuda_host import host_graph_capture, host_pieces  # noqa: F401 (cases named in CASES)
@@ -140,7 +142,7 @@ def broadcast_two_step(rank, world):
     short enough for Lamport lines while the others are not (the rank that owns it meets the
     root on the Lamport kernel, the root on the staged one)."""
     d = dev(rank)
-    one_shot = int(os.environ.get("MOELINK_CUDA_ONESHOT_BYTES", 1 << 20))
+    one_shot = moelink.cuda_tuning(world)["one_shot_bytes"] or 1 << 20  # None (2 ranks): one exchange always
     cases = [(torch.float32, one_shot // 4 + k) for k in (-1, 0, 1)]
     cases += [(torch.uint8, one_shot + 20), (torch.float32, (4 << 20) // 4 + 3)]
     for dtype, n in cases:
@@ -324,10 +326,8 @@ def mismatch_fails_then_usable(world, d, n, what):
 
 
 def lamport_threshold(world):
-    """The largest pair the Lamport protocol carries in a group of `world` (moelink's table)."""
-    if "MOELINK_CUDA_LAMPORT_BYTES" in os.environ:
-        return int(os.environ["MOELINK_CUDA_LAMPORT_BYTES"])
-    return 262144 if world <= 4 else 65536
+    """The largest pair the Lamport protocol carries in a group of `world`."""
+    return moelink.cuda_tuning(world)["lamport_bytes"]
 
 
 def lamport_boundaries(rank, world):

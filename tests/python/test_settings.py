@@ -82,6 +82,32 @@ def test_values_and_defaults(monkeypatch):
     assert settings.value("MOELINK_TRANSPORT") == "tcp"
 
 
+def test_cuda_tuning_by_group_size(monkeypatch):
+    """The in-host CUDA path's tuning: the group size's row of defaults, a setting where set, a
+    clear error for a bad setting or size."""
+    import moelink
+
+    for name in ("MOELINK_CUDA_LAMPORT_BYTES", "MOELINK_CUDA_ONESHOT_BYTES", "MOELINK_CUDA_BLOCKS",
+                 "MOELINK_CUDA_ROUND_BYTES", "MOELINK_CUDA_SPLIT"):
+        monkeypatch.delenv(name, raising=False)
+        assert settings.value(name) in (None, True)  # unset: the group's row decides (split: a flag)
+    two, four, eight = (moelink.cuda_tuning(n) for n in (2, 4, 8))
+    assert two == {"lamport_bytes": 262144, "one_shot_bytes": None, "blocks": 64, "round_bytes": 8 << 20,
+                   "split": True, "defaults_measured_on": two["defaults_measured_on"]}
+    assert "H200" in two["defaults_measured_on"] and "H200" in four["defaults_measured_on"]
+    assert four["one_shot_bytes"] == 1 << 20 and four["lamport_bytes"] == 262144
+    assert eight["lamport_bytes"] == 65536 and eight["defaults_measured_on"] is None
+    monkeypatch.setenv("MOELINK_CUDA_LAMPORT_BYTES", "4096")
+    monkeypatch.setenv("MOELINK_CUDA_BLOCKS", "16")
+    assert moelink.cuda_tuning(8)["lamport_bytes"] == 4096 and moelink.cuda_tuning(8)["blocks"] == 16
+    monkeypatch.setenv("MOELINK_CUDA_ROUND_BYTES", "1000")
+    with pytest.raises(ValueError, match="MOELINK_CUDA_ROUND_BYTES must be"):
+        moelink.cuda_tuning(4)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="hold 1..8 ranks"):
+            moelink.cuda_tuning(bad)
+
+
 SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     import moelink  # noqa: F401

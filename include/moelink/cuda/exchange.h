@@ -114,6 +114,21 @@ Exchange restrictExchange(const Exchange& x, const std::vector<int>& members);
 // outside `members`: the caller zero-fills them (an inactive rank's slot is zeros, never stale).
 std::vector<std::pair<uint64_t, uint64_t>> droppedRanges(const Exchange& x, const std::vector<int>& members);
 
+// The in-host path's defaults by group size: one row per class of sizes, the settings that an
+// unset MOELINK_CUDA_* variable takes. docs/PERF.md ("Defaults by group size") has the sweeps
+// behind each measured row; a row that no machine of its size has measured says so, and its
+// values are the next measured row's, narrowed where more ranks write more lines.
+struct ExchangeDefaults {
+  int up_to = 0;                // groups of at most this many ranks
+  uint64_t lamport_bytes = 0;   // MOELINK_CUDA_LAMPORT_BYTES
+  uint64_t one_shot_bytes = 0;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2 take one exchange at every size)
+  int blocks = 0;               // MOELINK_CUDA_BLOCKS
+  uint64_t round_bytes = 0;     // MOELINK_CUDA_ROUND_BYTES
+  const char* measured = "";    // the machine whose sweeps chose the row; "" where none has
+};
+// The row for a group of `n` ranks (1..kExchangeMaxRanks).
+const ExchangeDefaults& exchangeDefaults(int n);
+
 // Tunables every rank must share (checked in the header).
 struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
@@ -127,16 +142,13 @@ struct ExchangeTuning {
   // in turn.
   bool split = true;
   // MOELINK_CUDA_LAMPORT_BYTES: exchanges whose pairs are all at most this long take the
-  // Lamport protocol (0: never). Unset: lamportDefault(group size).
+  // Lamport protocol (0: never).
   uint64_t lamport_bytes = 0;
-  // Reads MOELINK_CUDA_* over the defaults for a group of `n` ranks; throws moelink::Error on
-  // a bad value.
+  // Reads MOELINK_CUDA_* over exchangeDefaults(n) for a group of `n` ranks; throws
+  // moelink::Error on a bad value.
   static ExchangeTuning fromEnv(int n = 2);
   bool oneShot(int n, uint64_t bytes) const { return n <= 2 || bytes <= one_shot_bytes; }
 };
-// The Lamport threshold per group size where MOELINK_CUDA_LAMPORT_BYTES is unset (docs/PERF.md
-// has the sweeps it comes from).
-uint64_t lamportDefault(int n);
 // Whether `x` takes the Lamport protocol: every pair and the reduction within
 // t.lamport_bytes (and kLamportMaxBytes). Reductions of 16-byte elements (complex128) stay on
 // the staged protocol (a line carries 8 bytes).

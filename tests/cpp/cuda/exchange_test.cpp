@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -582,23 +583,52 @@ TEST(ExchangeTuning, ReadsAndChecksTheEnvironment) {
   setenv("MOELINK_CUDA_SPLIT", "0", 1);
   EXPECT_FALSE(ExchangeTuning::fromEnv().split);
   unsetenv("MOELINK_CUDA_SPLIT");
-  auto t = ExchangeTuning::fromEnv();
+  auto t = ExchangeTuning::fromEnv(4);
   EXPECT_TRUE(t.split);
   EXPECT_EQ(t.blocks, 8);
   EXPECT_EQ(t.round_bytes, 1048576u);
   EXPECT_TRUE(t.oneShot(2, 1ull << 30));
   EXPECT_FALSE(t.oneShot(4, 2ull << 20));
+  setenv("MOELINK_CUDA_ONESHOT_BYTES", "4194304", 1);
+  EXPECT_TRUE(ExchangeTuning::fromEnv(4).oneShot(4, 4ull << 20));
+  unsetenv("MOELINK_CUDA_ONESHOT_BYTES");
   unsetenv("MOELINK_CUDA_BLOCKS");
   unsetenv("MOELINK_CUDA_ROUND_BYTES");
   // the Lamport threshold: per group size unless set, at most what the area holds
-  EXPECT_EQ(ExchangeTuning::fromEnv(2).lamport_bytes, lamportDefault(2));
-  EXPECT_EQ(ExchangeTuning::fromEnv(8).lamport_bytes, lamportDefault(8));
+  EXPECT_EQ(ExchangeTuning::fromEnv(2).lamport_bytes, exchangeDefaults(2).lamport_bytes);
+  EXPECT_EQ(ExchangeTuning::fromEnv(8).lamport_bytes, exchangeDefaults(8).lamport_bytes);
   setenv("MOELINK_CUDA_LAMPORT_BYTES", "0", 1);
   EXPECT_EQ(ExchangeTuning::fromEnv(4).lamport_bytes, 0u);
   setenv("MOELINK_CUDA_LAMPORT_BYTES", "262145", 1);
   EXPECT_THROW(ExchangeTuning::fromEnv(4), moelink::Error);
   unsetenv("MOELINK_CUDA_LAMPORT_BYTES");
-  for (int n = 1; n <= kExchangeMaxRanks; ++n) EXPECT_LE(lamportDefault(n), kLamportMaxBytes);
+}
+
+TEST(ExchangeTuning, EveryGroupSizeHasARowOfDefaultsThatTheSettingsAllow) {
+  for (int n = 1; n <= kExchangeMaxRanks; ++n) {
+    const ExchangeDefaults& d = exchangeDefaults(n);
+    EXPECT_GE(d.up_to, n);
+    EXPECT_LE(d.lamport_bytes, kLamportMaxBytes);
+    EXPECT_GE(d.blocks, 1);
+    EXPECT_LE(d.blocks, kExchangeMaxBlocks);
+    EXPECT_EQ(d.round_bytes % 16, 0u);
+    EXPECT_GE(d.round_bytes, 64u << 10);
+    // Unset, the tuning is the row.
+    const ExchangeTuning t = ExchangeTuning::fromEnv(n);
+    EXPECT_EQ(t.lamport_bytes, d.lamport_bytes);
+    EXPECT_EQ(t.blocks, d.blocks);
+    EXPECT_EQ(t.round_bytes, d.round_bytes);
+    EXPECT_EQ(t.one_shot_bytes, d.one_shot_bytes);
+  }
+  // The rows measured so far, and the larger groups' row, which no machine has measured.
+  EXPECT_EQ(exchangeDefaults(2).lamport_bytes, 256u << 10);
+  EXPECT_EQ(exchangeDefaults(4).lamport_bytes, 256u << 10);
+  EXPECT_EQ(exchangeDefaults(4).one_shot_bytes, 1u << 20);
+  EXPECT_NE(std::string(exchangeDefaults(4).measured), "");
+  EXPECT_EQ(exchangeDefaults(5).lamport_bytes, 64u << 10);
+  EXPECT_EQ(std::string(exchangeDefaults(8).measured), "");
+  EXPECT_THROW(exchangeDefaults(0), moelink::Error);
+  EXPECT_THROW(exchangeDefaults(kExchangeMaxRanks + 1), moelink::Error);
 }
 
 }  // namespace
