@@ -35,8 +35,8 @@ elasticgpu    | 400 | elastic membership, the GPU cases
 exitgpu       | 300 | early exit with CUDA ops in flight keeps the script's status (test_exit_status.py)
 all           | 900 | every Python test
 quick         | 150 | the quickstart under torchrun, 4 ranks
-bench2        | 200 | EP low-latency benchmark, 2 GPUs
-bench4        | 200 | EP low-latency benchmark, 4 GPUs
+bench2        | 300 | EP low-latency benchmark, 2 GPUs, beside DeepEP v1 (when .devdeps/deepep is there)
+bench4        | 300 | EP low-latency benchmark, 4 GPUs, beside DeepEP v1 (when .devdeps/deepep is there)
 benchnotma    | 200 | EP low-latency benchmark, 4 GPUs, warp stores instead of TMA
 benchp        | 200 | EP low-latency benchmark, 4 GPUs as 2 virtual hosts (CPU proxy)
 benchi        | 200 | EP low-latency benchmark, 4 GPUs as 2 virtual hosts (emulated IBGDA)
@@ -109,20 +109,25 @@ stage_elasticgpu() { cd tests/python && $PYTEST test_elastic.py -k gpu; }
 stage_exitgpu() { cd tests/python && $PYTEST test_exit_status.py -k cuda; }
 stage_all() { cd tests/python && $PYTEST .; }
 stage_quick() { torchrun --nproc-per-node 4 examples/quickstart.py; }
+# DeepEP v1 beside moelink where .devdeps/deepep is there (../shared/tools/deepep-v1.sh): built once
+# per machine; DEEPEP is the benchmarks' flag for its rows ("" without it).
+with_deepep() {
+  DEEPEP=""
+  if [ -f .devdeps/deepep/build.sh ]; then
+    bash .devdeps/deepep/build.sh
+    export PYTHONPATH=$PWD/.devdeps/deepep:${PYTHONPATH:-}
+    DEEPEP=--deepep
+  fi
+}
 bench_ep() { python3 examples/bench/ep.py --iters "${ITERS:-200}" "$@"; }
-stage_bench2() { bench_ep --gpus 2 --out "$OUT/ep2.png"; }
-stage_bench4() { bench_ep --gpus 4 ${TRACE:+--trace} --out "$OUT/ep4.png"; }
+stage_bench2() { with_deepep; bench_ep --gpus 2 $DEEPEP --out "$OUT/ep2.png"; }
+stage_bench4() { with_deepep; bench_ep --gpus 4 $DEEPEP ${TRACE:+--trace} --out "$OUT/ep4.png"; }
 stage_benchnotma() { MOELINK_EP_TMA=0 bench_ep --gpus 4 --out "$OUT/ep4-warpstores.png"; }
 stage_benchp() { MOELINK_EP_RANKS_PER_HOST=2 bench_ep --gpus 4 --out "$OUT/ep4proxy.png"; }
 stage_benchi() { MOELINK_EP_RANKS_PER_HOST=2 MOELINK_EP_IBGDA=emulate bench_ep --gpus 4 --out "$OUT/ep4ibgda.png"; }
 stage_benchnormal() {
-  local deepep=""
-  if [ -f .devdeps/deepep/build.sh ]; then
-    bash .devdeps/deepep/build.sh
-    export PYTHONPATH=$PWD/.devdeps/deepep:$PYTHONPATH
-    deepep=--deepep
-  fi
-  python3 examples/bench/ep_normal.py --gpus "${GPUS:-2}" $deepep ${NBARGS:-} --out "$OUT/ep_normal.png"
+  with_deepep
+  python3 examples/bench/ep_normal.py --gpus "${GPUS:-2}" $DEEPEP ${NBARGS:-} --out "$OUT/ep_normal.png"
 }
 bench_cuda() { python3 examples/bench/collectives.py --device cuda --iters "${ITERS:-20}" "$@"; }
 stage_cudabench() { bench_cuda --gpus "${GPUS:-2}" --min-bytes 8192 --max-bytes $((1 << 30)) --out "$OUT/cuda${GPUS:-2}.png"; }

@@ -11,14 +11,19 @@ index_add. Every timing is CUDA events around one call, L2 flushed before it, me
 it: dispatch moves (hidden + hidden/128*4 + 16) bytes per selected (token, expert) pair,
 combine hidden*2 bytes per pair. Both figures are that count over the time, not the bytes on
 the links: moelink sends a token once per destination rank in dispatch, and one weighted sum
-per (token, rank) back in combine. --mooncake adds Mooncake's EP buffer (its PyPI wheel) on the
-same inputs, timed the same way.
+per (token, rank) back in combine. --mooncake adds Mooncake's EP buffer (its PyPI wheel) and
+--deepep DeepEP v1 (``import deep_ep``: bash .devdeps/deepep/build.sh, see scripts/gpu-run.sh) on
+the same inputs, timed the same way; with --deepep every round first checks that both libraries
+received as many tokens per expert and combine alike (each combining what it received, an
+identity expert). "back to back" is 50 dispatch + combine pairs issued eagerly with one sync at
+the end, per pair: the host's launch path against the GPU time of the pair.
 """
 
 import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -136,7 +141,76 @@ def mooncake_times(nccl, x, idx, w, tokens, world, flush, barrier, iters):
     return statistics.median(t_disp[10:]), statistics.median(t_comb[10:])
 
 
-def worker(rank, world, port, tokens_list, iters, trace, mooncake, q):
+def back_to_back(dispatch, combine, barrier, pairs=50):
+    """Microseconds per dispatch + combine pair, `pairs` of them issued eagerly with one sync at
+    the end."""
+    torch.cuda.synchronize()
+    barrier()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(pairs):
+        dispatch()
+        combine()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / pairs * 1e6
+
+
+def dequant_identity(recv_x):
+    """An identity expert over FP8 rows received as (data, per-128 scales): their BF16 values."""
+    data, scales = recv_x
+    nle, rows, hidden = data.shape
+    v = data.float().view(nle, rows, hidden // 128, 128) * scales.float().unsqueeze(-1)
+    return v.view(nle, rows, hidden).to(torch.bfloat16)
+
+
+def deepep_buffer(nccl, tokens, world):
+    """One DeepEP v1 low-latency buffer per process (NVSHMEM is set up once), sized for the
+    largest token count, as its tests/test_low_latency.py builds it."""
+    import deep_ep
+
+    size = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, HIDDEN, world, EXPERTS)
+    return deep_ep.Buffer(nccl, num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=EXPERTS // world,
+                          explicitly_destroy=True)
+
+
+def deepep_times(db, buf, x, idx, w, tokens, world, flush, barrier, iters):
+    """DeepEP v1's low-latency buffer `db` on the same inputs, after checking that it and
+    moelink's `buf` agree: tokens received per local expert, and the combine of an identity expert
+    over what each received. Returns the medians (us) of dispatch and combine GPU time, of one
+    pair end to end, and the back-to-back time per pair."""
+    db.clean_low_latency_buffer(tokens, HIDDEN, EXPERTS)
+    ours = buf.low_latency_dispatch(x, idx, tokens, EXPERTS, use_fp8=True)
+    theirs = db.low_latency_dispatch(x, idx, tokens, EXPERTS, use_fp8=True)
+    assert torch.equal(ours[1].int(), theirs[1].int()), "DeepEP and moelink received different tokens per expert"
+    out_ours = buf.low_latency_combine(dequant_identity(ours[0]), idx, w, ours[2])[0]
+    out_theirs = db.low_latency_combine(dequant_identity(theirs[0]), idx, w, theirs[2])[0]
+    err = float((out_ours.float() - out_theirs.float()).abs().max())
+    scale = float(out_theirs.float().abs().max())
+    assert err <= 2e-2 * max(scale, 1.0), f"DeepEP and moelink combine differently (max difference {err}, of {scale})"
+    y = torch.zeros(EXPERTS // world, world * tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    state = {}
+
+    def dispatch():
+        state["r"] = db.low_latency_dispatch(x, idx, tokens, EXPERTS, use_fp8=True)
+
+    def combine():
+        db.low_latency_combine(y, idx, w, state["r"][2])
+
+    for _ in range(3):
+        dispatch()
+        combine()
+    torch.cuda.synchronize()
+    t_disp, t_comb, t_call = [], [], []
+    for _ in range(iters + 10):
+        t_disp += timed(dispatch, flush, 1, 0, barrier)
+        t_comb += timed(combine, flush, 1, 0, barrier)
+        t_call += timed(lambda: (dispatch(), combine()), flush, 1, 0, barrier, gpu_only=False)
+    b2b = statistics.median(back_to_back(dispatch, combine, barrier) for _ in range(5))
+    torch.cuda.synchronize()
+    return (statistics.median(t_disp[10:]), statistics.median(t_comb[10:]), statistics.median(t_call[10:]), b2b)
+
+
+def worker(rank, world, port, tokens_list, iters, trace, mooncake, deepep, q):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     import moelink
@@ -149,6 +223,7 @@ def worker(rank, world, port, tokens_list, iters, trace, mooncake, q):
     def barrier():
         dist.all_reduce(token, group=nccl)
     rows = []
+    db = deepep_buffer(nccl, max(tokens_list), world) if deepep else None
     for tokens in tokens_list:
         buf = moelink.Buffer(None, tokens, HIDDEN, EXPERTS)
         g = torch.Generator(device="cuda").manual_seed(rank)
@@ -204,19 +279,23 @@ def worker(rank, world, port, tokens_list, iters, trace, mooncake, q):
         t_a2a = timed(lambda: a2a_pipeline(x, idx, w, world, nccl), flush, max(20, iters // 5), 5, barrier,
                       gpu_only=False)
         sel = int((idx >= 0).sum())
+        b2b = statistics.median(back_to_back(dispatch, combine, barrier) for _ in range(5))
         mc = mooncake_times(nccl, x, idx, w, tokens, world, flush, barrier, iters) if mooncake else (0.0, 0.0)
+        dp = deepep_times(db, buf, x, idx, w, tokens, world, flush, barrier, iters) if deepep else (0.0,) * 4
         meds = torch.tensor([statistics.median(t_disp), statistics.median(t_comb), statistics.median(t_a2a),
-                             statistics.median(t_call)] + [statistics.median(t) for t in t_hook] + list(mc),
-                            device="cuda")
+                             statistics.median(t_call), b2b] + [statistics.median(t) for t in t_hook] + list(mc)
+                            + list(dp), device="cuda")
         dist.all_reduce(meds, op=dist.ReduceOp.MAX, group=nccl)
         sel_t = torch.tensor([sel], device="cuda")
         dist.all_reduce(sel_t, group=nccl)
-        d, c, a, call, *hook = meds.tolist()
-        hook, mc = hook[:4], hook[4:]
-        rows.append((tokens, d, c, a, call, int(sel_t) / world, hook, mc))
+        d, c, a, call, b2b, *rest = meds.tolist()
+        hook, mc, dp = rest[:4], rest[4:6], rest[6:]
+        rows.append((tokens, d, c, a, call, int(sel_t) / world, hook, mc, b2b, dp))
         del buf
         torch.cuda.synchronize()
         dist.barrier()
+    if db is not None:
+        db.destroy()
     if rank == 0:
         q.put(rows)
     dist.destroy_process_group()
@@ -233,29 +312,41 @@ def main():
     ap.add_argument("--mooncake", action="store_true",
                     help="also Mooncake's EP buffer on the same inputs (its wheel: pip install "
                          "mooncake-transfer-engine-cuda13; its kernels compile at the first call)")
+    ap.add_argument("--deepep", action="store_true",
+                    help="also DeepEP v1's low-latency buffer on the same inputs (import deep_ep), after checking "
+                         "that both libraries agree")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     global EXPERTS
     EXPERTS = args.experts
     os.environ["MOELINK_BENCH_EXPERTS"] = str(args.experts)
-    rows = run_ranks(worker, args.gpus, (tokens, args.iters, args.trace, args.mooncake), timeout=1800)
+    rows = run_ranks(worker, args.gpus, (tokens, args.iters, args.trace, args.mooncake, args.deepep), timeout=1800)
     fp8_bytes, bf16_bytes = HIDDEN + HIDDEN // 128 * 4 + 16, HIDDEN * 2
     print(f"# EP{args.gpus}, hidden {HIDDEN}, top-{TOPK} of {EXPERTS} experts, FP8 dispatch / BF16 combine, "
           f"median of {args.iters} (slowest rank), {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'tokens':>7}{'dispatch us':>13}{'GB/s':>8}{'combine us':>12}{'GB/s':>8}{'d+c call us':>13}"
           f"{'a2a d+c us':>12}{'speed-up':>10}")
-    for tok, d, c, a, call, sel, _, _ in rows:
+    for tok, d, c, a, call, sel, *_ in rows:
         print(f"{tok:>7}{d:13.1f}{sel * fp8_bytes / d / 1e3:8.1f}{c:12.1f}{sel * bf16_bytes / c / 1e3:8.1f}"
               f"{call:13.1f}{a:12.1f}{a / call:9.1f}x")
     print("dispatch/combine: GPU time of each call; d+c call: one dispatch + combine end to end (host launch "
           "overhead included), which the speed-up compares with the all_to_all pipeline (end to end)")
+    print(f"{'tokens':>7}{'back to back us/pair':>22}{'GPU d+c us':>12}{'ratio':>8}")
+    for tok, d, c, *_, b2b, _ in rows:
+        print(f"{tok:>7}{b2b:22.1f}{d + c:12.1f}{b2b / (d + c):8.2f}")
+    if args.deepep:
+        print(f"{'tokens':>7}{'DeepEP dispatch us':>20}{'combine us':>12}{'d+c call':>10}{'back to back':>14}"
+              f"{'moelink speed-up: dispatch':>28}{'combine':>9}{'back to back':>14}   (same inputs; results agree)")
+        for tok, d, c, a, call, sel, hook, mc, b2b, dp in rows:
+            print(f"{tok:>7}{dp[0]:20.1f}{dp[1]:12.1f}{dp[2]:10.1f}{dp[3]:14.1f}{dp[0] / d:27.2f}x{dp[1] / c:8.2f}x"
+                  f"{dp[3] / b2b:13.2f}x")
     print(f"{'tokens':>7}{'hook: dispatch send':>21}{'recv':>7}{'combine send':>14}{'recv':>7}   (us)")
-    for tok, *_, hook, _ in rows:
+    for tok, d, c, a, call, sel, hook, *_ in rows:
         print(f"{tok:>7}{hook[0]:21.1f}{hook[1]:7.1f}{hook[2]:14.1f}{hook[3]:7.1f}")
     if args.mooncake:
         print(f"{'tokens':>7}{'Mooncake dispatch us':>22}{'combine us':>12}{'moelink dispatch':>18}{'combine':>9}"
               "   (GPU time of each call, same inputs)")
-        for tok, d, c, *_, mc in rows:
+        for tok, d, c, a, call, sel, hook, mc, *_ in rows:
             print(f"{tok:>7}{mc[0]:22.1f}{mc[1]:12.1f}{mc[0] / d:17.2f}x{mc[1] / c:8.2f}x")
     def draw(plt):
         fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -265,6 +356,9 @@ def main():
         if args.mooncake:
             bars += [("Mooncake dispatch (FP8)", [r[7][0] for r in rows]),
                      ("Mooncake combine (BF16)", [r[7][1] for r in rows])]
+        if args.deepep:
+            bars += [("DeepEP v1 dispatch (FP8)", [r[9][0] for r in rows]),
+                     ("DeepEP v1 combine (BF16)", [r[9][1] for r in rows])]
         bars.append(("all_to_all_single d+c (NCCL, end to end)", [r[3] for r in rows]))
         width = 0.8 / len(bars)
         for j, (label, values) in enumerate(bars):
