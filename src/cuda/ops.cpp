@@ -180,6 +180,9 @@ Work CudaCollectives::alltoall(at::Tensor& output, at::Tensor& input, const Pair
   Kind k{"all_to_all_single", OpType::ALLTOALL_BASE, "ep:all_to_all", true};
   return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
+    // In place with pairs laid out differently in the output: rows that arrive would land on
+    // input still to be sent, so it is sent from a copy.
+    if (overlapping(in, out) && (l.send_off != l.recv_off || l.send_bytes != l.recv_bytes)) in = in.clone();
     flat(op, exchangeAlltoall(size_, rank_, l.send_off, l.send_bytes, l.recv_off, l.recv_bytes), in, out,
          [=](const algo::AlgoContext& c, char* i, char* o) {
            return algo::alltoallOp(c, i, l.send_off, l.send_bytes, o, l.recv_off, l.recv_bytes);

@@ -47,6 +47,12 @@ constexpr size_t kSlots = 1024;  // ops in flight per group (status and ticket r
 
 inline char* ptr(const at::Tensor& t) { return t.defined() ? static_cast<char*>(t.data_ptr()) : nullptr; }
 
+// Whether the bytes of `a` and `b` overlap (an op called in place).
+inline bool overlapping(const at::Tensor& a, const at::Tensor& b) {
+  const char *a0 = ptr(a), *b0 = ptr(b);
+  return a0 && b0 && a0 < b0 + nbytes(b) && b0 < a0 + nbytes(a);
+}
+
 inline at::Tensor pinnedLike(const at::Tensor& t) {
   return at::empty(t.sizes(), at::TensorOptions().dtype(t.dtype()).pinned_memory(true));
 }

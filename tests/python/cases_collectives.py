@@ -247,6 +247,15 @@ def all_to_all_in_place(rank, world):
         x = torch.cat([torch.full((sizes[d],), float(rank * 10 + d)) for d in range(world)])
         dist.all_to_all_single(x, x, recv, sizes)
         assert torch.equal(x, torch.cat([torch.full((recv[s],), float(s * 10 + rank)) for s in range(world)]))
+    # Pairs laid out differently in the output than in the input (from 3 ranks): rank r sends
+    # ((d - r) % world + 1) units to d, so rows that arrive land where rows still to be sent lie.
+    for unit in (7, 200003):
+        sizes = [((d - rank) % world + 1) * unit for d in range(world)]
+        recv = [((rank - s) % world + 1) * unit for s in range(world)]
+        x = torch.cat([torch.arange(sizes[d], dtype=torch.float64) + 1e7 * (rank * world + d) for d in range(world)])
+        dist.all_to_all_single(x, x, recv, sizes)
+        ref = torch.cat([torch.arange(recv[s], dtype=torch.float64) + 1e7 * (s * world + rank) for s in range(world)])
+        assert torch.equal(x, ref), unit
 
 
 def send_recv_and_any_source(rank, world):

@@ -107,6 +107,24 @@ def uneven_all_to_all(rank, world):
         same(outs[q], torch.full((2, 4), float(q * 10 + rank), device=d), "all_to_all list")
 
 
+def in_place_all_to_all(rank, world):
+    """all_to_all_single with the output as its input, at sizes within one round and across
+    rounds. Rank r sends f((q - r) % world) rows to rank q (f(k) = k + 1), so that a rank's pairs
+    are laid out differently in the output than in the input from 3 ranks on (rows that arrive
+    land where rows still to be sent lie), alike at 2."""
+    d = dev(rank)
+    for rows_per_unit, width in ((1, 3), (700, 1024)):
+        send = [((q - rank) % world + 1) * rows_per_unit for q in range(world)]
+        recv = [((rank - q) % world + 1) * rows_per_unit for q in range(world)]
+        assert sum(send) == sum(recv)
+        x = torch.cat([torch.arange(send[q] * width, dtype=torch.float32, device=d).view(send[q], width)
+                       + 1e6 * (rank * world + q) for q in range(world)])
+        dist.all_to_all_single(x, x, output_split_sizes=recv, input_split_sizes=send)
+        ref = torch.cat([torch.arange(recv[q] * width, dtype=torch.float32, device=d).view(recv[q], width)
+                         + 1e6 * (q * world + rank) for q in range(world)])
+        same(x, ref, f"in-place all_to_all_single, {rows_per_unit} row(s) per unit")
+
+
 def all_to_all_mixed_protocols(rank, world):
     """An all-to-all whose pairs are long for some ranks and short for others: a rank with a long
     pair runs the staged kernel and sends its short pairs as Lamport lines, a rank whose pairs
@@ -627,7 +645,7 @@ def fsdp2_matches_local(rank, world):
 
 
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
-         "uneven_all_to_all", "all_to_all_mixed_protocols", "broadcast_two_step", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
+         "uneven_all_to_all", "in_place_all_to_all", "all_to_all_mixed_protocols", "broadcast_two_step", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
          "round_size_disagreement", "lamport_boundaries", "lamport_disagreement", "graph_capture", "host_pieces", "point_to_point", "against_nccl", "bad_input",
          "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "sparse_all_reduce",
          "functional_and_dtensor", "fsdp2_matches_local"]
