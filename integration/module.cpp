@@ -180,6 +180,34 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       "one_shot_bytes None: allreduce and broadcast are one exchange at every size; defaults_measured_on None: "
       "no machine of this size has measured the row's defaults.");
   m.def(
+      "cuda_sms",
+      [](const std::string& op, int world, uint64_t nbytes) {
+        using moelink::collective::OpKind;
+        static const std::pair<const char*, OpKind> kOps[] = {
+            {"all_reduce", OpKind::kAllreduce}, {"all_gather", OpKind::kAllgather},
+            {"reduce_scatter", OpKind::kReduceScatter}, {"all_to_all", OpKind::kAlltoall},
+            {"broadcast", OpKind::kBroadcast}};
+        const OpKind* kind = nullptr;
+        for (const auto& [name, k] : kOps)
+          if (op == name) kind = &k;
+        if (!kind)
+          throw py::value_error("moelink.cuda_sms: op must be all_reduce, all_gather, reduce_scatter, all_to_all or "
+                                "broadcast, not '" + op + "'");
+        if (world < 1 || world > moelink::cuda::kExchangeMaxRanks)
+          throw py::value_error("moelink.cuda_sms: in-host CUDA groups hold 1.." +
+                                std::to_string(moelink::cuda::kExchangeMaxRanks) + " ranks, not " +
+                                std::to_string(world));
+        try {
+          return moelink::cuda::collectiveSms(*kind, world, nbytes, moelink::cuda::ExchangeTuning::fromEnv(world));
+        } catch (const moelink::Error& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      py::arg("op"), py::arg("world"), py::arg("nbytes"),
+      "The most SMs a rank's kernel holds for one collective on the in-host CUDA path (group of `world`, tuning as "
+      "cuda_tuning(world)); `nbytes`: the op's largest tensor (all_gather's output, reduce_scatter's and "
+      "all_to_all's input, the buffer of all_reduce and broadcast), float32 reductions, even all_to_all pairs.");
+  m.def(
       "settings_table",
       [] {
         using moelink::settings::Kind;

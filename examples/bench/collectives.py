@@ -211,7 +211,7 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
     rph = int(os.environ.get("MOELINK_RANKS_PER_HOST", "0") or 0)
     if rph:
         os.environ["MOELINK_HOST_ID"] = f"{socket.gethostname()}-vhost{rank // rph}"
-    import moelink  # noqa: F401
+    import moelink
 
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())  # more ranks than GPUs: they share
@@ -235,8 +235,9 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
     if issue and sizes:
         groups = [ep, anchor] if with_gloo else [ep]
         layers = layer_times(sizes[0], groups, iters, device, ep)
+    path = moelink.get_backend(ep).cuda_path() if device == "cuda" else ""
     if rank == 0:
-        q.put((rows, layers))
+        q.put((rows, layers, path))
     dist.destroy_process_group()
 
 
@@ -274,7 +275,7 @@ def main():
         anchor = "nccl-socket" if args.nccl_socket else "nccl"
     if (args.issue or args.graph) and args.device != "cuda":
         ap.error("--issue and --graph need --device cuda")
-    rows, layers = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device, args.issue,
+    rows, layers, cuda_path = run_ranks(worker, n, (sizes, args.iters, args.transport, ops, not args.no_gloo, args.device, args.issue,
                                  args.graph, args.nccl_socket), timeout=3600)
     path = os.environ.get("MOELINK_RANKS_PER_HOST")
     print(f"# {n} ranks, {args.device} tensors, ep transport={args.transport}"
@@ -282,11 +283,18 @@ def main():
           f"{', MOELINK_TCP_STREAMS=' + os.environ['MOELINK_TCP_STREAMS'] if os.environ.get('MOELINK_TCP_STREAMS') else ''}"
           f", median of {args.iters} (max over ranks), "
           f"torch {torch.__version__}")
+    # The SMs the in-host kernels hold (route nvlink): from moelink's own plan of each op.
+    sms = None
+    if cuda_path == "nvlink":
+        import moelink
+
+        sms = lambda op, nb: f"{moelink.cuda_sms(op, n, nb):>8}"
     print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep GB/s':>10}{anchor + ' GB/s':>11}"
-          f"{'ep/' + anchor:>9}")
+          f"{'ep/' + anchor:>9}" + (f"{'ep SMs':>8}" if sms else ""))
     for op, nb, te, tg, *_ in rows:
         bw = lambda t: BUS[op](n) * nb / t / 1e9
-        print(f"{op:<15}{fmt_bytes(nb):>10}{te * 1e6:12.1f}{tg * 1e6:12.1f}{bw(te):10.2f}{bw(tg):11.2f}{te / tg:9.2f}")
+        print(f"{op:<15}{fmt_bytes(nb):>10}{te * 1e6:12.1f}{tg * 1e6:12.1f}{bw(te):10.2f}{bw(tg):11.2f}{te / tg:9.2f}"
+              + (sms(op, nb) if sms else ""))
     if args.cpu:
         print(f"# CPU time per op (us): user + system of every thread of every rank, summed over ranks, median of {args.iters}")
         print(f"{'op':<15}{'size':>10}{'ep us':>12}{anchor + ' us':>12}{'ep/' + anchor:>9}")

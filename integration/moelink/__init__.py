@@ -28,6 +28,7 @@ __all__ = [
     "Buffer", "EventOverlap", "EpOptions", "get_backend", "transport_of", "reads_directly", "ibgda_status", "BACKEND_NAME",
     "get_active_ranks", "get_peer_state", "recover_ranks", "failed_ranks", "get_num_synced_ranks",
     "extend_group_size_to", "Config", "dispatch_with_grad", "combine_with_grad", "cuda_tuning",
+    "cuda_sms",
 ]
 
 BACKEND_NAME = "ep"
@@ -296,6 +297,16 @@ def cuda_tuning(world: int) -> dict:
     measured the row (groups of 5-8 ranks so far). Raises ValueError for a setting that does not fit
     or a size outside 1-8."""
     return dict(_C.cuda_tuning(world))
+
+
+def cuda_sms(op: str, world: int, nbytes: int) -> int:
+    """The most SMs one rank's kernel holds for a collective on the in-host CUDA path (route
+    ``nvlink``) in a group of ``world`` ranks tuned as ``cuda_tuning(world)``: ``op`` one of
+    all_reduce, all_gather, reduce_scatter, all_to_all and broadcast, ``nbytes`` its largest tensor
+    (all_gather's output, reduce_scatter's and all_to_all's input, the buffer of all_reduce and
+    broadcast), reductions of float32 and even all_to_all pairs. The kernel holds them for the
+    op's duration; NCCL's equivalent is its channel count."""
+    return int(_C.cuda_sms(op, world, nbytes))
 
 
 from .buffer import Buffer  # noqa: E402

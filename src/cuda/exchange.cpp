@@ -307,6 +307,49 @@ int lamportBlocks(const Exchange& x) {
   return static_cast<int>(std::max<uint64_t>(1, (lines + 1023) / 1024));
 }
 
+int exchangeSms(const Exchange& x, const ExchangeTuning& t) {
+  if (exchangeLamport(x, t)) return lamportBlocks(x) + 1;
+  return exchangeBlocksWithWork(x, t) * (exchangeSplits(x, t) ? 2 : 1);
+}
+
+int collectiveSms(OpKind kind, int n, uint64_t bytes, const ExchangeTuning& t) {
+  const DType f32 = DType::kFloat32;
+  const uint64_t count = bytes / 4, block = bytes / static_cast<uint64_t>(n);
+  int most = 0;
+  for (int me = 0; me < n; ++me) {
+    std::vector<Exchange> xs;
+    switch (kind) {
+      case OpKind::kAllreduce:
+        if (t.oneShot(n, bytes)) {
+          xs.push_back(exchangeAllreduceOneShot(n, me, count, f32, ReduceOp::kSum));
+        } else {
+          xs.push_back(exchangeAllreduceScatter(n, me, count, f32, ReduceOp::kSum));
+          xs.push_back(exchangeAllreduceGather(n, me, count, f32));
+        }
+        break;
+      case OpKind::kBroadcast:
+        if (t.oneShot(n, bytes)) {
+          xs.push_back(exchangeBroadcast(n, me, bytes, 0));
+        } else {
+          xs.push_back(exchangeBroadcastScatter(n, me, bytes, 0));
+          xs.push_back(exchangeBroadcastGather(n, me, bytes, 0));
+        }
+        break;
+      case OpKind::kAllgather: xs.push_back(exchangeAllgather(n, me, block)); break;
+      case OpKind::kReduceScatter: xs.push_back(exchangeReduceScatter(n, me, block / 4, f32, ReduceOp::kSum)); break;
+      case OpKind::kAlltoall: {
+        std::vector<uint64_t> off(n), len(n, block);
+        for (int q = 0; q < n; ++q) off[q] = static_cast<uint64_t>(q) * block;
+        xs.push_back(exchangeAlltoall(n, me, off, len, off, len));
+        break;
+      }
+      default: MOELINK_CHECK(false, "collectiveSms: not a collective of the in-host path");
+    }
+    for (const auto& x : xs) most = std::max(most, exchangeSms(x, t));
+  }
+  return most;
+}
+
 bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const void* out) {
   const auto at = [](const void* base, uint64_t off) { return reinterpret_cast<uintptr_t>(base) + off; };
   std::vector<std::pair<uintptr_t, uintptr_t>> written;

@@ -164,6 +164,16 @@ bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
 uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t);
 // Blocks of a Lamport launch (512 threads, two lines of the longest pair per thread).
 int lamportBlocks(const Exchange& x);
+// The SMs (one block each) that this rank's launch of `x` holds while it runs: the Lamport
+// kernel's blocks and its header block, or the staged kernel's blocks with work, twice that
+// when it splits them into roles.
+int exchangeSms(const Exchange& x, const ExchangeTuning& t);
+// The most SMs any rank's launch holds for one collective on the in-host path (the larger of
+// its two exchanges where it takes two), for a group of `n`: `kind` one of all_reduce,
+// all_gather, reduce_scatter, all_to_all (even pairs) and broadcast (from rank 0), `bytes` its
+// largest tensor (all_gather's output, reduce_scatter's and all_to_all's input, the buffer of
+// the others), reductions of float32.
+int collectiveSms(OpKind kind, int n, uint64_t bytes, const ExchangeTuning& t);
 
 // Where things live in a rank's staging area (the same on every rank of the group).
 struct ExchangeLayout {

@@ -465,6 +465,28 @@ TEST(ExchangePiece, RolesWaitForEachOtherOnlyWhereTheOutputMeetsPushedInput) {
   EXPECT_FALSE(exchangeOutputMeetsInput(self_only, 0, buf.data(), buf.data()));
 }
 
+TEST(ExchangePiece, SmsACollectiveHolds) {
+  const ExchangeTuning t = ExchangeTuning::fromEnv(4);  // 64 blocks, 8 MiB rounds, Lamport to 256 KiB
+  // Lamport: one block per 8 KiB of the longest pair (two lines per thread), plus the header block.
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 8 << 10, t), 2);
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 256 << 10, t), 33);
+  EXPECT_EQ(collectiveSms(OpKind::kAllgather, 4, 256 << 10, t), 9);  // pairs of 64 KiB
+  // Staged, one round: a block per 16 KiB piece of the longest pair (2 MiB all_reduce: two
+  // exchanges of 512 KiB pairs).
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 2 << 20, t), 32);
+  EXPECT_EQ(collectiveSms(OpKind::kAlltoall, 4, 4 << 20, t), 64);
+  // More than one round: pushing and consuming blocks.
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 1ull << 30, t), 128);
+  EXPECT_EQ(collectiveSms(OpKind::kBroadcast, 4, 1ull << 30, t), 128);
+  // 2 ranks: one exchange at every size.
+  const ExchangeTuning t2 = ExchangeTuning::fromEnv(2);
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 2, 2 << 20, t2), 64);
+  // What one launch holds, as the launch describes it.
+  const Exchange x = exchangeAllgather(4, 1, 40 << 20);
+  EXPECT_EQ(exchangeSms(x, t), exchangeBlocksWithWork(x, t) * 2);
+  EXPECT_THROW(collectiveSms(OpKind::kSend, 4, 1 << 20, t), moelink::Error);
+}
+
 TEST(ExchangeLayout, FitsTheRoundsAndAligns) {
   auto l = ExchangeLayout::make(4, 8 << 20);
   EXPECT_EQ(l.data % 4096, 0u);
