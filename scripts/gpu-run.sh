@@ -41,6 +41,7 @@ benchnotma    | 200 | EP low-latency benchmark, 4 GPUs, warp stores instead of T
 benchp        | 200 | EP low-latency benchmark, 4 GPUs as 2 virtual hosts (CPU proxy)
 benchi        | 200 | EP low-latency benchmark, 4 GPUs as 2 virtual hosts (emulated IBGDA)
 benchnormal   | 400 | EP normal-mode benchmark beside DeepEP v1 (when .devdeps/deepep is there)
+benchtwohop   | 400 | EP normal-mode benchmark, 4 GPUs as 2 virtual hosts of 2 (two-hop route, tcp between them) beside the all_to_all_single pipeline over NCCL-socket
 cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
 cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
 cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
@@ -128,6 +129,9 @@ stage_benchi() { MOELINK_EP_RANKS_PER_HOST=2 MOELINK_EP_IBGDA=emulate bench_ep -
 stage_benchnormal() {
   with_deepep
   python3 examples/bench/ep_normal.py --gpus "${GPUS:-2}" $DEEPEP ${NBARGS:-} --out "$OUT/ep_normal.png"
+}
+stage_benchtwohop() {
+  python3 examples/bench/ep_normal.py --gpus 4 --ranks-per-host 2 ${NBARGS:-} --out "$OUT/ep_normal_twohop.png"
 }
 bench_cuda() { python3 examples/bench/collectives.py --device cuda --iters "${ITERS:-20}" "$@"; }
 stage_cudabench() { bench_cuda --gpus "${GPUS:-2}" --min-bytes 8192 --max-bytes $((1 << 30)) --out "$OUT/cuda${GPUS:-2}.png"; }

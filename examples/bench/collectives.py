@@ -39,7 +39,6 @@ than there are ranks, a CPU op's time is bounded by this sum over the cores.
 import argparse
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "integration"))
 sys.path.insert(0, HERE)
-from common import fmt_bytes, run_ranks, save_plot  # noqa: E402
+from common import NCCL_SOCKET, fmt_bytes, run_ranks, save_plot, virtual_host  # noqa: E402
 
 OPS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 BUS = {
@@ -199,10 +198,6 @@ def graph_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
     return [statistics.median(t) for t in times]
 
 
-NCCL_SOCKET = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
-               "NCCL_SOCKET_IFNAME": "lo", "NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
-
-
 def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, issue, graph, nccl_socket, q):
     os.environ["MOELINK_TRANSPORT"] = transport
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -210,7 +205,7 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
         os.environ.update(NCCL_SOCKET)
     rph = int(os.environ.get("MOELINK_RANKS_PER_HOST", "0") or 0)
     if rph:
-        os.environ["MOELINK_HOST_ID"] = f"{socket.gethostname()}-vhost{rank // rph}"
+        virtual_host(rank, rph)
     import moelink
 
     if device == "cuda":

@@ -10,6 +10,18 @@ import time
 import torch.multiprocessing as mp
 
 
+# NCCL on its socket transport over loopback, tuned as its users tune it (4 threads x 4 sockets):
+# the anchor across (virtual) hosts.
+NCCL_SOCKET = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
+               "NCCL_SOCKET_IFNAME": "lo", "NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}
+
+
+def virtual_host(rank, ranks_per_host):
+    """Makes this process's rank part of virtual host rank // ranks_per_host: its own
+    MOELINK_HOST_ID, so that moelink talks tcp between such hosts as between real ones."""
+    os.environ["MOELINK_HOST_ID"] = f"{socket.gethostname()}-vhost{rank // ranks_per_host}"
+
+
 def run_built(build, name, args):
     """Runs the project's benchmark executable `name` from the build directory with `args` and
     returns its output lines; a missing executable or a failed run ends the script, saying why."""

@@ -21,6 +21,14 @@ chunk sweep) and prints how many SMs each op needs to reach 90% of its best band
 
 ``--deepep`` runs DeepEP v1 (``import deep_ep``) in the same processes; without it, or
 where it is not importable, its rows are skipped.
+
+``--ranks-per-host L`` makes hosts of L ranks (virtual hosts: ``MOELINK_EP_RANKS_PER_HOST`` and
+``MOELINK_RANKS_PER_HOST`` L, a ``MOELINK_HOST_ID`` per host), so that moelink takes its two-hop
+route (the host hop over tcp, the local hop over NVLink) and the all_to_all_single pipeline
+runs over NCCL's socket transport (4 x 4 sockets), as between real hosts; DeepEP v1's
+internode mode needs RDMA, so its rows are skipped there. The two-hop combine rounds the local
+sums to bf16 once (as DeepEP's internode combine does), so its check against the pipeline
+allows bf16 rounding.
 """
 
 import argparse
@@ -35,7 +43,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "integration"))
 sys.path.insert(0, HERE)
-from common import run_ranks, save_plot  # noqa: E402
+from common import NCCL_SOCKET, run_ranks, save_plot, virtual_host  # noqa: E402
 
 
 def bench(fn, flush, iters=50, warmup=20):
@@ -66,6 +74,10 @@ def per_token_fp8(x):
 
 def worker(rank, world, port, args, q):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    L = args.ranks_per_host
+    if L:
+        os.environ.update(NCCL_SOCKET, MOELINK_EP_RANKS_PER_HOST=str(L), MOELINK_RANKS_PER_HOST=str(L))
+        virtual_host(rank, L)
     torch.cuda.set_device(rank)
     import moelink
 
@@ -126,7 +138,8 @@ def worker(rank, world, port, args, q):
     layout_t = bench(lambda: buf.get_dispatch_layout(idx, E), flush)[0]
     kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
-    assert buf._normal_path(x.device) == "nvlink"
+    route = buf._normal_path(x.device)
+    assert route == ("two_hop" if L else "nvlink"), route
     bf16_bytes = recv_x.numel() * 2
     full_t = bench(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw), flush)[0]
     mcfg = lambda c: moelink.Config(args.sms, c[0], c[1])  # noqa: E731
@@ -168,7 +181,7 @@ def worker(rank, world, port, args, q):
         return out.to(torch.bfloat16)
 
     ref = a2a_combine()
-    ok = torch.equal(combined, ref)
+    ok = torch.allclose(combined.float(), ref.float(), rtol=1e-2, atol=1e-2) if L else torch.equal(combined, ref)
     t = bench(a2a_dispatch, flush)[0]
     rows.append(("dispatch BF16", "all_to_all_single", slowest(t) * 1e6, 0, bf16_bytes / 1e9 / slowest(t), "-"))
     t = bench(a2a_combine, flush)[0]
@@ -176,7 +189,9 @@ def worker(rank, world, port, args, q):
 
     # DeepEP v1
     note = ""
-    if args.deepep:
+    if args.deepep and L:
+        note = "DeepEP v1 across hosts needs RDMA (its internode mode): its rows are skipped"
+    elif args.deepep:
         try:
             import deep_ep
         except ImportError as e:
@@ -230,16 +245,25 @@ def main():
     ap.add_argument("--rings", default="256", help="NVL ring sizes (num_max_nvl_chunked_recv_tokens) to tune over")
     ap.add_argument("--deepep", action="store_true", help="also run DeepEP v1 (import deep_ep)")
     ap.add_argument("--sm-sweep", default="", help="SM counts (e.g. 4,8,12,16,24) to run every op at as well")
+    ap.add_argument("--ranks-per-host", type=int, default=0,
+                    help="virtual hosts of this many ranks: moelink's two-hop route beside the pipeline over "
+                         "NCCL's socket transport")
     ap.add_argument("--out", default="ep_normal.png")
     args = ap.parse_args()
     if args.gpus < 2:
         sys.exit("needs at least 2 GPUs")
+    if args.ranks_per_host and (args.ranks_per_host < 2 or args.gpus % args.ranks_per_host or
+                                args.gpus // args.ranks_per_host < 2):
+        sys.exit("--ranks-per-host: at least 2 ranks per host and at least 2 hosts, dividing --gpus")
     rows, sweep, ok, note, nbytes = run_ranks(worker, args.gpus, (args,), timeout=900)
-    print(f"EP normal mode, {args.gpus} GPUs: {args.tokens} tokens/rank, hidden {args.hidden}, top-{args.topk} of "
-          f"{args.experts}, {args.sms} SMs; rank 0 receives {nbytes / 1e6:.1f} MB (bf16)")
+    across = (f", {args.gpus // args.ranks_per_host} virtual hosts of {args.ranks_per_host} (moelink's two-hop "
+              f"route; the pipeline over NCCL's socket transport)" if args.ranks_per_host else "")
+    print(f"EP normal mode, {args.gpus} GPUs{across}: {args.tokens} tokens/rank, hidden {args.hidden}, top-{args.topk} "
+          f"of {args.experts}, {args.sms} SMs; rank 0 receives {nbytes / 1e6:.1f} MB (bf16)")
     if note:
         print(note)
-    print(f"combine result equals the all_to_all_single pipeline's: {ok}")
+    print(f"combine result equals the all_to_all_single pipeline's{' (to bf16 rounding)' if args.ranks_per_host else ''}:"
+          f" {ok}")
     print(f"{'op':34s} {'impl':18s} {'avg us':>9s} {'med us':>9s} {'GB/s':>8s}  (chunk, ring)")
     for name, lib, avg, med, gbs, chunk in rows:
         print(f"{name:34s} {lib:18s} {avg:9.1f} {med:9.1f} {gbs:8.1f}  {chunk}")
@@ -269,7 +293,8 @@ def main():
         ax.set_xticks([j + width * (len(libs) - 1) / 2 for j in range(len(ops))])
         ax.set_xticklabels(ops)
         ax.set_ylabel("GB/s (NVL bytes, DeepEP's count)")
-        ax.set_title(f"EP normal mode, {args.gpus} GPUs, {args.tokens} tokens, hidden {args.hidden}")
+        hosts = f" as {args.gpus // args.ranks_per_host} hosts" if args.ranks_per_host else ""
+        ax.set_title(f"EP normal mode, {args.gpus} GPUs{hosts}, {args.tokens} tokens, hidden {args.hidden}")
         ax.legend()
         if sweep:
             ax = axes[1]
