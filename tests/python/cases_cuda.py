@@ -117,11 +117,11 @@ def in_place_all_to_all(rank, world):
         send = [((q - rank) % world + 1) * rows_per_unit for q in range(world)]
         recv = [((rank - q) % world + 1) * rows_per_unit for q in range(world)]
         assert sum(send) == sum(recv)
-        x = torch.cat([torch.arange(send[q] * width, dtype=torch.float32, device=d).view(send[q], width)
-                       + 1e6 * (rank * world + q) for q in range(world)])
+        x = torch.cat([torch.arange(send[q] * width, dtype=torch.int64, device=d).view(send[q], width)
+                       + 10**8 * (rank * world + q) for q in range(world)])
         dist.all_to_all_single(x, x, output_split_sizes=recv, input_split_sizes=send)
-        ref = torch.cat([torch.arange(recv[q] * width, dtype=torch.float32, device=d).view(recv[q], width)
-                         + 1e6 * (q * world + rank) for q in range(world)])
+        ref = torch.cat([torch.arange(recv[q] * width, dtype=torch.int64, device=d).view(recv[q], width)
+                         + 10**8 * (q * world + rank) for q in range(world)])
         same(x, ref, f"in-place all_to_all_single, {rows_per_unit} row(s) per unit")
 
 
