@@ -78,6 +78,19 @@ moelink::ep::RouteFacts routeFacts(const EpBackend& backend, const py::object& i
   return f;
 }
 
+// The in-host CUDA tuning of a group of `world` (MOELINK_CUDA_* over the group size's defaults),
+// or ValueError naming `who` for a size outside the path's range or a bad setting.
+moelink::cuda::ExchangeTuning cudaTuning(const char* who, int world) {
+  if (world < 1 || world > moelink::cuda::kExchangeMaxRanks)
+    throw py::value_error(std::string(who) + ": in-host CUDA groups hold 1.." +
+                          std::to_string(moelink::cuda::kExchangeMaxRanks) + " ranks, not " + std::to_string(world));
+  try {
+    return moelink::cuda::ExchangeTuning::fromEnv(world);
+  } catch (const moelink::Error& e) {
+    throw py::value_error(e.what());
+  }
+}
+
 }  // namespace
 
 PYBIND11_DECLARE_HOLDER_TYPE(T, ReleasedWithoutGil<T>, true);
@@ -154,16 +167,7 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
   m.def(
       "cuda_tuning",
       [](int world) {
-        if (world < 1 || world > moelink::cuda::kExchangeMaxRanks)
-          throw py::value_error("moelink.cuda_tuning: in-host CUDA groups hold 1.." +
-                                std::to_string(moelink::cuda::kExchangeMaxRanks) + " ranks, not " +
-                                std::to_string(world));
-        moelink::cuda::ExchangeTuning t;
-        try {
-          t = moelink::cuda::ExchangeTuning::fromEnv(world);
-        } catch (const moelink::Error& e) {
-          throw py::value_error(e.what());
-        }
+        const moelink::cuda::ExchangeTuning t = cudaTuning("moelink.cuda_tuning", world);
         const auto& d = moelink::cuda::exchangeDefaults(world);
         py::dict out;
         out["lamport_bytes"] = t.lamport_bytes;
@@ -193,15 +197,7 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
         if (!kind)
           throw py::value_error("moelink.cuda_sms: op must be all_reduce, all_gather, reduce_scatter, all_to_all or "
                                 "broadcast, not '" + op + "'");
-        if (world < 1 || world > moelink::cuda::kExchangeMaxRanks)
-          throw py::value_error("moelink.cuda_sms: in-host CUDA groups hold 1.." +
-                                std::to_string(moelink::cuda::kExchangeMaxRanks) + " ranks, not " +
-                                std::to_string(world));
-        try {
-          return moelink::cuda::collectiveSms(*kind, world, nbytes, moelink::cuda::ExchangeTuning::fromEnv(world));
-        } catch (const moelink::Error& e) {
-          throw py::value_error(e.what());
-        }
+        return moelink::cuda::collectiveSms(*kind, world, nbytes, cudaTuning("moelink.cuda_sms", world));
       },
       py::arg("op"), py::arg("world"), py::arg("nbytes"),
       "The most SMs a rank's kernel holds for one collective on the in-host CUDA path (group of `world`, tuning as "

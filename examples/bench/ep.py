@@ -114,6 +114,28 @@ def trace_breakdown(buf, fn, names, flush, barrier, iters=30):
     return [tuple(statistics.median(c[i][j] for c in per_call) for j in range(3)) for i in range(len(names))]
 
 
+def anchor_times(dispatch, combine, flush, barrier, iters, end_to_end=False):
+    """Another library's dispatch and combine timed as moelink's (three warm-up pairs, then
+    `iters` rounds after ten more): the medians (us) of each call's GPU time and, with
+    `end_to_end`, of one pair end to end and the back-to-back time per pair."""
+    for _ in range(3):
+        dispatch()
+        combine()
+    torch.cuda.synchronize()
+    t_disp, t_comb, t_call = [], [], []
+    for _ in range(iters + 10):
+        t_disp += timed(dispatch, flush, 1, 0, barrier)
+        t_comb += timed(combine, flush, 1, 0, barrier)
+        if end_to_end:
+            t_call += timed(lambda: (dispatch(), combine()), flush, 1, 0, barrier, gpu_only=False)
+    meds = (statistics.median(t_disp[10:]), statistics.median(t_comb[10:]))
+    if not end_to_end:
+        return meds
+    b2b = statistics.median(back_to_back(dispatch, combine, barrier) for _ in range(5))
+    torch.cuda.synchronize()
+    return meds + (statistics.median(t_call[10:]), b2b)
+
+
 def mooncake_times(nccl, x, idx, w, tokens, world, flush, barrier, iters):
     """Mooncake's EP buffer (its PyPI wheel, mooncake.mooncake_ep_buffer) on the same inputs:
     FP8 dispatch, BF16 combine, every rank active, GPU time of each call as moelink's."""
@@ -130,15 +152,7 @@ def mooncake_times(nccl, x, idx, w, tokens, world, flush, barrier, iters):
     def combine():
         mb.combine(y, idx, w, active, -1, state["r"][2])
 
-    for _ in range(3):  # the first call compiles its kernels
-        dispatch()
-        combine()
-    torch.cuda.synchronize()
-    t_disp, t_comb = [], []
-    for _ in range(iters + 10):
-        t_disp += timed(dispatch, flush, 1, 0, barrier)
-        t_comb += timed(combine, flush, 1, 0, barrier)
-    return statistics.median(t_disp[10:]), statistics.median(t_comb[10:])
+    return anchor_times(dispatch, combine, flush, barrier, iters)  # its first calls compile its kernels
 
 
 def back_to_back(dispatch, combine, barrier, pairs=50):
@@ -196,18 +210,7 @@ def deepep_times(db, buf, x, idx, w, tokens, world, flush, barrier, iters):
     def combine():
         db.low_latency_combine(y, idx, w, state["r"][2])
 
-    for _ in range(3):
-        dispatch()
-        combine()
-    torch.cuda.synchronize()
-    t_disp, t_comb, t_call = [], [], []
-    for _ in range(iters + 10):
-        t_disp += timed(dispatch, flush, 1, 0, barrier)
-        t_comb += timed(combine, flush, 1, 0, barrier)
-        t_call += timed(lambda: (dispatch(), combine()), flush, 1, 0, barrier, gpu_only=False)
-    b2b = statistics.median(back_to_back(dispatch, combine, barrier) for _ in range(5))
-    torch.cuda.synchronize()
-    return (statistics.median(t_disp[10:]), statistics.median(t_comb[10:]), statistics.median(t_call[10:]), b2b)
+    return anchor_times(dispatch, combine, flush, barrier, iters, end_to_end=True)
 
 
 def worker(rank, world, port, tokens_list, iters, trace, mooncake, deepep, q):

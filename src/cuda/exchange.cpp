@@ -352,22 +352,20 @@ int collectiveSms(OpKind kind, int n, uint64_t bytes, const ExchangeTuning& t) {
 
 bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const void* out) {
   const auto at = [](const void* base, uint64_t off) { return reinterpret_cast<uintptr_t>(base) + off; };
-  std::vector<std::pair<uintptr_t, uintptr_t>> written;
-  if (x.mode == ExchangeMode::kReduce) {
-    if (x.reduce_bytes) written.emplace_back(at(out, 0), at(out, x.reduce_bytes));
-  } else {
-    for (size_t q = 0; q < x.recv_bytes.size(); ++q) {
-      if (x.recv_bytes[q] == 0) continue;
-      // This rank's own range in place is not written (the kernel skips the copy).
-      if (static_cast<int>(q) == me && at(in, x.send_off[q]) == at(out, x.recv_off[q])) continue;
-      written.emplace_back(at(out, x.recv_off[q]), at(out, x.recv_off[q] + x.recv_bytes[q]));
-    }
-  }
-  for (size_t p = 0; p < x.send_bytes.size(); ++p) {
-    if (static_cast<int>(p) == me || x.send_bytes[p] == 0) continue;
-    const uintptr_t lo = at(in, x.send_off[p]), hi = at(in, x.send_off[p] + x.send_bytes[p]);
-    for (const auto& [wlo, whi] : written)
-      if (wlo < hi && lo < whi) return true;
+  // Whether [lo, hi) of the output meets input pushed to a peer.
+  const auto pushed = [&](uintptr_t lo, uintptr_t hi) {
+    for (size_t p = 0; p < x.send_bytes.size(); ++p)
+      if (static_cast<int>(p) != me && x.send_bytes[p] && lo < at(in, x.send_off[p] + x.send_bytes[p]) &&
+          at(in, x.send_off[p]) < hi)
+        return true;
+    return false;
+  };
+  if (x.mode == ExchangeMode::kReduce) return x.reduce_bytes && pushed(at(out, 0), at(out, x.reduce_bytes));
+  for (size_t q = 0; q < x.recv_bytes.size(); ++q) {
+    if (x.recv_bytes[q] == 0) continue;
+    // This rank's own range in place is not written (the kernel skips the copy).
+    if (static_cast<int>(q) == me && at(in, x.send_off[q]) == at(out, x.recv_off[q])) continue;
+    if (pushed(at(out, x.recv_off[q]), at(out, x.recv_off[q] + x.recv_bytes[q]))) return true;
   }
   return false;
 }

@@ -12,7 +12,7 @@ import moelink
 import cases_fsdp
 import cases_funcol
 from cases_cuda_host import host_graph_capture, host_pieces  # noqa: F401 (cases named in CASES)
-from cuda_support import DTYPES, REDUCE_OPS, SIZES, dev, reduce_ref, same, valid, value  # noqa: F401
+from cuda_support import DTYPES, REDUCE_OPS, SIZES, capture, dev, reduce_ref, same, valid, value  # noqa: F401
 
 
 def all_reduce_every_dtype_op_size(rank, world):
@@ -427,17 +427,14 @@ def graph_capture(rank, world):
     a_in = torch.zeros(world * 8, device=d)
     a_out = torch.empty(world * 8, device=d)
     dist.all_reduce(x)  # warm-up outside the graph
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(graph, stream=s):
-            dist.all_reduce(x)
-            dist.all_gather_into_tensor(g_out, g_in)
-            dist.reduce_scatter_tensor(rs_out, rs_in)
-            dist.all_to_all_single(a_out, a_in)
-    torch.cuda.current_stream().wait_stream(s)
+
+    def ops():
+        dist.all_reduce(x)
+        dist.all_gather_into_tensor(g_out, g_in)
+        dist.reduce_scatter_tensor(rs_out, rs_in)
+        dist.all_to_all_single(a_out, a_in)
+
+    graph = capture(ops)
     for it in range(3):
         x.fill_(rank + it)
         g_in.fill_(rank * 10 + it)

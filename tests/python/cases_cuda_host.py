@@ -7,7 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from cuda_support import dev, reduce_ref, same, value
+from cuda_support import capture, dev, reduce_ref, same, value
 
 
 def pair_counts(world, unit):
@@ -48,21 +48,18 @@ def host_graph_capture(rank, world):
     a_in = torch.zeros(sum(counts[rank]), device=d)
     a_out = torch.full((sum(c[rank] for c in counts),), -1.0, device=d)
     dist.all_reduce(x)  # the group's first CUDA op sets its buffers up, outside the graph
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(graph, stream=s):
-            dist.all_reduce(x)
-            dist.all_reduce(y, op=dist.ReduceOp.AVG)
-            dist.all_reduce(m, op=dist.ReduceOp.MAX)
-            dist.all_gather_into_tensor(g_out, g_in)
-            dist.reduce_scatter_tensor(rs_out, rs_in)
-            dist.broadcast(b, src=world - 1)
-            dist.all_to_all_single(a_out, a_in, output_split_sizes=[c[rank] for c in counts],
-                                   input_split_sizes=counts[rank])
-    torch.cuda.current_stream().wait_stream(s)
+
+    def ops():
+        dist.all_reduce(x)
+        dist.all_reduce(y, op=dist.ReduceOp.AVG)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        dist.all_gather_into_tensor(g_out, g_in)
+        dist.reduce_scatter_tensor(rs_out, rs_in)
+        dist.broadcast(b, src=world - 1)
+        dist.all_to_all_single(a_out, a_in, output_split_sizes=[c[rank] for c in counts],
+                               input_split_sizes=counts[rank])
+
+    graph = capture(ops)
     iota = torch.arange(big, device=d)
     for it in range(3):
         x.fill_(rank + it)
@@ -85,12 +82,9 @@ def host_graph_capture(rank, world):
         same(a_out, a2a_expected(rank, counts, it, d).float(), f"graph uneven all_to_all_single {it}")
     # reduce stages the whole tensor at once there: not capturable, said before anything is queued.
     r_buf = torch.zeros(n, device=d)
-    g2 = torch.cuda.CUDAGraph()
     err = ""
     try:
-        with torch.cuda.stream(s):
-            with torch.cuda.graph(g2, stream=s):
-                dist.reduce(r_buf, dst=0)
+        capture(lambda: dist.reduce(r_buf, dst=0))
     except Exception as e:  # noqa: BLE001
         err = str(e)
     assert "cannot be captured" in err and "broadcast and all_to_all can" in err, err

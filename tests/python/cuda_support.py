@@ -65,3 +65,17 @@ def same(a, b, what):
     else:
         ok = torch.equal(a, b)
     assert ok, f"{what}: got {a.flatten()[:8].tolist()}..., expected {b.flatten()[:8].tolist()}..."
+
+
+def capture(ops):
+    """A CUDA graph of `ops()`, captured on a side stream that follows the current one (the
+    group's first op must have run outside it); the current stream waits for the capture."""
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            ops()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph
