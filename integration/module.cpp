@@ -175,13 +175,16 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
         out["blocks"] = t.blocks;
         out["round_bytes"] = t.round_bytes;
         out["split"] = t.split;
+        out["broadcast_step_bytes"] = moelink::cuda::kBroadcastStepRounds * t.round_bytes;
         out["defaults_measured_on"] = *d.measured ? py::object(py::str(d.measured)) : py::object(py::none());
         return out;
       },
       py::arg("world"),
       "The in-host CUDA path's tuning for a group of `world` ranks on one host: the MOELINK_CUDA_* settings "
       "as set, else the defaults of the group size's row (docs/PERF.md, \"Defaults by group size\"). "
-      "one_shot_bytes None: allreduce and broadcast are one exchange at every size; defaults_measured_on None: "
+      "one_shot_bytes None: allreduce and broadcast are one exchange at every size; broadcast_step_bytes: above "
+      "one_shot_bytes a broadcast is pipelined in chunks that give each rank but the root about this much per "
+      "step; defaults_measured_on None: "
       "no machine of this size has measured the row's defaults.");
   m.def(
       "cuda_sms",

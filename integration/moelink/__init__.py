@@ -292,9 +292,11 @@ def cuda_tuning(world: int) -> dict:
     """How the in-host CUDA collectives of a group of ``world`` ranks are tuned: the
     ``MOELINK_CUDA_*`` settings where set, else the defaults of the group size's row (docs/PERF.md,
     "Defaults by group size"): ``{"lamport_bytes", "one_shot_bytes", "blocks", "round_bytes",
-    "split", "defaults_measured_on"}``. ``one_shot_bytes`` None: allreduce and broadcast are one
-    exchange at every size (groups of 2); ``defaults_measured_on`` None: no machine of this size has
-    measured the row (groups of 5-8 ranks so far). Raises ValueError for a setting that does not fit
+    "split", "broadcast_step_bytes", "defaults_measured_on"}``. ``one_shot_bytes`` None: allreduce
+    and broadcast are one exchange at every size (groups of 2); above ``one_shot_bytes`` a broadcast
+    is pipelined in chunks of about ``broadcast_step_bytes`` per rank but the root (at least two
+    chunks, at most 64); ``defaults_measured_on`` None: no machine of this size has measured the row
+    (groups of 5-8 ranks so far). Raises ValueError for a setting that does not fit
     or a size outside 1-8."""
     return dict(_C.cuda_tuning(world))
 

@@ -321,10 +321,12 @@ void CudaCollectives::broadcastFlat(Op& op, const at::Tensor& buf, int root) {
   TORCH_CHECK_VALUE(it != members_.end() && *it == root, "moelink: root rank ", root,
                     " is not active in the group (it left; moelink.recover_ranks readmits it)");
   const int r = static_cast<int>(it - members_.begin());
-  Exchange scatter = exchangeBroadcastScatter(n, me_, bytes, r), gather = exchangeBroadcastGather(n, me_, bytes, r);
-  scatter.root = gather.root = root;
-  exchange(op, scatter, ptr(buf), ptr(buf));
-  exchange(op, gather, ptr(buf), ptr(buf));
+  const int chunks = broadcastChunks(n, bytes, tuning_);
+  for (int s = 0; s <= chunks; ++s) {
+    Exchange step = exchangeBroadcastStep(n, me_, bytes, r, chunks, s);
+    step.root = root;
+    exchange(op, step, ptr(buf), ptr(buf));
+  }
 }
 
 void CudaCollectives::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop) {

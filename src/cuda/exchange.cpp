@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iterator>
+#include <tuple>
 
 #include "moelink/common/settings.h"
 #include "moelink/collective/message_check.h"
@@ -98,32 +99,36 @@ Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t) {
   return x;
 }
 
-Exchange exchangeBroadcastScatter(int n, int me, uint64_t bytes, int root) {
-  Exchange x = base(OpKind::kBroadcast, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, root, bytes);
-  auto blocks = allreduceBlocks(n, bytes, DType::kBytes);
-  for (int q = 0; q < n; ++q) {
-    const uint64_t len = blocks[q].second - blocks[q].first;
-    if (me == root && q != root) {
-      x.send_off[q] = blocks[q].first;
-      x.send_bytes[q] = len;
-    }
-    if (me != root && q == root) {
-      x.recv_off[q] = blocks[me].first;
-      x.recv_bytes[q] = blocks[me].second - blocks[me].first;
-    }
-  }
-  return x;
+int broadcastChunks(int n, uint64_t bytes, const ExchangeTuning& t) {
+  // Each step gives every rank but the root one piece of about `per` bytes; at least two chunks,
+  // so that the forwarding of the first overlaps the root's sending of the second.
+  const uint64_t per = kBroadcastStepRounds * t.round_bytes * static_cast<uint64_t>(std::max(1, n - 1));
+  const uint64_t chunks = std::max<uint64_t>(2, (bytes + per - 1) / per);
+  return static_cast<int>(std::min<uint64_t>(chunks, kBroadcastMaxChunks));
 }
 
-Exchange exchangeBroadcastGather(int n, int me, uint64_t bytes, int root) {
+Exchange exchangeBroadcastStep(int n, int me, uint64_t bytes, int root, int chunks, int step) {
+  MOELINK_CHECK(n >= 3 && root >= 0 && root < n && chunks >= 1 && step >= 0 && step <= chunks,
+                "exchangeBroadcastStep: ", n, " ranks, root ", root, ", step ", step, " of ", chunks);
   Exchange x = base(OpKind::kBroadcast, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, root, bytes);
-  auto blocks = allreduceBlocks(n, bytes, DType::kBytes);
+  const uint64_t chunk = alignUp((bytes + chunks - 1) / chunks, 16);
+  // Byte range of chunk c's block of rank q (q != root: blocks in rank order, the root skipped).
+  const auto block = [&](int c, int q) {
+    const uint64_t lo = std::min(bytes, c * chunk), len = std::min(bytes, lo + chunk) - lo;
+    const auto b = allreduceBlocks(n - 1, len, DType::kBytes)[q < root ? q : q - 1];
+    return std::pair<uint64_t, uint64_t>{lo + b.first, b.second - b.first};
+  };
+  const bool sending = step < chunks, forwarding = step > 0;
   for (int q = 0; q < n; ++q) {
     if (q == me) continue;
-    x.send_off[q] = blocks[me].first;
-    x.send_bytes[q] = blocks[me].second - blocks[me].first;
-    x.recv_off[q] = blocks[q].first;
-    x.recv_bytes[q] = blocks[q].second - blocks[q].first;
+    if (me == root) {
+      if (sending) std::tie(x.send_off[q], x.send_bytes[q]) = block(step, q);
+    } else if (q == root) {
+      if (sending) std::tie(x.recv_off[q], x.recv_bytes[q]) = block(step, me);
+    } else if (forwarding) {
+      std::tie(x.send_off[q], x.send_bytes[q]) = block(step - 1, me);
+      std::tie(x.recv_off[q], x.recv_bytes[q]) = block(step - 1, q);
+    }
   }
   return x;
 }
@@ -331,8 +336,8 @@ int collectiveSms(OpKind kind, int n, uint64_t bytes, const ExchangeTuning& t) {
         if (t.oneShot(n, bytes)) {
           xs.push_back(exchangeBroadcast(n, me, bytes, 0));
         } else {
-          xs.push_back(exchangeBroadcastScatter(n, me, bytes, 0));
-          xs.push_back(exchangeBroadcastGather(n, me, bytes, 0));
+          const int chunks = broadcastChunks(n, bytes, t);
+          for (int s = 0; s <= chunks; ++s) xs.push_back(exchangeBroadcastStep(n, me, bytes, 0, chunks, s));
         }
         break;
       case OpKind::kAllgather: xs.push_back(exchangeAllgather(n, me, block)); break;

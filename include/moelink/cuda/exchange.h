@@ -84,11 +84,15 @@ Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t);
 // Element ranges [begin, end) of the two-shot blocks: count split as evenly as 16-byte
 // alignment of the block starts allows.
 std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count, DType t);
-// Broadcast above the one-shot size in groups of more than 2: the root scatters the buffer's
-// blocks (allreduceBlocks of bytes), then every rank sends its block to all (in place), so
-// that every rank's links carry the data instead of the root's alone.
-Exchange exchangeBroadcastScatter(int n, int me, uint64_t bytes, int root);
-Exchange exchangeBroadcastGather(int n, int me, uint64_t bytes, int root);
+// Broadcast above the one-shot size in groups of more than 2, pipelined: the buffer in
+// `chunks` chunks (broadcastChunks), each cut into n - 1 blocks, one per rank but the root
+// (allreduceBlocks of the chunk over them in rank order). Step s of 0..chunks, one exchange each,
+// in place: the root sends chunk s's blocks to their ranks while every other rank forwards its
+// block of chunk s - 1 to the others but the root. The root sends the buffer once and every other
+// rank receives it once, so after the first step the root's links and the others' carry it at
+// once (a scatter and then an all-gather would have the root send its own block n - 1 times more,
+// and keep every link but the root's idle while it scatters).
+Exchange exchangeBroadcastStep(int n, int me, uint64_t bytes, int root, int chunks, int step);
 Exchange exchangeReduce(int n, int me, uint64_t count, DType t, ReduceOp op, int root);
 // in: `bytes`; out: n blocks of `bytes` in rank order.
 Exchange exchangeAllgather(int n, int me, uint64_t bytes);
@@ -149,6 +153,14 @@ struct ExchangeTuning {
   static ExchangeTuning fromEnv(int n = 2);
   bool oneShot(int n, uint64_t bytes) const { return n <= 2 || bytes <= one_shot_bytes; }
 };
+// The pipelined broadcast's steps give each rank but the root about this many rounds' worth of a
+// chunk, in at most kBroadcastMaxChunks chunks. 4x H200, 4 ranks, bus bandwidth at 512 MiB / 1 GiB:
+// 1 round 239 / 231 GB/s, 2 rounds 266 / 275, 4 rounds 273 / 285 (a step's kernel boundary costs
+// more than the longer first and last steps); 128 MiB and below take 2 chunks at any of them.
+constexpr uint64_t kBroadcastStepRounds = 4;
+constexpr int kBroadcastMaxChunks = 64;
+// Chunks of the pipelined broadcast of `bytes` over `n` ranks (at least 2).
+int broadcastChunks(int n, uint64_t bytes, const ExchangeTuning& t);
 // Whether `x` takes the Lamport protocol: every pair and the reduction within
 // t.lamport_bytes (and kLamportMaxBytes). Reductions of 16-byte elements (complex128) stay on
 // the staged protocol (a line carries 8 bytes).

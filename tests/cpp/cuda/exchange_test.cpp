@@ -201,19 +201,27 @@ TEST_P(ExchangePlan, AllgatherGatherScatterBroadcast) {
   model(bc, io, io, small());
   for (int r = 0; r < n; ++r) ASSERT_EQ(io[r], in[root]);
 
-  // the two-step broadcast (the root's scatter, then an all-gather), every root, in place
-  for (int rt = 0; rt < n; ++rt) {
-    std::vector<Exchange> s1, s2;
-    for (int r = 0; r < n; ++r) {
-      s1.push_back(exchangeBroadcastScatter(n, r, bytes, rt));
-      s2.push_back(exchangeBroadcastGather(n, r, bytes, rt));
-      EXPECT_EQ(s1.back().root, rt);
-      EXPECT_EQ(s2.back().op_bytes, bytes);
+  // the pipelined broadcast (n > 2): its steps in order, every root, in place, in one chunk
+  // (every step but the first and last empty for someone), a few, and more chunks than bytes
+  // allow blocks of
+  for (int chunks : {1, 2, 3, 7}) {
+    for (int rt = 0; rt < n && n > 2; ++rt) {
+      std::vector<Bytes> io = in;
+      for (int step = 0; step <= chunks; ++step) {
+        std::vector<Exchange> xs;
+        for (int r = 0; r < n; ++r) {
+          xs.push_back(exchangeBroadcastStep(n, r, bytes, rt, chunks, step));
+          EXPECT_EQ(xs.back().root, rt);
+          EXPECT_EQ(xs.back().op_bytes, bytes);
+          EXPECT_FALSE(exchangeOutputMeetsInput(xs.back(), r, io[r].data(), io[r].data()));
+          if (r == rt) {
+            EXPECT_EQ(std::accumulate(xs.back().recv_bytes.begin(), xs.back().recv_bytes.end(), 0ull), 0u);
+          }
+        }
+        model(xs, io, io, small());
+      }
+      for (int r = 0; r < n; ++r) ASSERT_EQ(io[r], in[rt]) << chunks << "-chunk broadcast from " << rt << " on " << r;
     }
-    std::vector<Bytes> two = in;
-    model(s1, two, two, small());
-    model(s2, two, two, small());
-    for (int r = 0; r < n; ++r) ASSERT_EQ(two[r], in[rt]) << "two-step broadcast from " << rt << " on " << r;
   }
 
   std::vector<Bytes> sin(n);
@@ -434,6 +442,19 @@ TEST(ExchangePiece, LaunchedBlocksAndRolesFollowTheLongestPair) {
   EXPECT_FALSE(splits(64 << 20));
 }
 
+TEST(ExchangePlanBroadcast, ChunksGrowWithTheBufferFromTwoToTheCap) {
+  ExchangeTuning t;
+  t.round_bytes = 8 << 20;
+  const uint64_t per = kBroadcastStepRounds * t.round_bytes * 3;  // 4 ranks: 3 take a piece per step
+  EXPECT_EQ(broadcastChunks(4, 0, t), 2);
+  EXPECT_EQ(broadcastChunks(4, per, t), 2);
+  EXPECT_EQ(broadcastChunks(4, 3 * per, t), 3);
+  EXPECT_EQ(broadcastChunks(4, 3 * per + 1, t), 4);
+  EXPECT_EQ(broadcastChunks(4, uint64_t{1} << 40, t), kBroadcastMaxChunks);
+  EXPECT_THROW(exchangeBroadcastStep(2, 0, 1 << 20, 0, 2, 0), moelink::Error);  // 2 ranks: one exchange
+  EXPECT_THROW(exchangeBroadcastStep(4, 0, 1 << 20, 0, 2, 3), moelink::Error);  // steps 0..chunks
+}
+
 TEST(ExchangePiece, RolesWaitForEachOtherOnlyWhereTheOutputMeetsPushedInput) {
   std::vector<char> buf(1 << 20), other(1 << 20);
   const uint64_t count = buf.size() / 4;
@@ -445,7 +466,9 @@ TEST(ExchangePiece, RolesWaitForEachOtherOnlyWhereTheOutputMeetsPushedInput) {
                                           buf.data(), buf.data() + blocks[me].first * 4));
     EXPECT_FALSE(exchangeOutputMeetsInput(exchangeAllreduceGather(4, me, count, DType::kFloat32), me, buf.data(),
                                           buf.data()));
-    EXPECT_FALSE(exchangeOutputMeetsInput(exchangeBroadcastGather(4, me, buf.size(), 1), me, buf.data(), buf.data()));
+    for (int step = 0; step <= 3; ++step)
+      EXPECT_FALSE(exchangeOutputMeetsInput(exchangeBroadcastStep(4, me, buf.size(), 1, 3, step), me, buf.data(),
+                                            buf.data()));
   }
   // A one-shot all_reduce in place writes all of what it pushes.
   EXPECT_TRUE(exchangeOutputMeetsInput(exchangeAllreduceOneShot(4, 2, count, DType::kFloat32, ReduceOp::kSum), 2,
@@ -530,9 +553,9 @@ TEST(ExchangeLamport, TakesSmallExchangesAndTheShortPairsOfStagedCopies) {
     EXPECT_FALSE(exchangeLamport(mixed, t));
     EXPECT_EQ(exchangeLamportPairs(mixed, t), 64u << 10);
     EXPECT_EQ(exchangeLamportPairs(mixed, off_tuning(t)), 0u);
-    // every staged copy exchange (a broadcast's scatter half may have a short last block); no
-    // reduction (each rank meets its longest pair, so all take one protocol)
-    EXPECT_EQ(exchangeLamportPairs(exchangeBroadcastScatter(n, 0, (1 << 20) + 16, 0), t), 64u << 10);
+    // every staged copy exchange (a broadcast step's last block may be short); no reduction
+    // (each rank meets its longest pair, so all take one protocol)
+    EXPECT_EQ(exchangeLamportPairs(exchangeBroadcastStep(std::max(n, 3), 0, (1 << 20) + 16, 0, 2, 0), t), 64u << 10);
     EXPECT_EQ(exchangeLamportPairs(exchangeAllreduceScatter(n, 0, 1 << 20, DType::kFloat32, ReduceOp::kSum), t), 0u);
     // a line carries 8 bytes: complex128 moves but does not reduce by lines
     EXPECT_TRUE(exchangeLamport(exchangeAllgather(n, 0, 1600), t));
