@@ -37,9 +37,9 @@ def run_built(build, name, args):
 def run_ranks(worker, nprocs, args, timeout):
     """Spawns worker(rank, nprocs, port, *args, queue) for every rank and returns what rank 0
     puts on the queue."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from moelink._ports import free_port  # the scripts put integration/ on sys.path
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, nprocs, port, *args, q)) for r in range(nprocs)]

@@ -29,7 +29,6 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,11 +39,7 @@ from datetime import timedelta
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "integration"))
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moelink._ports import free_port  # noqa: E402
 
 
 def _counts():
@@ -132,7 +127,7 @@ def run(world, cycles, transport, victim=1, ops=5, timeout=900):
     import torch.distributed as dist
 
     os.environ["MOELINK_TRANSPORT"] = transport
-    port = _free_port()
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=120))
     ctx = mp.get_context("spawn")

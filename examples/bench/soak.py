@@ -134,13 +134,11 @@ def worker(rank, world, port, transport, ops, seed, max_bytes, q):
 
 def soak(transport, nproc, ops, seed, max_bytes, timeout):
     """Returns (ops/s, corruptions, errors, hung, first problem)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from moelink._ports import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, nproc, port, transport, ops, seed, max_bytes, q))

@@ -21,49 +21,19 @@ import faulthandler
 import json
 import multiprocessing as mp
 import os
-import random
 import signal
-import socket
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 
 
-_HANDED_OUT: set = set()
-
-
-def _ephemeral_range() -> tuple:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(v) for v in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
 def free_port() -> int:
-    """A free port for a test group's TCPStore, outside the kernel's ephemeral range: the
-    listeners that the tests start bind port 0, which the kernel serves from that range only, so
-    none of them can take this port before the store binds it (a port from the range could be
-    taken in between: EADDRINUSE). Never one this process has handed out before."""
-    lo, hi = _ephemeral_range()
-    span = (max(lo - 12000, 10000), lo) if lo > 12000 else (hi + 1, 65536)
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(200):
-        port = rng.randrange(*span)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket() as s:  # every candidate busy: an ephemeral one, as before
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a test group's TCPStore, outside the kernel's ephemeral range (moelink's
+    `_ports.free_port`: the listeners the tests start bind port 0, so none of them can take it)."""
+    from moelink._ports import free_port as pick
+
+    return pick()
 
 
 def _reported(out_path, fn, args, kwargs, env):
