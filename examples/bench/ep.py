@@ -35,7 +35,7 @@ from common import run_ranks, save_plot  # noqa: E402
 
 HIDDEN, TOPK = 7168, 8
 # --experts reaches the rank processes through the environment (they import this module anew).
-EXPERTS = int(os.environ.get("MOELINK_BENCH_EXPERTS", "256"))
+EXPERTS = int(os.environ.get("EP_BENCH_EXPERTS", "256"))
 
 
 def timed(fn, flush, iters, warmup, barrier, gpu_only=True):
@@ -187,20 +187,35 @@ def deepep_buffer(nccl, tokens, world):
                           explicitly_destroy=True)
 
 
+def check_identity_combine(libs, x, idx, w, tokens):
+    """Both libraries (name -> buffer) dispatch `x` and combine an identity expert over what they
+    received; each result must equal the local reference x * sum(w) (every expert valid). BF16
+    dispatch is exact, so only the combine's BF16 rounding is allowed; FP8 quantization moves an
+    element by up to half an e4m3 step (2^-4 of it), and a whole step is allowed before the weights
+    multiply it. (The libraries' FP8 rows need not be equal: they round the scaled values in
+    different orders.) Per-expert counts must agree between the libraries."""
+    ref = x.float() * w.float().sum(1, keepdim=True)
+    wsum = w.float().abs().sum(1, keepdim=True)
+    for fp8 in (False, True):
+        counts = {}
+        for name, lib in libs.items():
+            recv, count, handle = lib.low_latency_dispatch(x, idx, tokens, EXPERTS, use_fp8=fp8)[:3]
+            out = lib.low_latency_combine(dequant_identity(recv) if fp8 else recv, idx, w, handle)[0].float()
+            counts[name] = count.int()
+            tol = wsum * x.float().abs() * (2 ** -3 if fp8 else 0.0) + ref.abs() * 2 ** -7 + 1e-3
+            excess = float(((out - ref).abs() - tol).max())
+            assert excess <= 0, (f"{name}: identity-expert combine after {'FP8' if fp8 else 'BF16'} dispatch is off "
+                                 f"the reference by {excess:.4g} beyond the rounding allowed")
+        a, b = counts.values()
+        assert torch.equal(a, b), "DeepEP and moelink received different tokens per expert"
+
+
 def deepep_times(db, buf, x, idx, w, tokens, world, flush, barrier, iters):
     """DeepEP v1's low-latency buffer `db` on the same inputs, after checking that it and
-    moelink's `buf` agree: tokens received per local expert, and the combine of an identity expert
-    over what each received. Returns the medians (us) of dispatch and combine GPU time, of one
-    pair end to end, and the back-to-back time per pair."""
+    moelink's `buf` agree (check_identity_combine). Returns the medians (us) of dispatch and
+    combine GPU time, of one pair end to end, and the back-to-back time per pair."""
     db.clean_low_latency_buffer(tokens, HIDDEN, EXPERTS)
-    ours = buf.low_latency_dispatch(x, idx, tokens, EXPERTS, use_fp8=True)
-    theirs = db.low_latency_dispatch(x, idx, tokens, EXPERTS, use_fp8=True)
-    assert torch.equal(ours[1].int(), theirs[1].int()), "DeepEP and moelink received different tokens per expert"
-    out_ours = buf.low_latency_combine(dequant_identity(ours[0]), idx, w, ours[2])[0]
-    out_theirs = db.low_latency_combine(dequant_identity(theirs[0]), idx, w, theirs[2])[0]
-    err = float((out_ours.float() - out_theirs.float()).abs().max())
-    scale = float(out_theirs.float().abs().max())
-    assert err <= 2e-2 * max(scale, 1.0), f"DeepEP and moelink combine differently (max difference {err}, of {scale})"
+    check_identity_combine({"moelink": buf, "DeepEP v1": db}, x, idx, w, tokens)
     y = torch.zeros(EXPERTS // world, world * tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
     state = {}
 
@@ -322,7 +337,7 @@ def main():
     tokens = [int(t) for t in args.tokens.split(",")]
     global EXPERTS
     EXPERTS = args.experts
-    os.environ["MOELINK_BENCH_EXPERTS"] = str(args.experts)
+    os.environ["EP_BENCH_EXPERTS"] = str(args.experts)
     rows = run_ranks(worker, args.gpus, (tokens, args.iters, args.trace, args.mooncake, args.deepep), timeout=1800)
     fp8_bytes, bf16_bytes = HIDDEN + HIDDEN // 128 * 4 + 16, HIDDEN * 2
     print(f"# EP{args.gpus}, hidden {HIDDEN}, top-{TOPK} of {EXPERTS} experts, FP8 dispatch / BF16 combine, "
