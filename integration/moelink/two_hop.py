@@ -122,8 +122,9 @@ class TwoHop:
             w1 = rows.take(4 * k, torch.float32, (k,))
         # Each forwarded row carries its source rank and token through the local hop, as two
         # more (bit-copied) scale columns.
-        src1 = torch.repeat_interleave(torch.arange(W, dtype=torch.int32),
-                                       torch.tensor(hop1.recv_counts, dtype=torch.int64)).to(device)
+        # (on the GPU: the CPU op takes milliseconds where its thread pool meets the engine's threads)
+        src1 = torch.repeat_interleave(torch.arange(W, dtype=torch.int32, device=device),
+                                       torch.tensor(hop1.recv_counts, dtype=torch.int64, device=device), output_size=n1)
         meta1 = torch.stack([src1, tok1], 1).view(torch.float32)
         ext = torch.cat([scales1, meta1], 1) if scales1 is not None else meta1.contiguous()
         if use_nvlink:
