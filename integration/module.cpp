@@ -175,7 +175,7 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
         out["blocks"] = t.blocks;
         out["round_bytes"] = t.round_bytes;
         out["split"] = t.split;
-        out["broadcast_step_bytes"] = moelink::cuda::kBroadcastStepRounds * t.round_bytes;
+        out["broadcast_step_bytes"] = static_cast<uint64_t>(t.broadcast_step_rounds) * t.round_bytes;
         out["defaults_measured_on"] = *d.measured ? py::object(py::str(d.measured)) : py::object(py::none());
         return out;
       },

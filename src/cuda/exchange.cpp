@@ -102,7 +102,8 @@ Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t) {
 int broadcastChunks(int n, uint64_t bytes, const ExchangeTuning& t) {
   // Each step gives every rank but the root one piece of about `per` bytes; at least two chunks,
   // so that the forwarding of the first overlaps the root's sending of the second.
-  const uint64_t per = kBroadcastStepRounds * t.round_bytes * static_cast<uint64_t>(std::max(1, n - 1));
+  const uint64_t per = static_cast<uint64_t>(std::max(1, t.broadcast_step_rounds)) * t.round_bytes *
+                       static_cast<uint64_t>(std::max(1, n - 1));
   const uint64_t chunks = std::max<uint64_t>(2, (bytes + per - 1) / per);
   return static_cast<int>(std::min<uint64_t>(chunks, kBroadcastMaxChunks));
 }
@@ -244,14 +245,17 @@ const ExchangeDefaults& exchangeDefaults(int n) {
   // docs/PERF.md, "Defaults by group size", has the sweeps behind the measured rows.
   static const ExchangeDefaults kRows[] = {
       // 2 ranks: the Lamport protocol is ahead of the staged one at every size it can carry;
-      // one exchange at every size (a reduce-scatter + all-gather moves the same bytes twice).
-      {2, kLamportMaxBytes, UINT64_MAX, 64, 8 << 20, "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
+      // one exchange at every size (a reduce-scatter + all-gather moves the same bytes twice;
+      // so the broadcast step is never used).
+      {2, kLamportMaxBytes, UINT64_MAX, 64, 8 << 20, 4, "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
       // 4 ranks: Lamport ahead at every size it carries; 64 blocks and 8 MiB rounds the best of
-      // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; two exchanges above 1 MiB.
-      {4, kLamportMaxBytes, 1 << 20, 64, 8 << 20, "4x H200 (nvidia-h100-x4)"},
+      // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; more exchanges above 1 MiB; broadcast
+      // steps of 4 rounds the best of 1, 2 and 4 at 512 MiB-1 GiB (a step's kernel boundary costs
+      // more than the longer first and last steps).
+      {4, kLamportMaxBytes, 1 << 20, 64, 8 << 20, 4, "4x H200 (nvidia-h100-x4)"},
       // 5-8 ranks: no machine of this size has been lent. Each rank writes n - 1 lines per
       // 8 bytes, so the Lamport protocol takes the smaller pairs only; the rest as at 4 ranks.
-      {kExchangeMaxRanks, 64 << 10, 1 << 20, 64, 8 << 20, ""},
+      {kExchangeMaxRanks, 64 << 10, 1 << 20, 64, 8 << 20, 4, ""},
   };
   MOELINK_CHECK(n >= 1 && n <= kExchangeMaxRanks, "exchange groups hold 1..", kExchangeMaxRanks, " ranks, not ", n);
   for (const auto& row : kRows)
@@ -267,6 +271,7 @@ ExchangeTuning ExchangeTuning::fromEnv(int n) {
   t.blocks = static_cast<int>(settings::numberIfSet("MOELINK_CUDA_BLOCKS").value_or(static_cast<uint64_t>(d.blocks)));
   t.one_shot_bytes = settings::numberIfSet("MOELINK_CUDA_ONESHOT_BYTES").value_or(d.one_shot_bytes);
   t.split = settings::flag("MOELINK_CUDA_SPLIT");
+  t.broadcast_step_rounds = d.broadcast_step_rounds;
   MOELINK_CHECK(t.round_bytes % 16 == 0, "MOELINK_CUDA_ROUND_BYTES must be a multiple of 16, got ", t.round_bytes);
   static_assert(kExchangeMaxBlocks == 64, "MOELINK_CUDA_BLOCKS' range in settings.cpp is 1..kExchangeMaxBlocks");
   return t;

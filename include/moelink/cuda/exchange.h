@@ -128,6 +128,9 @@ struct ExchangeDefaults {
   uint64_t one_shot_bytes = 0;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2 take one exchange at every size)
   int blocks = 0;               // MOELINK_CUDA_BLOCKS
   uint64_t round_bytes = 0;     // MOELINK_CUDA_ROUND_BYTES
+  // The pipelined broadcast's step (exchangeBroadcastStep): each rank but the root takes about
+  // this many rounds' worth of a chunk per step (broadcastChunks).
+  int broadcast_step_rounds = 0;
   const char* measured = "";    // the machine whose sweeps chose the row; "" where none has
 };
 // The row for a group of `n` ranks (1..kExchangeMaxRanks).
@@ -148,18 +151,17 @@ struct ExchangeTuning {
   // MOELINK_CUDA_LAMPORT_BYTES: exchanges whose pairs are all at most this long take the
   // Lamport protocol (0: never).
   uint64_t lamport_bytes = 0;
+  // The row's broadcast_step_rounds (no setting: every rank of a group has the same row).
+  int broadcast_step_rounds = 4;
   // Reads MOELINK_CUDA_* over exchangeDefaults(n) for a group of `n` ranks; throws
   // moelink::Error on a bad value.
   static ExchangeTuning fromEnv(int n = 2);
   bool oneShot(int n, uint64_t bytes) const { return n <= 2 || bytes <= one_shot_bytes; }
 };
-// The pipelined broadcast's steps give each rank but the root about this many rounds' worth of a
-// chunk, in at most kBroadcastMaxChunks chunks. 4x H200, 4 ranks, bus bandwidth at 512 MiB / 1 GiB:
-// 1 round 239 / 231 GB/s, 2 rounds 266 / 275, 4 rounds 273 / 285 (a step's kernel boundary costs
-// more than the longer first and last steps); 128 MiB and below take 2 chunks at any of them.
-constexpr uint64_t kBroadcastStepRounds = 4;
+// The pipelined broadcast takes at most this many chunks.
 constexpr int kBroadcastMaxChunks = 64;
-// Chunks of the pipelined broadcast of `bytes` over `n` ranks (at least 2).
+// Chunks of the pipelined broadcast of `bytes` over `n` ranks: about t.broadcast_step_rounds
+// rounds per rank but the root and step, at least 2, at most kBroadcastMaxChunks.
 int broadcastChunks(int n, uint64_t bytes, const ExchangeTuning& t);
 // Whether `x` takes the Lamport protocol: every pair and the reduction within
 // t.lamport_bytes (and kLamportMaxBytes). Reductions of 16-byte elements (complex128) stay on

@@ -445,7 +445,7 @@ TEST(ExchangePiece, LaunchedBlocksAndRolesFollowTheLongestPair) {
 TEST(ExchangePlanBroadcast, ChunksGrowWithTheBufferFromTwoToTheCap) {
   ExchangeTuning t;
   t.round_bytes = 8 << 20;
-  const uint64_t per = kBroadcastStepRounds * t.round_bytes * 3;  // 4 ranks: 3 take a piece per step
+  const uint64_t per = t.broadcast_step_rounds * t.round_bytes * 3;  // 4 ranks: 3 take a piece per step
   EXPECT_EQ(broadcastChunks(4, 0, t), 2);
   EXPECT_EQ(broadcastChunks(4, per, t), 2);
   EXPECT_EQ(broadcastChunks(4, 3 * per, t), 3);
@@ -664,6 +664,8 @@ TEST(ExchangeTuning, EveryGroupSizeHasARowOfDefaultsThatTheSettingsAllow) {
     EXPECT_EQ(t.blocks, d.blocks);
     EXPECT_EQ(t.round_bytes, d.round_bytes);
     EXPECT_EQ(t.one_shot_bytes, d.one_shot_bytes);
+    EXPECT_EQ(t.broadcast_step_rounds, d.broadcast_step_rounds);
+    EXPECT_GE(d.broadcast_step_rounds, 1);
   }
   // The rows measured so far, and the larger groups' row, which no machine has measured.
   EXPECT_EQ(exchangeDefaults(2).lamport_bytes, 256u << 10);
