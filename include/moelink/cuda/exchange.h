@@ -140,8 +140,8 @@ const ExchangeDefaults& exchangeDefaults(int n);
 struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
   int blocks = 64;                  // MOELINK_CUDA_BLOCKS (per role: the kernel holds 2 x blocks SMs when split)
-  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always): allreduce and broadcast above it take two
-  // exchanges.
+  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always): allreduce and broadcast up to it take one
+  // exchange; above it allreduce takes two, broadcast broadcastChunks + 1.
   uint64_t one_shot_bytes = 1 << 20;
   // MOELINK_CUDA_SPLIT: pushing to the peers and consuming what they sent run on separate
   // blocks (`blocks` of each), so that the next round's NVLink writes overlap this round's
