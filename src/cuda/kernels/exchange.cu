@@ -197,8 +197,9 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
   // Each block visits the peers in its own rotation (block b starts b % (n-1) peers after this
   // rank): at any moment the blocks of a rank write to every peer at once, and the ranks' blocks
   // of the same index to different peers, so every NVLink port carries traffic throughout instead
-  // of all blocks queueing on one peer after another. (4x H200, 4 ranks: +7-27 % bus bandwidth at
-  // 128 MiB, +1-4 % at 1 GiB, against every block starting at this rank + 1.)
+  // of all blocks queueing on one peer after another. (4x H200, 4 ranks, against every block
+  // starting at this rank + 1: all_reduce, all_gather and all_to_all +8-27 % bus bandwidth at
+  // 128 MiB, every op +1-4 % at 1 GiB; docs/PERF.md.)
   for (int k = 1; k < n; ++k) {
     const int p = (me + 1 + (b + k - 1) % (n - 1)) % n;
     if (linePair(a, a.send_bytes[p])) {  // all of it in round 0, as Lamport lines
