@@ -83,7 +83,8 @@ const std::vector<Setting> kSettings = {
     number("MOELINK_CUDA_ONESHOT_BYTES", "collectives", 0, 0, UINT64_MAX,
            "groups of more than 2: up to this size allreduce and broadcast are one exchange, above it allreduce is "
            "reduce-scatter + all-gather and broadcast is pipelined in chunks (each rank forwards its block of one "
-           "chunk while the root sends the next; 4 x MOELINK_CUDA_ROUND_BYTES per rank but the root and step)",
+           "chunk while the root sends the next; `moelink.cuda_tuning(n)[\"broadcast_step_bytes\"]` per rank but the "
+           "root and step)",
            "per group size (`moelink.cuda_tuning(n)`): 1048576 (groups of 2: one exchange at every size)"),
     number("MOELINK_CUDA_LAMPORT_BYTES", "collectives", 0, 0, 256 * kKiB,
            "in-host CUDA ops whose every (source, destination) pair moves at most this many bytes (all-to-all "

@@ -113,22 +113,31 @@ Exchange exchangeBroadcastStep(int n, int me, uint64_t bytes, int root, int chun
                 "exchangeBroadcastStep: ", n, " ranks, root ", root, ", step ", step, " of ", chunks);
   Exchange x = base(OpKind::kBroadcast, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, root, bytes);
   const uint64_t chunk = alignUp((bytes + chunks - 1) / chunks, 16);
-  // Byte range of chunk c's block of rank q (q != root: blocks in rank order, the root skipped).
-  const auto block = [&](int c, int q) {
+  // Chunk c's blocks as (offset, length), one per rank but the root, in rank order (none for a
+  // chunk outside 0..chunks-1).
+  using Blocks = std::vector<std::pair<uint64_t, uint64_t>>;
+  const auto blocksOf = [&](int c) {
+    if (c < 0 || c >= chunks) return Blocks{};
     const uint64_t lo = std::min(bytes, c * chunk), len = std::min(bytes, lo + chunk) - lo;
-    const auto b = allreduceBlocks(n - 1, len, DType::kBytes)[q < root ? q : q - 1];
-    return std::pair<uint64_t, uint64_t>{lo + b.first, b.second - b.first};
+    Blocks b = allreduceBlocks(n - 1, len, DType::kBytes);
+    for (auto& [off, n_bytes] : b) {
+      n_bytes -= off;
+      off += lo;
+    }
+    return b;
   };
+  const auto at = [root](int q) { return q < root ? q : q - 1; };
   const bool sending = step < chunks, forwarding = step > 0;
+  const Blocks sent = blocksOf(step), forwarded = blocksOf(step - 1);
   for (int q = 0; q < n; ++q) {
     if (q == me) continue;
     if (me == root) {
-      if (sending) std::tie(x.send_off[q], x.send_bytes[q]) = block(step, q);
+      if (sending) std::tie(x.send_off[q], x.send_bytes[q]) = sent[at(q)];
     } else if (q == root) {
-      if (sending) std::tie(x.recv_off[q], x.recv_bytes[q]) = block(step, me);
+      if (sending) std::tie(x.recv_off[q], x.recv_bytes[q]) = sent[at(me)];
     } else if (forwarding) {
-      std::tie(x.send_off[q], x.send_bytes[q]) = block(step - 1, me);
-      std::tie(x.recv_off[q], x.recv_bytes[q]) = block(step - 1, q);
+      std::tie(x.send_off[q], x.send_bytes[q]) = forwarded[at(me)];
+      std::tie(x.recv_off[q], x.recv_bytes[q]) = forwarded[at(q)];
     }
   }
   return x;
