@@ -323,7 +323,8 @@ uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t) {
 
 int lamportBlocks(const Exchange& x) {
   const uint64_t lines = (longestPair(x) + 7) / 8;
-  return static_cast<int>(std::max<uint64_t>(1, (lines + 1023) / 1024));
+  const uint64_t per_block = 2 * static_cast<uint64_t>(lamportThreads(static_cast<int>(x.send_bytes.size())));
+  return static_cast<int>(std::max<uint64_t>(1, (lines + per_block - 1) / per_block));
 }
 
 int exchangeSms(const Exchange& x, const ExchangeTuning& t) {

@@ -52,6 +52,9 @@ constexpr uint64_t kLamportMaxBytes = 256 << 10;
 constexpr uint64_t kLamportLineBytes = 16;
 constexpr uint64_t kLamportHeaderLines = 8;  // an ExchangeHeader, 8 data bytes per line
 constexpr uint64_t kLamportSourceBytes = (kLamportHeaderLines + kLamportMaxBytes / 8) * kLamportLineBytes;
+// Threads of a Lamport block (each moves two lines of every pair at a time, every peer's lines in
+// registers): fewer in groups above 4 ranks. A block carries twice its threads' lines.
+constexpr int lamportThreads(int n) { return n > 4 ? 256 : 512; }
 
 enum class ExchangeMode : uint8_t { kCopy, kReduce };
 
@@ -176,7 +179,7 @@ bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
 // its longest pair (one-shot, reduce and reduce-scatter pairs are all alike; in the two-shot
 // scatter half the owner of the longest block receives it and every other rank sends it).
 uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t);
-// Blocks of a Lamport launch (512 threads, two lines of the longest pair per thread).
+// Blocks of a Lamport launch (lamportThreads(n) threads, two lines of the longest pair per thread).
 int lamportBlocks(const Exchange& x);
 // The SMs (one block each) that this rank's launch of `x` holds while it runs: the Lamport
 // kernel's blocks and its header block, or the staged kernel's blocks with work, twice that
