@@ -86,6 +86,9 @@ const std::vector<Setting> kSettings = {
            "chunk while the root sends the next; `moelink.cuda_tuning(n)[\"broadcast_step_bytes\"]` per rank but the "
            "root and step)",
            "per group size (`moelink.cuda_tuning(n)`): 1048576 (groups of 2: one exchange at every size)"),
+    flag("MOELINK_CUDA_PDL", "collectives", true,
+         "`0`: the Lamport kernel is launched plainly instead of as a programmatic dependent (which lets the next "
+         "op's blocks onto the GPU, waiting, before the op ahead of it has ended)"),
     number("MOELINK_CUDA_LAMPORT_BYTES", "collectives", 0, 0, 256 * kKiB,
            "in-host CUDA ops whose every (source, destination) pair moves at most this many bytes (all-to-all "
            "excepted) send their data as 16-byte lines that carry the op's number (the Lamport protocol: one NVLink "

@@ -280,6 +280,7 @@ ExchangeTuning ExchangeTuning::fromEnv(int n) {
   t.blocks = static_cast<int>(settings::numberIfSet("MOELINK_CUDA_BLOCKS").value_or(static_cast<uint64_t>(d.blocks)));
   t.one_shot_bytes = settings::numberIfSet("MOELINK_CUDA_ONESHOT_BYTES").value_or(d.one_shot_bytes);
   t.split = settings::flag("MOELINK_CUDA_SPLIT");
+  t.dependent_launch = settings::flag("MOELINK_CUDA_PDL");
   t.broadcast_step_rounds = d.broadcast_step_rounds;
   MOELINK_CHECK(t.round_bytes % 16 == 0, "MOELINK_CUDA_ROUND_BYTES must be a multiple of 16, got ", t.round_bytes);
   static_assert(kExchangeMaxBlocks == 64, "MOELINK_CUDA_BLOCKS' range in settings.cpp is 1..kExchangeMaxBlocks");

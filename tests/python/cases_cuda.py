@@ -412,6 +412,58 @@ def lamport_boundaries(rank, world):
     mismatch_fails_then_usable(world, d, limit // 4 + (1 if rank else 0), "across the Lamport threshold")
 
 
+def plain_launch_beside_dependent(rank, world):
+    """MOELINK_CUDA_PDL is a rank's own choice: in a group where rank 0 launches the Lamport kernel
+    plainly and the others as programmatic dependents, small ops back to back, eager and replayed
+    in a CUDA graph, are exact on the NVLink route."""
+    if os.environ.get("MOELINK_RANKS_PER_HOST"):
+        return  # the setting is the in-host kernel's
+    old = os.environ.get("MOELINK_CUDA_PDL")
+    os.environ["MOELINK_CUDA_PDL"] = "0" if rank == 0 else "1"
+    try:
+        g = dist.new_group()
+        d = dev(rank)
+        x = torch.empty(2048, device=d)
+        ag = torch.empty(world * 512, device=d)
+        a_out = torch.empty(world * 16, device=d)
+        a_in = torch.empty(world * 16, device=d)
+
+        def ops():
+            for _ in range(3):
+                dist.all_reduce(x, group=g)
+            dist.all_gather_into_tensor(ag, x[:512], group=g)
+            dist.all_to_all_single(a_out, a_in, group=g)
+
+        def check(it, what):
+            same(x, torch.full_like(x, float(sum(r + it for r in range(world)) * world ** 2)), f"{what} all_reduce")
+            ref = float(sum(r + it for r in range(world)) * world ** 2)
+            same(ag, torch.full_like(ag, ref), f"{what} all_gather")
+            exp = torch.cat([(torch.arange(world * 16, device=d, dtype=torch.float32) + 100 * r + it)
+                             .view(world, 16)[rank] for r in range(world)])
+            same(a_out, exp, f"{what} all_to_all")
+
+        def fill(it):
+            x.fill_(rank + it)
+            a_in.copy_(torch.arange(world * 16, device=d, dtype=torch.float32) + 100 * rank + it)
+
+        fill(0)
+        ops()
+        check(0, "eager")
+        assert moelink.get_backend(g).cuda_path() == "nvlink", moelink.get_backend(g).cuda_path()
+        graph = capture(ops)
+        for it in range(1, 4):
+            fill(it)
+            graph.replay()
+            torch.cuda.synchronize()
+            check(it, f"graph replay {it}")
+        dist.destroy_process_group(g)
+    finally:
+        if old is None:
+            del os.environ["MOELINK_CUDA_PDL"]
+        else:
+            os.environ["MOELINK_CUDA_PDL"] = old
+
+
 def lamport_disagreement(rank, world):
     """Ranks with different MOELINK_CUDA_LAMPORT_BYTES would pick different protocols for one op:
     the host-staged route instead."""
@@ -648,6 +700,6 @@ def fsdp2_matches_local(rank, world):
 
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "in_place_all_to_all", "all_to_all_mixed_protocols", "broadcast_pipelined", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
-         "round_size_disagreement", "lamport_boundaries", "lamport_disagreement", "graph_capture", "host_pieces", "point_to_point", "against_nccl", "bad_input",
+         "round_size_disagreement", "lamport_boundaries", "plain_launch_beside_dependent", "lamport_disagreement", "graph_capture", "host_pieces", "point_to_point", "against_nccl", "bad_input",
          "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "sparse_all_reduce",
          "functional_and_dtensor", "fsdp2_matches_local"]

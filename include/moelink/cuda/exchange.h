@@ -156,6 +156,9 @@ struct ExchangeTuning {
   uint64_t lamport_bytes = 0;
   // The row's broadcast_step_rounds (no setting: every rank of a group has the same row).
   int broadcast_step_rounds = 4;
+  // MOELINK_CUDA_PDL: the Lamport kernel launches as a programmatic dependent (a rank's own
+  // choice; it changes nothing its peers see).
+  bool dependent_launch = true;
   // Reads MOELINK_CUDA_* over exchangeDefaults(n) for a group of `n` ranks; throws
   // moelink::Error on a bad value.
   static ExchangeTuning fromEnv(int n = 2);

@@ -31,6 +31,8 @@ struct ExchangeLaunch {
   // The Lamport protocol (exchangeLamport; src/cuda/kernels/lamport.cu): `launched` blocks move
   // the data, one more writes the header slots.
   bool lamport = false;
+  // The Lamport kernel launches as a programmatic dependent (ExchangeTuning::dependent_launch).
+  bool dependent_launch = true;
   // The staged kernel: pairs of 1..lamport_pairs bytes travel as Lamport lines (exchangeLamportPairs).
   uint64_t lamport_pairs = 0;
   uint8_t mode = 0, dtype = 0, redop = 0;

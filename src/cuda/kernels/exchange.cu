@@ -429,6 +429,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   l.roles = exchangeSplits(x, t) ? 2 : 1;
   l.launched = exchangeBlocksWithWork(x, t);
   l.lamport = exchangeLamport(x, t);
+  l.dependent_launch = t.dependent_launch;
   l.guard_input = true;  // unknown until the pointers are (exchangeOutputMeetsInput)
   if (l.lamport) {
     l.roles = 1;

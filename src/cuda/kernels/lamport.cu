@@ -335,9 +335,10 @@ __global__ void __launch_bounds__(threadsFor<N>()) lamportKernel(const __grid_co
   finishLaunch(c, /*single=*/true);
 }
 
-// Launches with programmatic stream serialization: the GPU may start this launch while the
-// kernel before it ends, its blocks waiting at griddepcontrol.wait (captured into a graph as a
-// programmatic edge); a plain launch where the attribute is refused.
+// Launches with programmatic stream serialization (unless MOELINK_CUDA_PDL=0): the GPU may start
+// this launch while the kernel before it ends, its blocks waiting at griddepcontrol.wait (captured
+// into a graph as a programmatic edge); a plain launch where the attribute is refused. In a plain
+// launch griddepcontrol.wait returns at once, the stream having ordered it already.
 template <typename Reduce, int N>
 cudaError_t launchAs(const ExchangeLaunch& l, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
@@ -348,7 +349,7 @@ cudaError_t launchAs(const ExchangeLaunch& l, cudaStream_t stream) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = l.dependent_launch ? 1 : 0;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, lamportKernel<Reduce, N>, l);
   if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return e;
   (void)cudaGetLastError();
