@@ -160,15 +160,28 @@ __device__ __forceinline__ void putLine(char* line, uint64_t v, uint32_t flag) {
                : "memory");
 }
 
-// True, with the line's 8 bytes in *v, when the line carries `flag` in both halves.
-__device__ __forceinline__ bool takeLine(const char* line, uint32_t flag, uint64_t* v) {
+// A line as loaded: its 8 bytes and the flag in each half.
+struct Line {
   uint32_t lo, f0, hi, f1;
+  __device__ bool carries(uint32_t flag) const { return f0 == flag && f1 == flag; }
+  __device__ uint64_t value() const { return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32); }
+};
+
+// One load of a line (the check is the caller's, so that several loads can be in flight).
+__device__ __forceinline__ Line loadLine(const char* line) {
+  Line l;
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(lo), "=r"(f0), "=r"(hi), "=r"(f1)
+               : "=r"(l.lo), "=r"(l.f0), "=r"(l.hi), "=r"(l.f1)
                : "l"(line)
                : "memory");
-  *v = static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
-  return f0 == flag && f1 == flag;
+  return l;
+}
+
+// True, with the line's 8 bytes in *v, when the line carries `flag` in both halves.
+__device__ __forceinline__ bool takeLine(const char* line, uint32_t flag, uint64_t* v) {
+  const Line l = loadLine(line);
+  *v = l.value();
+  return l.carries(flag);
 }
 
 // The peer's header in this rank's header slot for op c.seq, when the peer has written it and it

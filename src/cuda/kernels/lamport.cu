@@ -138,19 +138,6 @@ __device__ __forceinline__ void storeLines(char* p, uint64_t bytes, uint64_t i, 
   if (8 * i1 < bytes) store8(p + 8 * i1, w[1], lineLen(bytes, i1));
 }
 
-struct Line {
-  uint32_t lo, f0, hi, f1;
-};
-
-__device__ __forceinline__ Line loadLine(const char* line) {
-  Line l;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(l.lo), "=r"(l.f0), "=r"(l.hi), "=r"(l.f1)
-               : "l"(line)
-               : "memory");
-  return l;
-}
-
 // Lines i and i + blockDim.x from the peers, bit 2q + j of `want` for line j from peer q, into v[q][j]:
 // every wanted line is loaded at once, and the loads repeated for those that do not yet carry
 // this op's flag. False when the launch failed, its deadline passed or it was aborted.
@@ -171,8 +158,8 @@ __device__ bool awaitLines(const Ctx& c, uint32_t flag, int parity, uint64_t i, 
     for (int q = 0; q < N; ++q)
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        if (((want >> (2 * q + j)) & 1) && l[q][j].f0 == flag && l[q][j].f1 == flag) {
-          v[q][j] = static_cast<uint64_t>(l[q][j].lo) | (static_cast<uint64_t>(l[q][j].hi) << 32);
+        if (((want >> (2 * q + j)) & 1) && l[q][j].carries(flag)) {
+          v[q][j] = l[q][j].value();
           want &= ~(1u << (2 * q + j));
         }
     if (want && (++spins & 1023) == 0 && !keepWaiting(c, (__ffs(want) - 1) / 2)) return false;
