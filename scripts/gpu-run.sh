@@ -45,6 +45,7 @@ benchtwohop   | 400 | EP normal-mode benchmark, 4 GPUs as 2 virtual hosts of 2 (
 cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
 cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
 cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
+cudapdl       | 400 | the Lamport kernel's launch: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_PDL 0 and 1, GPUS ranks
 cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, tcp between them) beside NCCL on its socket transport, 4 MiB-256 MiB, GPUS ranks, MOELINK_TCP_STREAMS 1 and the default
 nvlinkbench   | 200 | the NVLink all-to-all ceiling by way of copying and SMs (examples/bench/nvlink.py), GPUS GPUs
 tcpbench      | 200 | the tcp transport's own loopback bandwidth by number of streams (examples/bench/tcp_transport.py)
@@ -141,6 +142,13 @@ stage_cudasweep() {
     echo "== MOELINK_CUDA_LAMPORT_BYTES=$l"
     MOELINK_CUDA_LAMPORT_BYTES=$l bench_cuda --gpus "${GPUS:-2}" --graph --min-bytes 8192 --max-bytes 262144 \
       --out "$OUT/sweep${GPUS:-2}-lamport$l.png"
+  done
+}
+stage_cudapdl() {
+  for p in 0 1; do
+    echo "== MOELINK_CUDA_PDL=$p"
+    MOELINK_CUDA_PDL=$p bench_cuda --gpus "${GPUS:-2}" --graph --min-bytes 8192 --max-bytes 262144 \
+      --out "$OUT/pdl${GPUS:-2}-$p.png"
   done
 }
 sweep_sizes() { echo --min-bytes "${MINB:-$((4 << 20))}" --max-bytes "${MAXB:-$((256 << 20))}"; }
