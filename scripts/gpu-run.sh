@@ -137,20 +137,18 @@ stage_benchtwohop() {
 bench_cuda() { python3 examples/bench/collectives.py --device cuda --iters "${ITERS:-20}" "$@"; }
 stage_cudabench() { bench_cuda --gpus "${GPUS:-2}" --min-bytes 8192 --max-bytes $((1 << 30)) --out "$OUT/cuda${GPUS:-2}.png"; }
 stage_cudasmall() { bench_cuda --gpus "${GPUS:-2}" --issue --graph --min-bytes 8192 --max-bytes 262144 --out "$OUT/cudasmall${GPUS:-2}.png"; }
-stage_cudasweep() {
-  for l in 0 262144; do
-    echo "== MOELINK_CUDA_LAMPORT_BYTES=$l"
-    MOELINK_CUDA_LAMPORT_BYTES=$l bench_cuda --gpus "${GPUS:-2}" --graph --min-bytes 8192 --max-bytes 262144 \
-      --out "$OUT/sweep${GPUS:-2}-lamport$l.png"
+# Graph replay of 8-256 KiB ops beside NCCL with setting $1 at each later value; plot $OUT/$2<value>.png.
+graph_sweep() {
+  local name=$1 prefix=$2 v
+  shift 2
+  for v in "$@"; do
+    echo "== $name=$v"
+    ( export "$name=$v"
+      bench_cuda --gpus "${GPUS:-2}" --graph --min-bytes 8192 --max-bytes 262144 --out "$OUT/$prefix$v.png" )
   done
 }
-stage_cudapdl() {
-  for p in 0 1; do
-    echo "== MOELINK_CUDA_PDL=$p"
-    MOELINK_CUDA_PDL=$p bench_cuda --gpus "${GPUS:-2}" --graph --min-bytes 8192 --max-bytes 262144 \
-      --out "$OUT/pdl${GPUS:-2}-$p.png"
-  done
-}
+stage_cudasweep() { graph_sweep MOELINK_CUDA_LAMPORT_BYTES "sweep${GPUS:-2}-lamport" 0 262144; }
+stage_cudapdl() { graph_sweep MOELINK_CUDA_PDL "pdl${GPUS:-2}-" 0 1; }
 sweep_sizes() { echo --min-bytes "${MINB:-$((4 << 20))}" --max-bytes "${MAXB:-$((256 << 20))}"; }
 stage_cudabenchhost() {
   for st in ${STREAMS:-1 default}; do

@@ -2,6 +2,7 @@
 test_cuda_collectives.py through harness.run_cases). Every result is checked against what each
 rank computes itself from all ranks' known inputs, and a subset against NCCL on the same inputs."""
 
+import contextlib
 import os
 
 import torch
@@ -307,25 +308,30 @@ def small_op_burst(rank, world):
         same(t, want if isinstance(want, torch.Tensor) else torch.full_like(t, want), what)
 
 
-def host_route_on_disagreement(rank, world, name, value):
-    """Ranks whose `name` differs (`value` of their rank) cannot share staging areas: a new group
-    takes the host-staged route, exact, and says why."""
-    import moelink
-
+@contextlib.contextmanager
+def setting(name, value):
+    """`name` set to `value` in this process (read by the groups made meanwhile), then as it was."""
     old = os.environ.get(name)
     os.environ[name] = value
     try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def host_route_on_disagreement(rank, world, name, value):
+    """Ranks whose `name` differs (`value` of their rank) cannot share staging areas: a new group
+    takes the host-staged route, exact, and says why."""
+    with setting(name, value):
         g = dist.new_group()
         x = torch.full((4096,), rank + 1.0, device=dev(rank))
         dist.all_reduce(x, group=g)
         same(x, torch.full_like(x, float(sum(r + 1 for r in range(world)))), f"all_reduce ({name})")
         assert moelink.get_backend(g).cuda_path() == "host", moelink.get_backend(g).cuda_path()
         dist.destroy_process_group(g)
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def round_size_disagreement(rank, world):
@@ -418,9 +424,8 @@ def plain_launch_beside_dependent(rank, world):
     in a CUDA graph, are exact on the NVLink route."""
     if os.environ.get("MOELINK_RANKS_PER_HOST"):
         return  # the setting is the in-host kernel's
-    old = os.environ.get("MOELINK_CUDA_PDL")
-    os.environ["MOELINK_CUDA_PDL"] = "0" if rank == 0 else "1"
-    try:
+    # read at the group's first CUDA op
+    with setting("MOELINK_CUDA_PDL", "0" if rank == 0 else "1"):
         g = dist.new_group()
         d = dev(rank)
         x = torch.empty(2048, device=d)
@@ -434,17 +439,17 @@ def plain_launch_beside_dependent(rank, world):
             dist.all_gather_into_tensor(ag, x[:512], group=g)
             dist.all_to_all_single(a_out, a_in, group=g)
 
-        def check(it, what):
-            same(x, torch.full_like(x, float(sum(r + it for r in range(world)) * world ** 2)), f"{what} all_reduce")
-            ref = float(sum(r + it for r in range(world)) * world ** 2)
-            same(ag, torch.full_like(ag, ref), f"{what} all_gather")
-            exp = torch.cat([(torch.arange(world * 16, device=d, dtype=torch.float32) + 100 * r + it)
-                             .view(world, 16)[rank] for r in range(world)])
-            same(a_out, exp, f"{what} all_to_all")
-
         def fill(it):
             x.fill_(rank + it)
             a_in.copy_(torch.arange(world * 16, device=d, dtype=torch.float32) + 100 * rank + it)
+
+        def check(it, what):
+            total = float(sum(r + it for r in range(world)) * world ** 2)  # three all_reduces
+            same(x, torch.full_like(x, total), f"{what} all_reduce")
+            same(ag, torch.full_like(ag, total), f"{what} all_gather")
+            exp = torch.cat([(torch.arange(world * 16, device=d, dtype=torch.float32) + 100 * r + it)
+                             .view(world, 16)[rank] for r in range(world)])
+            same(a_out, exp, f"{what} all_to_all")
 
         fill(0)
         ops()
@@ -457,11 +462,6 @@ def plain_launch_beside_dependent(rank, world):
             torch.cuda.synchronize()
             check(it, f"graph replay {it}")
         dist.destroy_process_group(g)
-    finally:
-        if old is None:
-            del os.environ["MOELINK_CUDA_PDL"]
-        else:
-            os.environ["MOELINK_CUDA_PDL"] = old
 
 
 def lamport_disagreement(rank, world):

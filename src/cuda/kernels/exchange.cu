@@ -29,6 +29,32 @@ namespace moelink::cuda {
 
 namespace {
 
+// A short pair as Lamport lines: lines [first, ..., step first + k * stride) of the pair to p,
+// `bytes` from `src`. Lines go by index, as in the Lamport kernel, so a peer on either kernel
+// reads them.
+__device__ void pushPairLines(const Ctx& c, int p, const char* src, uint64_t bytes, uint32_t flag, int parity,
+                              uint64_t first, uint64_t stride) {
+  const ExchangeLaunch& a = *c.a;
+  char* area = lamportArea(a.staging[p], a.layout, a.size, parity, a.rank) + kLamportHeaderLines * kLamportLineBytes;
+  for (uint64_t i = first; i * 8 < bytes; i += stride)
+    putLine(area + i * kLamportLineBytes, load8(src + i * 8, lineLen(bytes, i)), flag);
+}
+
+// The same lines of the pair from q, `bytes` into `dst` as they arrive. False when the launch
+// failed (recorded).
+__device__ bool takePairLines(const Ctx& c, int q, char* dst, uint64_t bytes, uint32_t flag, int parity,
+                              uint64_t first, uint64_t stride) {
+  const ExchangeLaunch& a = *c.a;
+  const char* area =
+      lamportArea(a.staging[a.rank], a.layout, a.size, parity, q) + kLamportHeaderLines * kLamportLineBytes;
+  for (uint64_t i = first; i * 8 < bytes; i += stride) {
+    uint64_t v;
+    if (!awaitLine(c, area + i * kLamportLineBytes, flag, q, &v, false)) return false;
+    store8(dst + i * 8, v, lineLen(bytes, i));
+  }
+  return true;
+}
+
 __device__ __forceinline__ uint64_t tagOf(uint64_t seq, uint64_t round) { return (seq << 24) | (round + 1); }
 
 __device__ __forceinline__ uint64_t* flagSlot(char* staging, const ExchangeLayout& l, int half, int src, int b) {

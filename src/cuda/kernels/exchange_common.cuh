@@ -148,7 +148,7 @@ __device__ bool blockFailed(const Ctx& c) {
   return f;
 }
 
-// ---- Lamport lines (lamport.cu; the small pairs of a staged all-to-all, exchange.cu) ----
+// ---- Lamport lines (lamport.cu; the small pairs of a staged exchange, exchange.cu) ----
 
 __device__ __forceinline__ char* lamportArea(char* staging, const ExchangeLayout& l, int n, int parity, int src) {
   return staging + l.lamport + (static_cast<uint64_t>(parity) * n + src) * kLamportSourceBytes;
@@ -215,6 +215,9 @@ __device__ bool awaitLine(const Ctx& c, const char* line, uint32_t flag, int q, 
   return true;
 }
 
+// Bytes of line i of a pair of `bytes` (1..8; the line carries 8 bytes of the pair from 8 * i).
+__device__ __forceinline__ uint64_t lineLen(uint64_t bytes, uint64_t i) { return bytes - 8 * i < 8 ? bytes - 8 * i : 8; }
+
 // `len` (1..8) bytes at p, little-endian in a word.
 __device__ __forceinline__ uint64_t load8(const char* p, uint64_t len) {
   if (len == 8 && (reinterpret_cast<uintptr_t>(p) & 7) == 0) return *reinterpret_cast<const uint64_t*>(p);
@@ -267,33 +270,6 @@ __device__ void pushHeaderLines(const Ctx& c, uint32_t flag, int parity) {
   h.seq = c.seq;
   putLine(lamportArea(a.staging[p], a.layout, n, parity, me) + w * kLamportLineBytes,
           reinterpret_cast<const uint64_t*>(&h)[w], flag);
-}
-
-// Lines [first, ..., step first + k * stride) of the pair to p: `bytes` from `src`.
-__device__ void pushPairLines(const Ctx& c, int p, const char* src, uint64_t bytes, uint32_t flag, int parity,
-                              uint64_t first, uint64_t stride) {
-  const ExchangeLaunch& a = *c.a;
-  char* area = lamportArea(a.staging[p], a.layout, a.size, parity, a.rank) + kLamportHeaderLines * kLamportLineBytes;
-  for (uint64_t i = first; i * 8 < bytes; i += stride) {
-    const uint64_t len = bytes - i * 8 < 8 ? bytes - i * 8 : 8;
-    putLine(area + i * kLamportLineBytes, load8(src + i * 8, len), flag);
-  }
-}
-
-// The same lines of the pair from q, `bytes` into `dst` as they arrive. False when the launch
-// failed (recorded).
-__device__ bool takePairLines(const Ctx& c, int q, char* dst, uint64_t bytes, uint32_t flag, int parity,
-                              uint64_t first, uint64_t stride) {
-  const ExchangeLaunch& a = *c.a;
-  const char* area =
-      lamportArea(a.staging[a.rank], a.layout, a.size, parity, q) + kLamportHeaderLines * kLamportLineBytes;
-  for (uint64_t i = first; i * 8 < bytes; i += stride) {
-    uint64_t v;
-    if (!awaitLine(c, area + i * kLamportLineBytes, flag, q, &v, false)) return false;
-    const uint64_t len = bytes - i * 8 < 8 ? bytes - i * 8 : 8;
-    store8(dst + i * 8, v, len);
-  }
-  return true;
 }
 
 // Ends a block of the launch; the last block to finish numbers the next op (a launch of one

@@ -124,7 +124,6 @@ struct LineCopy {
 __device__ __forceinline__ uint32_t pairLines(uint64_t bytes, uint64_t i) {
   return (8 * i < bytes ? 1u : 0u) | (8 * (i + blockDim.x) < bytes ? 2u : 0u);
 }
-__device__ __forceinline__ uint64_t lineLen(uint64_t bytes, uint64_t i) { return bytes - 8 * i < 8 ? bytes - 8 * i : 8; }
 
 // The words of lines i and i + blockDim.x of a pair of `bytes` at p (0 for a line it lacks).
 __device__ __forceinline__ void loadLines(const char* p, uint64_t bytes, uint64_t i, uint64_t* w) {
@@ -181,9 +180,10 @@ __device__ void pushLines(const Ctx& c, uint32_t flag, int parity) {
 #pragma unroll
     for (int k = 1; k < N; ++k) {
       const int p = (me + k) % n;
-      if (k < n && pairLines(a.send_bytes[p], i)) {
+      const uint32_t has = k < n ? pairLines(a.send_bytes[p], i) : 0;
+      if (has) {
         loadLines(a.in + a.send_off[p], a.send_bytes[p], i, w[k]);
-        lines |= pairLines(a.send_bytes[p], i) << (2 * k);
+        lines |= has << (2 * k);
       }
     }
     if (!lines) return;
