@@ -16,7 +16,9 @@ namespace {
 
 struct Counter {
   unsigned long long seq;  // ops completed on this staging area
-  unsigned int done;       // blocks of the current launch that have finished
+  // Blocks of the current launch that have finished, and kDoneFailed once the launch has failed:
+  // the last block learns both from its one atomic add (finishLaunch).
+  unsigned int done;
   unsigned int failed;     // seq of a failed launch (blocks stop waiting)
   // seq of the latest launch that succeeded with every pair in one round (0: none): the
   // next launch may push before it has seen its peers' headers (exchangeKernel).
@@ -26,6 +28,15 @@ struct Counter {
   // Lamport parity that op used before it has seen its peers' headers (lamport.cu).
   unsigned long long any_ok;
 };
+
+constexpr unsigned kDoneFailed = 1u << 31;
+
+// Marks the launch failed in the done word before this thread goes on (a fence: the block's
+// count, added after its last barrier, comes after the mark in the word's order).
+__device__ __forceinline__ void markFailed(Counter* counter) {
+  atomicOr(&counter->done, kDoneFailed);
+  __threadfence();
+}
 
 struct Ctx {
   const ExchangeLaunch* a;
@@ -37,6 +48,7 @@ struct Ctx {
 // Records a failure once per launch (the first block to fail writes the status).
 __device__ void fail(const Ctx& c, uint32_t code, int peer, const ExchangeHeader* theirs) {
   const ExchangeLaunch& a = *c.a;
+  markFailed(c.counter);
   if (atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq)) < static_cast<unsigned>(c.seq) && a.status) {
     ExchangeStatus* s = a.status;
     s->peer = peer;
@@ -53,7 +65,10 @@ __device__ void fail(const Ctx& c, uint32_t code, int peer, const ExchangeHeader
 // The slow path of every wait (every 1024th spin): false when the launch has failed, its
 // deadline has passed or the host has aborted it (the last two recorded).
 __device__ bool keepWaiting(const Ctx& c, int peer) {
-  if (*reinterpret_cast<volatile unsigned*>(&c.counter->failed) >= static_cast<unsigned>(c.seq)) return false;
+  if (*reinterpret_cast<volatile unsigned*>(&c.counter->failed) >= static_cast<unsigned>(c.seq)) {
+    markFailed(c.counter);  // another block's failure, or the host's abortWaits
+    return false;
+  }
   if (c.a->timeout_ns && device::globalTimerNs() - c.start_ns > c.a->timeout_ns) {
     fail(c, ExchangeStatus::kTimeout, peer, nullptr);
     return false;
@@ -140,8 +155,10 @@ __device__ __forceinline__ T finishAcc(typename AccOf<T>::type acc, ReduceOp op,
 __device__ bool blockFailed(const Ctx& c) {
   __shared__ int failed;
   __syncthreads();
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
     failed = *reinterpret_cast<volatile unsigned*>(&c.counter->failed) >= static_cast<unsigned>(c.seq);
+    if (failed) markFailed(c.counter);
+  }
   __syncthreads();
   const bool f = failed;
   __syncthreads();
@@ -236,8 +253,9 @@ __device__ __forceinline__ void store8(char* p, uint64_t v, uint64_t len) {
 // Whether op c.seq may write Lamport lines before it has seen its peers' headers: this rank's
 // previous op succeeded (Counter::any_ok), so every peer has ended the op before that, the last
 // one that wrote the parity this op writes.
+__device__ __forceinline__ bool linesEarly(uint64_t seq, uint64_t any_ok) { return seq >= 1 && any_ok == seq - 1; }
 __device__ bool linesEarly(const Ctx& c) {
-  return c.seq >= 1 && *reinterpret_cast<volatile unsigned long long*>(&c.counter->any_ok) == c.seq - 1;
+  return linesEarly(c.seq, *reinterpret_cast<volatile unsigned long long*>(&c.counter->any_ok));
 }
 
 // Otherwise (after a failed op) a block waits until every peer has written its header of this
@@ -272,25 +290,22 @@ __device__ void pushHeaderLines(const Ctx& c, uint32_t flag, int parity) {
           reinterpret_cast<const uint64_t*>(&h)[w], flag);
 }
 
-// Ends a block of the launch; the last block to finish numbers the next op (a launch of one
-// block needs no count: the kernel's end publishes its writes to the next launch), and
-// records whether this op succeeded with every pair in one round (exchangePushesEarly).
+// Ends a block of the launch; the last block to finish numbers the next op and records whether
+// this op succeeded, and with every pair in one round (exchangePushesEarly). One atomic add per
+// block tells the last one both (Counter::done; a block that failed marked the word before its
+// last barrier). No fence follows the counter's words: the kernel's end publishes them to the
+// next launch on the stream, the only reader.
 __device__ void finishLaunch(const Ctx& c, bool single) {
   __syncthreads();
   if (threadIdx.x == 0) {
     Counter* counter = c.counter;
-    bool last = gridDim.x == 1;
-    if (!last) {
-      __threadfence();
-      last = atomicAdd(&counter->done, 1u) == gridDim.x - 1;
-      if (last) counter->done = 0;
-    }
-    if (last) {
-      const bool ok = *reinterpret_cast<volatile unsigned*>(&counter->failed) < static_cast<unsigned>(c.seq);
+    const unsigned before = atomicAdd(&counter->done, 1u);
+    if ((before & ~kDoneFailed) == gridDim.x - 1) {
+      const bool ok = !(before & kDoneFailed);
+      counter->done = 0;
       counter->single_ok = ok && single ? c.seq : 0;
       counter->any_ok = ok ? c.seq : 0;
       counter->seq = c.seq;
-      if (gridDim.x > 1) __threadfence();
     }
   }
 }
