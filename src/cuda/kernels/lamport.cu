@@ -6,9 +6,13 @@
 // sender); the flag is the op's number. A receiver polls each line until both flags carry
 // this op's number (a line is written at once, and each 8-byte half of it is seen whole), so
 // no flag follows the data and nothing is acknowledged. The op's header travels the same way,
-// as the first kLamportHeaderLines lines of every pair, and every block checks every
-// peer's header before it consumes anything: a disagreement fails the op on every rank with
-// the staged kernel's words (exchange.cu).
+// as the first kLamportHeaderLines lines of every pair. Every block loads the peers' header
+// lines in the same wait as its first data lines and checks them once its lines are in
+// (checkHeaders), so the check costs no round trip of its own: a disagreement fails the op on
+// every rank with the staged kernel's words (exchange.cu), and a block that waits for lines a
+// peer does not send looks at that peer's header lines and slot on the slow path of its wait
+// (peerDisagrees). A block may have written lines of an op its peers disagree about into the
+// output before the check fails the op; a failed op's output is undefined.
 //
 // Reuse: op seq writes the parity that op seq - 2 used. When this rank's op seq - 1 succeeded
 // (linesEarly), it saw every peer's header or lines of seq - 1, which a peer writes only after
@@ -137,22 +141,65 @@ __device__ __forceinline__ void storeLines(char* p, uint64_t bytes, uint64_t i, 
   if (8 * i1 < bytes) store8(p + 8 * i1, w[1], lineLen(bytes, i1));
 }
 
-// Lines i and i + blockDim.x from the peers, bit 2q + j of `want` for line j from peer q, into v[q][j]:
-// every wanted line is loaded at once, and the loads repeated for those that do not yet carry
-// this op's flag. False when the launch failed, its deadline passed or it was aborted.
-template <int N>
-__device__ bool awaitLines(const Ctx& c, uint32_t flag, int parity, uint64_t i, uint32_t want, uint64_t (&v)[N][2]) {
+// One word of a peer's header lines, which threads [0, n * kLamportHeaderLines) load beside
+// their first lines: the header is checked after the data (checkHeaders), so that waiting for it
+// costs no round trip of its own.
+struct HeaderWord {
+  bool pending = false;  // this thread has a word, not yet come
+  bool taken = false;    // and it has come, into v
+  uint64_t v = 0;
+};
+
+// The line of this thread's header word: peer threadIdx.x / kLamportHeaderLines, word
+// threadIdx.x % kLamportHeaderLines.
+__device__ __forceinline__ const char* headerLine(const ExchangeLaunch& a, int parity) {
+  return lamportArea(a.staging[a.rank], a.layout, a.size, parity, threadIdx.x / kLamportHeaderLines) +
+         (threadIdx.x % kLamportHeaderLines) * kLamportLineBytes;
+}
+
+__device__ HeaderWord headerWord(const ExchangeLaunch& a) {
+  HeaderWord h;
+  h.pending = threadIdx.x < a.size * kLamportHeaderLines && threadIdx.x / kLamportHeaderLines != a.rank;
+  return h;
+}
+
+// Peer q's header, when its lines of this op have all come and it disagrees with this rank's,
+// or when its header slot disagrees (a peer on the staged kernel): recorded as a failure. The
+// slow path of a wait for q's lines, whose number is this rank's idea of the op: a peer that
+// disagrees may never send them.
+__device__ bool peerDisagrees(const Ctx& c, int q, uint32_t flag, int parity) {
   const ExchangeLaunch& a = *c.a;
+  if (slotDisagrees(c, q)) return true;
+  ExchangeHeader theirs;
+  const char* area = lamportArea(a.staging[a.rank], a.layout, a.size, parity, q);
+  for (uint64_t w = 0; w < kLamportHeaderLines; ++w)
+    if (!takeLine(area + w * kLamportLineBytes, flag, &reinterpret_cast<uint64_t*>(&theirs)[w])) return false;
+  if (sameHeader(a.header[q], theirs)) return false;
+  fail(c, ExchangeStatus::kMismatch, q, &theirs);
+  return true;
+}
+
+// Lines i and i + blockDim.x from the peers, bit 2q + j of `want` for line j from peer q, into
+// v[q][j], and the header word h while pending: every wanted line is loaded at once, and the
+// loads repeated for those that do not yet carry this op's flag. False when the launch failed,
+// its deadline passed or it was aborted, or a peer disagrees about the op.
+template <int N>
+__device__ bool awaitLines(const Ctx& c, uint32_t flag, int parity, uint64_t i, uint32_t want, uint64_t (&v)[N][2],
+                           HeaderWord& h) {
+  const ExchangeLaunch& a = *c.a;
+  // Line i from peer 0; peer q's is kLamportSourceBytes further per q.
+  const char* line0 = lamportArea(a.staging[a.rank], a.layout, a.size, parity, 0) +
+                      (kLamportHeaderLines + i) * kLamportLineBytes;
+  const uint64_t second = blockDim.x * kLamportLineBytes;
   uint32_t spins = 0;
-  while (want) {
-    Line l[N][2];
+  while (want || h.pending) {
+    Line l[N][2], hl;
 #pragma unroll
     for (int q = 0; q < N; ++q)
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        if ((want >> (2 * q + j)) & 1)
-          l[q][j] = loadLine(lamportArea(a.staging[a.rank], a.layout, a.size, parity, q) +
-                             (kLamportHeaderLines + i + j * blockDim.x) * kLamportLineBytes);
+        if ((want >> (2 * q + j)) & 1) l[q][j] = loadLine(line0 + q * kLamportSourceBytes + j * second);
+    if (h.pending) hl = loadLine(headerLine(a, parity));
 #pragma unroll
     for (int q = 0; q < N; ++q)
 #pragma unroll
@@ -161,7 +208,15 @@ __device__ bool awaitLines(const Ctx& c, uint32_t flag, int parity, uint64_t i, 
           v[q][j] = l[q][j].value();
           want &= ~(1u << (2 * q + j));
         }
-    if (want && (++spins & 1023) == 0 && !keepWaiting(c, (__ffs(want) - 1) / 2)) return false;
+    if (h.pending && hl.carries(flag)) {
+      h.v = hl.value();
+      h.pending = false;
+      h.taken = true;
+    }
+    if ((want || h.pending) && (++spins & 1023) == 0) {
+      const int q = want ? (__ffs(want) - 1) / 2 : static_cast<int>(threadIdx.x / kLamportHeaderLines);
+      if (!keepWaiting(c, q) || peerDisagrees(c, q, flag, parity)) return false;
+    }
   }
   return true;
 }
@@ -173,68 +228,54 @@ __device__ void pushLines(const Ctx& c, uint32_t flag, int parity) {
   const int me = a.rank, n = a.size;
   pushHeaderLines(c, flag, parity);
   const uint64_t stride = 2ull * a.launched * blockDim.x;
+  // Peers by rank (a constant index into the launch's arrays, no indexed load of them).
   for (uint64_t i = 2ull * blockIdx.x * blockDim.x + threadIdx.x;; i += stride) {
-    // Slot k: the peer k ranks after this one.
     uint64_t w[N][2];
     uint32_t lines = 0;
 #pragma unroll
-    for (int k = 1; k < N; ++k) {
-      const int p = (me + k) % n;
-      const uint32_t has = k < n ? pairLines(a.send_bytes[p], i) : 0;
+    for (int p = 0; p < N; ++p) {
+      const uint32_t has = p < n && p != me ? pairLines(a.send_bytes[p], i) : 0;
       if (has) {
-        loadLines(a.in + a.send_off[p], a.send_bytes[p], i, w[k]);
-        lines |= has << (2 * k);
+        loadLines(a.in + a.send_off[p], a.send_bytes[p], i, w[p]);
+        lines |= has << (2 * p);
       }
     }
     if (!lines) return;
 #pragma unroll
-    for (int k = 1; k < N; ++k) {
-      const int p = (me + k) % n;
-      if (!((lines >> (2 * k)) & 3)) continue;
+    for (int p = 0; p < N; ++p) {
+      if (!((lines >> (2 * p)) & 3)) continue;
       char* area = lamportArea(a.staging[p], a.layout, n, parity, me) + (kLamportHeaderLines + i) * kLamportLineBytes;
-      if ((lines >> (2 * k)) & 1) putLine(area, w[k][0], flag);
-      if ((lines >> (2 * k)) & 2) putLine(area + blockDim.x * kLamportLineBytes, w[k][1], flag);
+      if ((lines >> (2 * p)) & 1) putLine(area, w[p][0], flag);
+      if ((lines >> (2 * p)) & 2) putLine(area + blockDim.x * kLamportLineBytes, w[p][1], flag);
     }
   }
 }
 
-// Every peer's header lines, checked by every block before it consumes. False when the launch
-// failed (a disagreement is recorded here).
-__device__ bool checkHeaders(const Ctx& c, uint32_t flag, int parity) {
+// Every peer's header, checked by every block once its lines have come (a block that consumed
+// lines of an op its peer disagrees about fails it here, with the staged kernel's words). The
+// header threads' words meet in shared memory; `ok`: this thread's wait ended well.
+__device__ void checkHeaders(const Ctx& c, const HeaderWord& h, bool ok) {
   const ExchangeLaunch& a = *c.a;
   const int me = a.rank, n = a.size;
   __shared__ ExchangeHeader theirs[kExchangeMaxRanks];
-  __shared__ int bad;
-  if (threadIdx.x == 0) bad = 0;
-  __syncthreads();
-  if (threadIdx.x < n * kLamportHeaderLines) {
-    const int q = threadIdx.x / kLamportHeaderLines, w = threadIdx.x % kLamportHeaderLines;
-    if (q != me) {
-      uint64_t v = 0;
-      const char* line = lamportArea(a.staging[me], a.layout, n, parity, q) + w * kLamportLineBytes;
-      if (awaitLine(c, line, flag, q, &v, /*watch_slot=*/w == 0))
-        reinterpret_cast<uint64_t*>(&theirs[q])[w] = v;
-      else
-        bad = 1;
-    }
+  __shared__ int got[kExchangeMaxRanks * kLamportHeaderLines];
+  if (h.pending || h.taken) {
+    reinterpret_cast<uint64_t*>(&theirs[threadIdx.x / kLamportHeaderLines])[threadIdx.x % kLamportHeaderLines] = h.v;
+    got[threadIdx.x] = ok && h.taken;
   }
   __syncthreads();
-  if (!bad && threadIdx.x < n && static_cast<int>(threadIdx.x) != me) {
+  if (threadIdx.x < n && static_cast<int>(threadIdx.x) != me) {
     const int q = threadIdx.x;
-    if (!sameHeader(a.header[q], theirs[q])) {
-      fail(c, ExchangeStatus::kMismatch, q, &theirs[q]);
-      bad = 1;
-    }
+    bool all = true;
+    for (uint64_t w = 0; w < kLamportHeaderLines; ++w) all = all && got[q * kLamportHeaderLines + w];
+    if (all && !sameHeader(a.header[q], theirs[q])) fail(c, ExchangeStatus::kMismatch, q, &theirs[q]);
   }
-  __syncthreads();
-  // Another block's failure needs no check here: every block checks every peer's header, and
-  // a peer that has gone is this block's own deadline too.
-  return !bad;
 }
 
-// Copies or reduces this thread's lines into place.
+// Copies or reduces this thread's lines into place, with the header word h beside the first
+// wait. False when a wait failed.
 template <typename Reduce, int N>
-__device__ void consumeLines(const Ctx& c, uint32_t flag, int parity) {
+__device__ bool consumeLines(const Ctx& c, uint32_t flag, int parity, HeaderWord& h) {
   const ExchangeLaunch& a = *c.a;
   const int me = a.rank, n = a.size;
   const uint64_t stride = 2ull * a.launched * blockDim.x;
@@ -249,13 +290,13 @@ __device__ void consumeLines(const Ctx& c, uint32_t flag, int parity) {
       for (int q = 0; q < N; ++q)
         if (q < n && q != me) want |= pairLines(a.recv_bytes[q], i) << (2 * q);
       const bool mine = own != into && pairLines(a.send_bytes[me], i);
-      if (!want && !mine) return;
+      if (!want && !mine) return true;
       if (mine) {
         uint64_t w[2];
         loadLines(own, a.send_bytes[me], i, w);
         storeLines(into, a.send_bytes[me], i, w);
       }
-      if (!awaitLines<N>(c, flag, parity, i, want, v)) return;
+      if (!awaitLines<N>(c, flag, parity, i, want, v, h)) return false;
 #pragma unroll
       for (int q = 0; q < N; ++q)
         if ((want >> (2 * q)) & 3) storeLines(a.out + a.recv_off[q], a.recv_bytes[q], i, v[q]);
@@ -271,7 +312,7 @@ __device__ void consumeLines(const Ctx& c, uint32_t flag, int parity) {
 #pragma unroll
     for (int q = 0; q < N; ++q)
       if (q == me) loadLines(a.in + a.send_off[me], bytes, i, v[q]);
-    if (!awaitLines<N>(c, flag, parity, i, want, v)) return;
+    if (!awaitLines<N>(c, flag, parity, i, want, v, h)) return false;
     uint64_t r[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -282,10 +323,12 @@ __device__ void consumeLines(const Ctx& c, uint32_t flag, int parity) {
     }
     storeLines(a.out, bytes, i, r);
   }
+  return true;
 }
 
 // Blocks [0, launched) move the data; the last block writes this rank's header into each peer's
-// header slot (a release store per peer: its round trip stays off the data blocks).
+// header slot (a release store per peer: its round trip stays off the data blocks). The op's
+// number (the counter) and whether the op before it succeeded are loaded together at the start.
 template <typename Reduce, int N>
 __global__ void __launch_bounds__(threadsFor<N>()) lamportKernel(const __grid_constant__ ExchangeLaunch a) {
   // Launched as a programmatic dependent (launchFor): wait for the kernel before this one on the
@@ -295,11 +338,11 @@ __global__ void __launch_bounds__(threadsFor<N>()) lamportKernel(const __grid_co
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int me = a.rank, n = a.size;
   Counter* counter = reinterpret_cast<Counter*>(a.staging[me] + a.layout.counter);
-  Ctx c{&a, *reinterpret_cast<volatile unsigned long long*>(&counter->seq) + 1, counter, 0};
-  __shared__ uint64_t start;
-  if (threadIdx.x == 0) start = device::globalTimerNs();
-  __syncthreads();
-  c.start_ns = start;
+  // The op's number and whether the last op succeeded, loaded together (each thread its own;
+  // its deadline counts from its own start).
+  const unsigned long long last = *reinterpret_cast<volatile unsigned long long*>(&counter->seq);
+  const unsigned long long any_ok = *reinterpret_cast<volatile unsigned long long*>(&counter->any_ok);
+  Ctx c{&a, last + 1, counter, device::globalTimerNs()};
   // Op numbers start at 1, and a line of another op of this parity carries another number.
   const uint32_t flag = static_cast<uint32_t>(c.seq);
   const int parity = static_cast<int>(c.seq & 1);
@@ -312,9 +355,15 @@ __global__ void __launch_bounds__(threadsFor<N>()) lamportKernel(const __grid_co
       for (int i = 0; i < 7; ++i) dst[i] = src[i];
       device::stReleaseSys64(&h->seq, c.seq);
     }
-  } else if (linesEarly(c) || awaitPeersStarted(c)) {
+  } else if (linesEarly(c.seq, any_ok) || awaitPeersStarted(c)) {
     pushLines<N>(c, flag, parity);
-    if (checkHeaders(c, flag, parity)) consumeLines<Reduce, N>(c, flag, parity);
+    HeaderWord h = headerWord(a);
+    bool ok = consumeLines<Reduce, N>(c, flag, parity, h);
+    if (ok && h.pending) {  // a thread without lines of its own
+      uint64_t none[N][2];
+      ok = awaitLines<N>(c, flag, parity, 0, 0, none, h);
+    }
+    checkHeaders(c, h, ok);
   }
   // No staged half was read in this op: the next staged op of one round may push early.
   // (Only the last block to end may number the next op: a block that has yet to start reads
