@@ -322,9 +322,14 @@ uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t) {
   return std::min(t.lamport_bytes, kLamportMaxBytes);
 }
 
+int lamportThreadsFor(const Exchange& x) {
+  const int most = lamportThreads(static_cast<int>(x.send_bytes.size()));
+  return longestPair(x) > kLamportNarrowBytes ? most : std::min(most, 256);
+}
+
 int lamportBlocks(const Exchange& x) {
   const uint64_t lines = (longestPair(x) + 7) / 8;
-  const uint64_t per_block = 2 * static_cast<uint64_t>(lamportThreads(static_cast<int>(x.send_bytes.size())));
+  const uint64_t per_block = 2 * static_cast<uint64_t>(lamportThreadsFor(x));
   return static_cast<int>(std::max<uint64_t>(1, (lines + per_block - 1) / per_block));
 }
 

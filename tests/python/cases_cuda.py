@@ -401,6 +401,22 @@ def lamport_boundaries(rank, world):
             dist.scatter(s, scatter_list=[ins[0][q * n:(q + 1) * n] for q in range(world)] if rank == 0 else None,
                          src=0)
             same(s, ins[0][rank * n:(rank + 1) * n], f"scatter {dtype} n={n}")
+    # the Lamport kernel's block size changes above kLamportNarrowBytes (include/moelink/cuda/
+    # exchange.h: 256 threads per block up to it, 512 above in groups of up to 4): pairs one
+    # element either side of it
+    narrow = 64 << 10
+    for dtype in (torch.float32, torch.bfloat16):
+        at = narrow // torch.empty(0, dtype=dtype).element_size()
+        for n in (at - 1, at, at + 1):
+            if n * torch.empty(0, dtype=dtype).element_size() > limit:
+                continue
+            xs = [value(r, n, dtype, d, salt=7) for r in range(world)]
+            x = xs[rank].clone()
+            dist.all_reduce(x)
+            same(x, reduce_ref(xs, "SUM", world), f"all_reduce {dtype} n={n} (block size)")
+            g = torch.empty(world * n, dtype=dtype, device=d)
+            dist.all_gather_into_tensor(g, xs[rank])
+            same(g, torch.cat(xs), f"all_gather {dtype} n={n} (block size)")
     # complex: a SUM takes the Lamport protocol (complex64) or the staged one (complex128's
     # 16-byte elements); a copy op the Lamport protocol either way
     for dtype in (torch.complex64, torch.complex128):

@@ -112,15 +112,16 @@ def test_cuda_tuning_by_group_size(monkeypatch):
 
 def test_cuda_sms_follow_the_plan(monkeypatch):
     """The SMs the in-host kernels hold, from the plan and tuning of each op: a few blocks for
-    small ops (the Lamport kernel: one per 8 KiB of the longest pair, plus its header block), up
+    small ops (the Lamport kernel: one per 4 KiB of the longest pair up to 64 KiB, per 8 KiB above,
+    plus its header block), up
     to 64 per role, pushing and consuming roles from the second round on."""
     import moelink
 
     for name in ("MOELINK_CUDA_LAMPORT_BYTES", "MOELINK_CUDA_BLOCKS", "MOELINK_CUDA_ROUND_BYTES", "MOELINK_CUDA_SPLIT"):
         monkeypatch.delenv(name, raising=False)
-    assert moelink.cuda_sms("all_reduce", 4, 8 << 10) == 2
+    assert moelink.cuda_sms("all_reduce", 4, 8 << 10) == 3
     assert moelink.cuda_sms("all_reduce", 4, 256 << 10) == 33
-    assert moelink.cuda_sms("all_gather", 4, 256 << 10) == 9
+    assert moelink.cuda_sms("all_gather", 4, 256 << 10) == 17
     assert moelink.cuda_sms("all_to_all", 8, 1 << 30) == 128
     monkeypatch.setenv("MOELINK_CUDA_BLOCKS", "16")
     assert moelink.cuda_sms("broadcast", 4, 1 << 30) == 32

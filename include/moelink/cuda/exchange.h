@@ -52,9 +52,13 @@ constexpr uint64_t kLamportMaxBytes = 256 << 10;
 constexpr uint64_t kLamportLineBytes = 16;
 constexpr uint64_t kLamportHeaderLines = 8;  // an ExchangeHeader, 8 data bytes per line
 constexpr uint64_t kLamportSourceBytes = (kLamportHeaderLines + kLamportMaxBytes / 8) * kLamportLineBytes;
-// Threads of a Lamport block (each moves two lines of every pair at a time, every peer's lines in
-// registers): fewer in groups above 4 ranks. A block carries twice its threads' lines.
+// Threads of a Lamport block at most (each moves two lines of every pair at a time, every peer's
+// lines in registers): fewer in groups above 4 ranks. A block carries twice its threads' lines.
 constexpr int lamportThreads(int n) { return n > 4 ? 256 : 512; }
+// Pairs up to this many bytes run in blocks of 256 threads, twice the blocks of 512 (more SMs
+// store into NVLink at once: on 4 ranks 0.6-1.0 us off all_gather and reduce_scatter at 32-256
+// KiB in a graph, nothing gained for longer pairs; docs/PERF.md).
+constexpr uint64_t kLamportNarrowBytes = 64 << 10;
 
 enum class ExchangeMode : uint8_t { kCopy, kReduce };
 
@@ -182,7 +186,11 @@ bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
 // its longest pair (one-shot, reduce and reduce-scatter pairs are all alike; in the two-shot
 // scatter half the owner of the longest block receives it and every other rank sends it).
 uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t);
-// Blocks of a Lamport launch (lamportThreads(n) threads, two lines of the longest pair per thread).
+// Threads of each block of a Lamport launch: 256 where the longest pair is at most
+// kLamportNarrowBytes or the group has more than 4 ranks, else lamportThreads(n). A rank's own
+// choice: a line's place in the area does not depend on which block moves it.
+int lamportThreadsFor(const Exchange& x);
+// Blocks of a Lamport launch (lamportThreadsFor(x) threads, two lines of the longest pair per thread).
 int lamportBlocks(const Exchange& x);
 // The SMs (one block each) that this rank's launch of `x` holds while it runs: the Lamport
 // kernel's blocks and its header block, or the staged kernel's blocks with work, twice that

@@ -28,9 +28,10 @@ struct ExchangeLaunch {
   // blocks read (an in-place op; exchangeOutputMeetsInput), so that a consuming block waits
   // until every pushing block has read the round. Otherwise the roles meet only through peers.
   bool guard_input = true;
-  // The Lamport protocol (exchangeLamport; src/cuda/kernels/lamport.cu): `launched` blocks move
-  // the data, one more writes the header slots.
+  // The Lamport protocol (exchangeLamport; src/cuda/kernels/lamport.cu): `launched` blocks of
+  // `threads` (lamportThreadsFor) move the data, one more writes the header slots.
   bool lamport = false;
+  int threads = 0;
   // The Lamport kernel launches as a programmatic dependent (ExchangeTuning::dependent_launch).
   bool dependent_launch = true;
   // The staged kernel: pairs of 1..lamport_pairs bytes travel as Lamport lines (exchangeLamportPairs).

@@ -460,6 +460,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   if (l.lamport) {
     l.roles = 1;
     l.launched = lamportBlocks(x);
+    l.threads = lamportThreadsFor(x);
   } else {
     l.lamport_pairs = exchangeLamportPairs(x, t);
   }

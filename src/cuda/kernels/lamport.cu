@@ -34,7 +34,8 @@ namespace moelink::cuda {
 namespace {
 
 // Kernels are built for groups of up to N = 4 and N = 8 ranks: a thread keeps two lines of every
-// peer in registers, so the larger groups run half as many threads per block.
+// peer in registers, so the larger groups run at most half as many threads per block. A launch
+// runs lamportThreadsFor(x) threads per block (ExchangeLaunch::threads), at most this bound.
 template <int N> constexpr int threadsFor() { return lamportThreads(N); }
 
 // ---- the reduction of one line's 8 bytes over the n sources, in rank order ----
@@ -379,7 +380,7 @@ template <typename Reduce, int N>
 cudaError_t launchAs(const ExchangeLaunch& l, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(l.launched + 1);
-  cfg.blockDim = dim3(threadsFor<N>());
+  cfg.blockDim = dim3(l.threads);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

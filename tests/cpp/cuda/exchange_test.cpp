@@ -490,10 +490,11 @@ TEST(ExchangePiece, RolesWaitForEachOtherOnlyWhereTheOutputMeetsPushedInput) {
 
 TEST(ExchangePiece, SmsACollectiveHolds) {
   const ExchangeTuning t = ExchangeTuning::fromEnv(4);  // 64 blocks, 8 MiB rounds, Lamport to 256 KiB
-  // Lamport: one block per 8 KiB of the longest pair (two lines per thread), plus the header block.
-  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 8 << 10, t), 2);
+  // Lamport: one block per 4 KiB of the longest pair up to 64 KiB, per 8 KiB above (two lines
+  // per thread), plus the header block.
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 8 << 10, t), 3);
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 256 << 10, t), 33);
-  EXPECT_EQ(collectiveSms(OpKind::kAllgather, 4, 256 << 10, t), 9);  // pairs of 64 KiB
+  EXPECT_EQ(collectiveSms(OpKind::kAllgather, 4, 256 << 10, t), 17);  // pairs of 64 KiB
   // Staged, one round: a block per 16 KiB piece of the longest pair (2 MiB all_reduce: two
   // exchanges of 512 KiB pairs).
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 2 << 20, t), 32);
@@ -572,11 +573,19 @@ TEST(ExchangeLamport, TakesSmallExchangesAndTheShortPairsOfStagedCopies) {
   big.lamport_bytes = UINT64_MAX;
   EXPECT_TRUE(exchangeLamport(exchangeAllgather(2, 0, kLamportMaxBytes), big));
   EXPECT_FALSE(exchangeLamport(exchangeAllgather(2, 0, kLamportMaxBytes + 1), big));
-  // two lines per thread of 512-thread blocks
+  // two lines per thread: 256-thread blocks up to kLamportNarrowBytes, 512-thread blocks above
+  // (256 in groups above 4 ranks)
+  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(4, 0, 0)), 256);
   EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 0)), 1);
-  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 8192)), 1);
-  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 8193)), 2);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 4096)), 1);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 4097)), 2);
+  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(4, 0, kLamportNarrowBytes)), 256);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, kLamportNarrowBytes)), 16);
+  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(4, 0, kLamportNarrowBytes + 1)), 512);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, kLamportNarrowBytes + 1)), 9);
   EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, kLamportMaxBytes)), 32);
+  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(8, 0, kLamportMaxBytes)), 256);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(8, 0, kLamportMaxBytes)), 64);
   EXPECT_EQ(kLamportSourceBytes, (kLamportHeaderLines + kLamportMaxBytes / 8) * kLamportLineBytes);
   EXPECT_GE(kLamportHeaderLines * 8, sizeof(ExchangeHeader));
 }
