@@ -340,15 +340,15 @@ def round_size_disagreement(rank, world):
     host_route_on_disagreement(rank, world, "MOELINK_CUDA_ROUND_BYTES", str((1 << 20) * (rank + 1)))
 
 
-def mismatch_fails_then_usable(world, d, n, what):
-    """An all_reduce of `n` elements, which the ranks disagree about, fails on this rank with the
-    header check's words (through its future); an all_reduce after it is exact."""
-    w = dist.all_reduce(torch.ones(n, device=d), async_op=True)
+def mismatch_fails_then_usable(world, d, n, what, dtype=torch.float32, op=dist.ReduceOp.SUM, words="expects"):
+    """An all_reduce of `n` elements of `dtype` with `op`, which the ranks disagree about, fails on
+    this rank with the header check's words (through its future); an all_reduce after it is exact."""
+    w = dist.all_reduce(torch.ones(n, device=d, dtype=dtype), op=op, async_op=True)
     try:
         w.get_future().wait()
-        raise AssertionError(f"an all_reduce of different sizes {what} passed")
+        raise AssertionError(f"an all_reduce that the ranks disagree about {what} passed")
     except RuntimeError as e:
-        assert "expects" in str(e) and "rank" in str(e), e
+        assert words in str(e) and "rank" in str(e), e
     y = torch.ones(16, device=d)
     dist.all_reduce(y)
     same(y, torch.full_like(y, float(world)), f"all_reduce after a mismatch {what}")
@@ -608,6 +608,12 @@ def bad_input(rank, world):
     # a disagreement fails the op on every rank, with the CPU path's wording, and the group
     # stays usable
     mismatch_fails_then_usable(world, d, 4096 if rank == 0 else 8192, "of 4096 / 8192 elements")
+    # the same size but not the same reduce op or dtype: every rank receives all of its data (the
+    # Lamport kernel checks the header once the data is in), and the op still fails everywhere
+    mismatch_fails_then_usable(world, d, 1024, "(SUM / MAX)", op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX,
+                               words="reduces with")
+    mismatch_fails_then_usable(world, d, 1024, "(float32 / int32)", dtype=torch.float32 if rank == 0 else torch.int32,
+                               words="dtype")
 
 
 def cpu_and_cuda_in_one_group(rank, world):
