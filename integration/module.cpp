@@ -176,6 +176,8 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
         out["round_bytes"] = t.round_bytes;
         out["split"] = t.split;
         out["broadcast_step_bytes"] = static_cast<uint64_t>(t.broadcast_step_rounds) * t.round_bytes;
+        out["lamport_narrow_bytes"] = t.lamport_narrow_bytes;
+        out["lamport_threads"] = std::min(t.lamport_threads, moelink::cuda::lamportThreads(world));
         out["defaults_measured_on"] = *d.measured ? py::object(py::str(d.measured)) : py::object(py::none());
         return out;
       },
@@ -184,7 +186,8 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       "as set, else the defaults of the group size's row (docs/PERF.md, \"Defaults by group size\"). "
       "one_shot_bytes None: allreduce and broadcast are one exchange at every size; broadcast_step_bytes: above "
       "one_shot_bytes a broadcast is pipelined in chunks that give each rank but the root about this much per "
-      "step; defaults_measured_on None: "
+      "step; lamport_narrow_bytes / lamport_threads: the Lamport kernel runs 256-thread blocks where the longest "
+      "pair is at most lamport_narrow_bytes, blocks of lamport_threads above; defaults_measured_on None: "
       "no machine of this size has measured the row's defaults.");
   m.def(
       "cuda_sms",

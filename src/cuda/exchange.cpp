@@ -256,15 +256,18 @@ const ExchangeDefaults& exchangeDefaults(int n) {
       // 2 ranks: the Lamport protocol is ahead of the staged one at every size it can carry;
       // one exchange at every size (a reduce-scatter + all-gather moves the same bytes twice;
       // so the broadcast step is never used).
-      {2, kLamportMaxBytes, UINT64_MAX, 64, 8 << 20, 4, "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
+      {2, kLamportMaxBytes, UINT64_MAX, 64, 8 << 20, 4, 64 << 10, 512,
+       "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
       // 4 ranks: Lamport ahead at every size it carries; 64 blocks and 8 MiB rounds the best of
       // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; more exchanges above 1 MiB; broadcast
       // steps of 4 rounds the best of 1, 2 and 4 at 512 MiB-1 GiB (a step's kernel boundary costs
-      // more than the longer first and last steps).
-      {4, kLamportMaxBytes, 1 << 20, 64, 8 << 20, 4, "4x H200 (nvidia-h100-x4)"},
+      // more than the longer first and last steps); Lamport blocks of 256 threads ahead of 512
+      // and 128 for pairs up to 64 KiB, even above (the 2-rank row takes the same, unswept).
+      {4, kLamportMaxBytes, 1 << 20, 64, 8 << 20, 4, 64 << 10, 512, "4x H200 (nvidia-h100-x4)"},
       // 5-8 ranks: no machine of this size has been lent. Each rank writes n - 1 lines per
-      // 8 bytes, so the Lamport protocol takes the smaller pairs only; the rest as at 4 ranks.
-      {kExchangeMaxRanks, 64 << 10, 1 << 20, 64, 8 << 20, 4, ""},
+      // 8 bytes, so the Lamport protocol takes the smaller pairs only; its blocks hold every
+      // peer's lines in registers, so 256 threads at every size; the rest as at 4 ranks.
+      {kExchangeMaxRanks, 64 << 10, 1 << 20, 64, 8 << 20, 4, 64 << 10, 256, ""},
   };
   MOELINK_CHECK(n >= 1 && n <= kExchangeMaxRanks, "exchange groups hold 1..", kExchangeMaxRanks, " ranks, not ", n);
   for (const auto& row : kRows)
@@ -282,6 +285,8 @@ ExchangeTuning ExchangeTuning::fromEnv(int n) {
   t.split = settings::flag("MOELINK_CUDA_SPLIT");
   t.dependent_launch = settings::flag("MOELINK_CUDA_PDL");
   t.broadcast_step_rounds = d.broadcast_step_rounds;
+  t.lamport_narrow_bytes = d.lamport_narrow_bytes;
+  t.lamport_threads = d.lamport_threads;
   MOELINK_CHECK(t.round_bytes % 16 == 0, "MOELINK_CUDA_ROUND_BYTES must be a multiple of 16, got ", t.round_bytes);
   static_assert(kExchangeMaxBlocks == 64, "MOELINK_CUDA_BLOCKS' range in settings.cpp is 1..kExchangeMaxBlocks");
   return t;
@@ -322,19 +327,19 @@ uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t) {
   return std::min(t.lamport_bytes, kLamportMaxBytes);
 }
 
-int lamportThreadsFor(const Exchange& x) {
-  const int most = lamportThreads(static_cast<int>(x.send_bytes.size()));
-  return longestPair(x) > kLamportNarrowBytes ? most : std::min(most, 256);
+int lamportThreadsFor(const Exchange& x, const ExchangeTuning& t) {
+  const int threads = longestPair(x) > t.lamport_narrow_bytes ? t.lamport_threads : kLamportNarrowThreads;
+  return std::min(threads, lamportThreads(static_cast<int>(x.send_bytes.size())));
 }
 
-int lamportBlocks(const Exchange& x) {
+int lamportBlocks(const Exchange& x, const ExchangeTuning& t) {
   const uint64_t lines = (longestPair(x) + 7) / 8;
-  const uint64_t per_block = 2 * static_cast<uint64_t>(lamportThreadsFor(x));
+  const uint64_t per_block = 2 * static_cast<uint64_t>(lamportThreadsFor(x, t));
   return static_cast<int>(std::max<uint64_t>(1, (lines + per_block - 1) / per_block));
 }
 
 int exchangeSms(const Exchange& x, const ExchangeTuning& t) {
-  if (exchangeLamport(x, t)) return lamportBlocks(x) + 1;
+  if (exchangeLamport(x, t)) return lamportBlocks(x, t) + 1;
   return exchangeBlocksWithWork(x, t) * (exchangeSplits(x, t) ? 2 : 1);
 }
 

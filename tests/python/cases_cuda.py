@@ -401,10 +401,9 @@ def lamport_boundaries(rank, world):
             dist.scatter(s, scatter_list=[ins[0][q * n:(q + 1) * n] for q in range(world)] if rank == 0 else None,
                          src=0)
             same(s, ins[0][rank * n:(rank + 1) * n], f"scatter {dtype} n={n}")
-    # the Lamport kernel's block size changes above kLamportNarrowBytes (include/moelink/cuda/
-    # exchange.h: 256 threads per block up to it, 512 above in groups of up to 4): pairs one
-    # element either side of it
-    narrow = 64 << 10
+    # the Lamport kernel's block size changes above the row's lamport_narrow_bytes (256 threads
+    # per block up to it, lamport_threads above): pairs one element either side of it
+    narrow = moelink.cuda_tuning(world)["lamport_narrow_bytes"]
     for dtype in (torch.float32, torch.bfloat16):
         at = narrow // torch.empty(0, dtype=dtype).element_size()
         for n in (at - 1, at, at + 1):

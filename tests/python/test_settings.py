@@ -93,10 +93,12 @@ def test_cuda_tuning_by_group_size(monkeypatch):
         assert settings.value(name) in (None, True)  # unset: the group's row decides (split: a flag)
     two, four, eight = (moelink.cuda_tuning(n) for n in (2, 4, 8))
     assert two == {"lamport_bytes": 262144, "one_shot_bytes": None, "blocks": 64, "round_bytes": 8 << 20,
-                   "split": True, "broadcast_step_bytes": 32 << 20, "defaults_measured_on": two["defaults_measured_on"]}
+                   "split": True, "broadcast_step_bytes": 32 << 20, "lamport_narrow_bytes": 65536,
+                   "lamport_threads": 512, "defaults_measured_on": two["defaults_measured_on"]}
     assert "H200" in two["defaults_measured_on"] and "H200" in four["defaults_measured_on"]
     assert four["one_shot_bytes"] == 1 << 20 and four["lamport_bytes"] == 262144
     assert eight["lamport_bytes"] == 65536 and eight["defaults_measured_on"] is None
+    assert four["lamport_threads"] == 512 and eight["lamport_threads"] == 256
     monkeypatch.setenv("MOELINK_CUDA_LAMPORT_BYTES", "4096")
     monkeypatch.setenv("MOELINK_CUDA_BLOCKS", "16")
     assert moelink.cuda_tuning(8)["lamport_bytes"] == 4096 and moelink.cuda_tuning(8)["blocks"] == 16

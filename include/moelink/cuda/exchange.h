@@ -55,10 +55,9 @@ constexpr uint64_t kLamportSourceBytes = (kLamportHeaderLines + kLamportMaxBytes
 // Threads of a Lamport block at most (each moves two lines of every pair at a time, every peer's
 // lines in registers): fewer in groups above 4 ranks. A block carries twice its threads' lines.
 constexpr int lamportThreads(int n) { return n > 4 ? 256 : 512; }
-// Pairs up to this many bytes run in blocks of 256 threads, twice the blocks of 512 (more SMs
-// store into NVLink at once: on 4 ranks 0.6-1.0 us off all_gather and reduce_scatter at 32-256
-// KiB in a graph, nothing gained for longer pairs; docs/PERF.md).
-constexpr uint64_t kLamportNarrowBytes = 64 << 10;
+// Threads of a Lamport block where the longest pair is short (ExchangeDefaults::lamport_narrow_bytes).
+constexpr int kLamportNarrowThreads = 256;
+
 
 enum class ExchangeMode : uint8_t { kCopy, kReduce };
 
@@ -138,6 +137,11 @@ struct ExchangeDefaults {
   // The pipelined broadcast's step (exchangeBroadcastStep): each rank but the root takes about
   // this many rounds' worth of a chunk per step (broadcastChunks).
   int broadcast_step_rounds = 0;
+  // The Lamport kernel's blocks (lamportThreadsFor): kLamportNarrowThreads where the longest
+  // pair is at most lamport_narrow_bytes (twice the blocks of 512: more SMs store into NVLink at
+  // once), lamport_threads above (at most lamportThreads(n)).
+  uint64_t lamport_narrow_bytes = 0;
+  int lamport_threads = 0;
   const char* measured = "";    // the machine whose sweeps chose the row; "" where none has
 };
 // The row for a group of `n` ranks (1..kExchangeMaxRanks).
@@ -160,6 +164,9 @@ struct ExchangeTuning {
   uint64_t lamport_bytes = 0;
   // The row's broadcast_step_rounds (no setting: every rank of a group has the same row).
   int broadcast_step_rounds = 4;
+  // The row's Lamport block sizes (no setting; a rank's own choice, which its peers never see).
+  uint64_t lamport_narrow_bytes = 64 << 10;
+  int lamport_threads = 512;
   // MOELINK_CUDA_PDL: the Lamport kernel launches as a programmatic dependent (a rank's own
   // choice; it changes nothing its peers see).
   bool dependent_launch = true;
@@ -186,12 +193,12 @@ bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
 // its longest pair (one-shot, reduce and reduce-scatter pairs are all alike; in the two-shot
 // scatter half the owner of the longest block receives it and every other rank sends it).
 uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t);
-// Threads of each block of a Lamport launch: 256 where the longest pair is at most
-// kLamportNarrowBytes or the group has more than 4 ranks, else lamportThreads(n). A rank's own
-// choice: a line's place in the area does not depend on which block moves it.
-int lamportThreadsFor(const Exchange& x);
-// Blocks of a Lamport launch (lamportThreadsFor(x) threads, two lines of the longest pair per thread).
-int lamportBlocks(const Exchange& x);
+// Threads of each block of a Lamport launch: kLamportNarrowThreads where the longest pair is at most
+// t.lamport_narrow_bytes, t.lamport_threads above, never more than lamportThreads(n). A rank's
+// own choice: a line's place in the area does not depend on which block moves it.
+int lamportThreadsFor(const Exchange& x, const ExchangeTuning& t);
+// Blocks of a Lamport launch (lamportThreadsFor threads, two lines of the longest pair per thread).
+int lamportBlocks(const Exchange& x, const ExchangeTuning& t);
 // The SMs (one block each) that this rank's launch of `x` holds while it runs: the Lamport
 // kernel's blocks and its header block, or the staged kernel's blocks with work, twice that
 // when it splits them into roles.

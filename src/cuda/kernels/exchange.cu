@@ -459,8 +459,8 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   l.guard_input = true;  // unknown until the pointers are (exchangeOutputMeetsInput)
   if (l.lamport) {
     l.roles = 1;
-    l.launched = lamportBlocks(x);
-    l.threads = lamportThreadsFor(x);
+    l.launched = lamportBlocks(x, t);
+    l.threads = lamportThreadsFor(x, t);
   } else {
     l.lamport_pairs = exchangeLamportPairs(x, t);
   }

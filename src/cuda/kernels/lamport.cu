@@ -35,7 +35,7 @@ namespace {
 
 // Kernels are built for groups of up to N = 4 and N = 8 ranks: a thread keeps two lines of every
 // peer in registers, so the larger groups run at most half as many threads per block. A launch
-// runs lamportThreadsFor(x) threads per block (ExchangeLaunch::threads), at most this bound.
+// runs lamportThreadsFor(x, t) threads per block (ExchangeLaunch::threads), at most this bound.
 template <int N> constexpr int threadsFor() { return lamportThreads(N); }
 
 // ---- the reduction of one line's 8 bytes over the n sources, in rank order ----

@@ -573,19 +573,26 @@ TEST(ExchangeLamport, TakesSmallExchangesAndTheShortPairsOfStagedCopies) {
   big.lamport_bytes = UINT64_MAX;
   EXPECT_TRUE(exchangeLamport(exchangeAllgather(2, 0, kLamportMaxBytes), big));
   EXPECT_FALSE(exchangeLamport(exchangeAllgather(2, 0, kLamportMaxBytes + 1), big));
-  // two lines per thread: 256-thread blocks up to kLamportNarrowBytes, 512-thread blocks above
-  // (256 in groups above 4 ranks)
-  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(4, 0, 0)), 256);
-  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 0)), 1);
-  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 4096)), 1);
-  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 4097)), 2);
-  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(4, 0, kLamportNarrowBytes)), 256);
-  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, kLamportNarrowBytes)), 16);
-  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(4, 0, kLamportNarrowBytes + 1)), 512);
-  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, kLamportNarrowBytes + 1)), 9);
-  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, kLamportMaxBytes)), 32);
-  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(8, 0, kLamportMaxBytes)), 256);
-  EXPECT_EQ(lamportBlocks(exchangeAllgather(8, 0, kLamportMaxBytes)), 64);
+  // two lines per thread: 256-thread blocks up to the row's lamport_narrow_bytes (64 KiB),
+  // 512-thread blocks above (256 in groups above 4 ranks)
+  const ExchangeTuning t4 = ExchangeTuning::fromEnv(4), t8 = ExchangeTuning::fromEnv(8);
+  const uint64_t narrow = t4.lamport_narrow_bytes;
+  EXPECT_EQ(narrow, 64u << 10);
+  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(4, 0, 0), t4), 256);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 0), t4), 1);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 4096), t4), 1);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, 4097), t4), 2);
+  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(4, 0, narrow), t4), 256);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, narrow), t4), 16);
+  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(4, 0, narrow + 1), t4), 512);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, narrow + 1), t4), 9);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(4, 0, kLamportMaxBytes), t4), 32);
+  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(8, 0, kLamportMaxBytes), t8), 256);
+  EXPECT_EQ(lamportBlocks(exchangeAllgather(8, 0, kLamportMaxBytes), t8), 64);
+  // never more than the kernel's bound, whatever the tuning says
+  ExchangeTuning wide = t8;
+  wide.lamport_threads = 512;
+  EXPECT_EQ(lamportThreadsFor(exchangeAllgather(8, 0, kLamportMaxBytes), wide), 256);
   EXPECT_EQ(kLamportSourceBytes, (kLamportHeaderLines + kLamportMaxBytes / 8) * kLamportLineBytes);
   EXPECT_GE(kLamportHeaderLines * 8, sizeof(ExchangeHeader));
 }
@@ -675,6 +682,12 @@ TEST(ExchangeTuning, EveryGroupSizeHasARowOfDefaultsThatTheSettingsAllow) {
     EXPECT_EQ(t.one_shot_bytes, d.one_shot_bytes);
     EXPECT_EQ(t.broadcast_step_rounds, d.broadcast_step_rounds);
     EXPECT_GE(d.broadcast_step_rounds, 1);
+    EXPECT_EQ(t.lamport_narrow_bytes, d.lamport_narrow_bytes);
+    EXPECT_EQ(t.lamport_threads, d.lamport_threads);
+    // whole warps, enough threads for every peer's header lines, within the kernel's bound
+    EXPECT_EQ(d.lamport_threads % 32, 0);
+    EXPECT_GE(d.lamport_threads, static_cast<int>(d.up_to * kLamportHeaderLines));
+    EXPECT_LE(d.lamport_threads, lamportThreads(d.up_to));
   }
   // The rows measured so far, and the larger groups' row, which no machine has measured.
   EXPECT_EQ(exchangeDefaults(2).lamport_bytes, 256u << 10);
