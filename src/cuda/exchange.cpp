@@ -261,8 +261,8 @@ const ExchangeDefaults& exchangeDefaults(int n) {
       // 4 ranks: Lamport ahead at every size it carries; 64 blocks and 8 MiB rounds the best of
       // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; more exchanges above 1 MiB; broadcast
       // steps of 4 rounds the best of 1, 2 and 4 at 512 MiB-1 GiB (a step's kernel boundary costs
-      // more than the longer first and last steps); Lamport blocks of 256 threads ahead of 512
-      // and 128 for pairs up to 64 KiB, even above (the 2-rank row takes the same, unswept).
+      // more than the longer first and last steps); 256-thread Lamport blocks ahead of 512 and
+      // 128 for pairs up to 64 KiB, no better above (the 2-rank row takes the same, unswept).
       {4, kLamportMaxBytes, 1 << 20, 64, 8 << 20, 4, 64 << 10, 512, "4x H200 (nvidia-h100-x4)"},
       // 5-8 ranks: no machine of this size has been lent. Each rank writes n - 1 lines per
       // 8 bytes, so the Lamport protocol takes the smaller pairs only; its blocks hold every

@@ -58,7 +58,6 @@ constexpr int lamportThreads(int n) { return n > 4 ? 256 : 512; }
 // Threads of a Lamport block where the longest pair is short (ExchangeDefaults::lamport_narrow_bytes).
 constexpr int kLamportNarrowThreads = 256;
 
-
 enum class ExchangeMode : uint8_t { kCopy, kReduce };
 
 // What one rank does in one exchange. Offsets are in bytes from `in` / `out` (device

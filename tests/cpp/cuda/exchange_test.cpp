@@ -688,6 +688,8 @@ TEST(ExchangeTuning, EveryGroupSizeHasARowOfDefaultsThatTheSettingsAllow) {
     EXPECT_EQ(d.lamport_threads % 32, 0);
     EXPECT_GE(d.lamport_threads, static_cast<int>(d.up_to * kLamportHeaderLines));
     EXPECT_LE(d.lamport_threads, lamportThreads(d.up_to));
+    EXPECT_LE(kLamportNarrowThreads, lamportThreads(d.up_to));
+    EXPECT_GE(kLamportNarrowThreads, static_cast<int>(d.up_to * kLamportHeaderLines));
   }
   // The rows measured so far, and the larger groups' row, which no machine has measured.
   EXPECT_EQ(exchangeDefaults(2).lamport_bytes, 256u << 10);
