@@ -171,6 +171,7 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
         const auto& d = moelink::cuda::exchangeDefaults(world);
         py::dict out;
         out["lamport_bytes"] = t.lamport_bytes;
+        out["lamport_two_shot_bytes"] = world > 2 && t.lamport_bytes ? t.lamport_two_shot_bytes : 0;
         out["one_shot_bytes"] = t.oneShot(world, UINT64_MAX) ? py::object(py::none()) : py::object(py::int_(t.one_shot_bytes));
         out["blocks"] = t.blocks;
         out["round_bytes"] = t.round_bytes;
@@ -187,7 +188,8 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       "one_shot_bytes None: allreduce and broadcast are one exchange at every size; broadcast_step_bytes: above "
       "one_shot_bytes a broadcast is pipelined in chunks that give each rank but the root about this much per "
       "step; lamport_narrow_bytes / lamport_threads: the Lamport kernel runs 256-thread blocks where the longest "
-      "pair is at most lamport_narrow_bytes, blocks of lamport_threads above; defaults_measured_on None: "
+      "pair is at most lamport_narrow_bytes, blocks of lamport_threads above; lamport_two_shot_bytes: all_reduce "
+      "above lamport_bytes and up to this size runs the two-shot Lamport kernel (0: never); defaults_measured_on None: "
       "no machine of this size has measured the row's defaults.");
   m.def(
       "cuda_sms",

@@ -95,6 +95,12 @@ const std::vector<Setting> kSettings = {
            "crossing, no flags or acknowledgements, twice the bytes); `0`: never; at most 262144; the same on "
            "every rank",
            "per group size (`moelink.cuda_tuning(n)`): 262144 up to 4 ranks, 65536 above"),
+    number("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "collectives", 0, 0, 4 * kMiB,
+           "groups of more than 2: in-host CUDA all_reduce larger than `MOELINK_CUDA_LAMPORT_BYTES` and at most "
+           "this many bytes runs as a reduce-scatter then an all-gather of Lamport lines in one kernel (each rank "
+           "reduces its block of the buffer as the peers' lines arrive and sends the result to all; blocks of at "
+           "most 524288 bytes); `0`: never; the same on every rank",
+           "per group size (`moelink.cuda_tuning(n)`): 0 for 2 ranks, 2097152 above"),
     number("MOELINK_HOST_PIPELINE_BYTES", "collectives", 1 * kMiB, 0, UINT64_MAX,
            "CUDA collectives between hosts: all_reduce, reduce_scatter, all_gather and broadcast of at least this "
            "many bytes run in pieces through a pinned ring (GPU copies, the wire and GPU reductions overlap); "

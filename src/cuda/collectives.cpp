@@ -342,7 +342,9 @@ void CudaCollectives::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop)
   } else {
     // Over the active ranks (all of them unless the membership changed).
     const int n = static_cast<int>(members_.size());
-    if (tuning_.oneShot(n, nbytes(buf))) {
+    if (allreduceTwoShotLamport(n, count, t, tuning_)) {
+      exchange(op, exchangeAllreduceTwoShot(n, me_, count, t, rop), ptr(buf), ptr(buf));
+    } else if (tuning_.oneShot(n, nbytes(buf))) {
       exchange(op, exchangeAllreduceOneShot(n, me_, count, t, rop), ptr(buf), ptr(buf));
     } else {
       auto blocks = allreduceBlocks(n, count, t);

@@ -56,6 +56,12 @@ Exchange exchangeAllreduceOneShot(int n, int me, uint64_t count, DType t, Reduce
   return x;
 }
 
+Exchange exchangeAllreduceTwoShot(int n, int me, uint64_t count, DType t, ReduceOp op) {
+  Exchange x = exchangeAllreduceScatter(n, me, count, t, op);
+  x.mode = ExchangeMode::kReduceGather;
+  return x;
+}
+
 std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count, DType t) {
   // Block starts on 16-byte boundaries keep the kernel's vector path; elements per
   // alignment unit:
@@ -256,18 +262,18 @@ const ExchangeDefaults& exchangeDefaults(int n) {
       // 2 ranks: the Lamport protocol is ahead of the staged one at every size it can carry;
       // one exchange at every size (a reduce-scatter + all-gather moves the same bytes twice;
       // so the broadcast step is never used).
-      {2, kLamportMaxBytes, UINT64_MAX, 64, 8 << 20, 4, 64 << 10, 512,
+      {2, kLamportMaxBytes, 0, UINT64_MAX, 64, 8 << 20, 4, 64 << 10, 512,
        "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
       // 4 ranks: Lamport ahead at every size it carries; 64 blocks and 8 MiB rounds the best of
       // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; more exchanges above 1 MiB; broadcast
       // steps of 4 rounds the best of 1, 2 and 4 at 512 MiB-1 GiB (a step's kernel boundary costs
       // more than the longer first and last steps); 256-thread Lamport blocks ahead of 512 and
       // 128 for pairs up to 64 KiB, no better above (the 2-rank row takes the same, unswept).
-      {4, kLamportMaxBytes, 1 << 20, 64, 8 << 20, 4, 64 << 10, 512, "4x H200 (nvidia-h100-x4)"},
+      {4, kLamportMaxBytes, 2 << 20, 1 << 20, 64, 8 << 20, 4, 64 << 10, 512, "4x H200 (nvidia-h100-x4)"},
       // 5-8 ranks: no machine of this size has been lent. Each rank writes n - 1 lines per
       // 8 bytes, so the Lamport protocol takes the smaller pairs only; its blocks hold every
       // peer's lines in registers, so 256 threads at every size; the rest as at 4 ranks.
-      {kExchangeMaxRanks, 64 << 10, 1 << 20, 64, 8 << 20, 4, 64 << 10, 256, ""},
+      {kExchangeMaxRanks, 64 << 10, 2 << 20, 1 << 20, 64, 8 << 20, 4, 64 << 10, 256, ""},
   };
   MOELINK_CHECK(n >= 1 && n <= kExchangeMaxRanks, "exchange groups hold 1..", kExchangeMaxRanks, " ranks, not ", n);
   for (const auto& row : kRows)
@@ -279,6 +285,8 @@ ExchangeTuning ExchangeTuning::fromEnv(int n) {
   const ExchangeDefaults& d = exchangeDefaults(n);
   ExchangeTuning t;
   t.lamport_bytes = settings::numberIfSet("MOELINK_CUDA_LAMPORT_BYTES").value_or(d.lamport_bytes);
+  t.lamport_two_shot_bytes =
+      settings::numberIfSet("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES").value_or(d.lamport_two_shot_bytes);
   t.round_bytes = settings::numberIfSet("MOELINK_CUDA_ROUND_BYTES").value_or(d.round_bytes);
   t.blocks = static_cast<int>(settings::numberIfSet("MOELINK_CUDA_BLOCKS").value_or(static_cast<uint64_t>(d.blocks)));
   t.one_shot_bytes = settings::numberIfSet("MOELINK_CUDA_ONESHOT_BYTES").value_or(d.one_shot_bytes);
@@ -310,13 +318,23 @@ ExchangeLayout ExchangeLayout::make(int n, uint64_t round_bytes) {
 namespace {
 // Bytes of the longest pair of `x` (or of its reduction).
 uint64_t longestPair(const Exchange& x) {
-  uint64_t longest = x.mode == ExchangeMode::kReduce ? x.reduce_bytes : 0;
+  uint64_t longest = x.mode != ExchangeMode::kCopy ? x.reduce_bytes : 0;
   for (size_t q = 0; q < x.send_bytes.size(); ++q) longest = std::max({longest, x.send_bytes[q], x.recv_bytes[q]});
   return longest;
 }
 }  // namespace
 
+bool allreduceTwoShotLamport(int n, uint64_t count, DType t, const ExchangeTuning& tuning) {
+  const uint64_t es = elementSize(t), bytes = count * es;
+  if (n <= 2 || es > 8 || tuning.lamport_bytes == 0 || bytes <= tuning.lamport_bytes ||
+      bytes > tuning.lamport_two_shot_bytes)
+    return false;
+  const auto blocks = allreduceBlocks(n, count, t);
+  return (blocks[0].second - blocks[0].first) * es <= kLamportTwoShotBlockBytes;  // block 0 is the longest
+}
+
 bool exchangeLamport(const Exchange& x, const ExchangeTuning& t) {
+  if (x.mode == ExchangeMode::kReduceGather) return true;
   if (t.lamport_bytes == 0) return false;
   if (longestPair(x) > std::min(t.lamport_bytes, kLamportMaxBytes)) return false;
   return x.mode == ExchangeMode::kCopy || elementSize(x.dtype) <= 8;
@@ -351,7 +369,9 @@ int collectiveSms(OpKind kind, int n, uint64_t bytes, const ExchangeTuning& t) {
     std::vector<Exchange> xs;
     switch (kind) {
       case OpKind::kAllreduce:
-        if (t.oneShot(n, bytes)) {
+        if (allreduceTwoShotLamport(n, count, f32, t)) {
+          xs.push_back(exchangeAllreduceTwoShot(n, me, count, f32, ReduceOp::kSum));
+        } else if (t.oneShot(n, bytes)) {
           xs.push_back(exchangeAllreduceOneShot(n, me, count, f32, ReduceOp::kSum));
         } else {
           xs.push_back(exchangeAllreduceScatter(n, me, count, f32, ReduceOp::kSum));
@@ -437,13 +457,19 @@ std::string describeMismatch(const ExchangeHeader& mine, const ExchangeHeader& t
   auto fields = [](const ExchangeHeader& h) { return OpFields{h.kind, h.seq, h.root, h.dtype, h.redop, h.op_bytes}; };
   if (std::string why = describeOpMismatch(fields(mine), fields(theirs), peer); !why.empty()) return why;
   const std::string who = str(opKindName(static_cast<OpKind>(mine.kind)), " #", mine.seq, ": rank ", peer);
+  if (theirs.mode != mine.mode) {  // first: where the ranks chose different plans, the pairs differ too
+    const auto step = [](uint8_t m) {
+      return m == static_cast<uint8_t>(ExchangeMode::kCopy)     ? "copy"
+             : m == static_cast<uint8_t>(ExchangeMode::kReduce) ? "reduce"
+                                                                 : "two-shot Lamport";
+    };
+    return str(who, " ran the ", step(theirs.mode), " step where this rank ran the ", step(mine.mode),
+               " step (different MOELINK_CUDA_ONESHOT_BYTES or MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES?)");
+  }
   if (theirs.send_bytes != mine.recv_bytes)
     return str(who, " sent ", theirs.send_bytes, " bytes to this rank, this rank expects ", mine.recv_bytes);
   if (theirs.recv_bytes != mine.send_bytes)
     return str(who, " expects ", theirs.recv_bytes, " bytes from this rank, this rank sends ", mine.send_bytes);
-  if (theirs.mode != mine.mode)
-    return str(who, " ran the ", theirs.mode ? "reduce" : "copy", " step where this rank ran the ",
-               mine.mode ? "reduce" : "copy", " step (different one-shot settings?)");
   if (theirs.round_bytes != mine.round_bytes || theirs.blocks != mine.blocks || theirs.split != mine.split)
     return str(who, " uses MOELINK_CUDA_ROUND_BYTES=", theirs.round_bytes, " MOELINK_CUDA_BLOCKS=", theirs.blocks,
                " MOELINK_CUDA_SPLIT=", theirs.split, ", this rank ", mine.round_bytes, ", ", mine.blocks, " and ",

@@ -2,7 +2,6 @@
 test_cuda_collectives.py through harness.run_cases). Every result is checked against what each
 rank computes itself from all ranks' known inputs, and a subset against NCCL on the same inputs."""
 
-import contextlib
 import os
 
 import torch
@@ -13,7 +12,8 @@ import moelink
 import cases_fsdp
 import cases_funcol
 from cases_cuda_host import host_graph_capture, host_pieces  # noqa: F401 (cases named in CASES)
-from cuda_support import DTYPES, REDUCE_OPS, SIZES, capture, dev, reduce_ref, same, valid, value  # noqa: F401
+from cases_cuda_lamport import lamport_two_shot, two_shot_disagreement  # noqa: F401 (cases named in CASES)
+from cuda_support import DTYPES, REDUCE_OPS, SIZES, capture, dev, reduce_ref, same, setting, valid, value  # noqa: F401
 
 
 def all_reduce_every_dtype_op_size(rank, world):
@@ -306,20 +306,6 @@ def small_op_burst(rank, world):
     torch.cuda.synchronize()
     for t, want, what in checks:
         same(t, want if isinstance(want, torch.Tensor) else torch.full_like(t, want), what)
-
-
-@contextlib.contextmanager
-def setting(name, value):
-    """`name` set to `value` in this process (read by the groups made meanwhile), then as it was."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def host_route_on_disagreement(rank, world, name, value):
@@ -721,6 +707,6 @@ def fsdp2_matches_local(rank, world):
 
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "in_place_all_to_all", "all_to_all_mixed_protocols", "broadcast_pipelined", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
-         "round_size_disagreement", "lamport_boundaries", "plain_launch_beside_dependent", "lamport_disagreement", "graph_capture", "host_pieces", "point_to_point", "against_nccl", "bad_input",
+         "round_size_disagreement", "lamport_boundaries", "lamport_two_shot", "two_shot_disagreement", "plain_launch_beside_dependent", "lamport_disagreement", "graph_capture", "host_pieces", "point_to_point", "against_nccl", "bad_input",
          "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "sparse_all_reduce",
          "functional_and_dtensor", "fsdp2_matches_local"]

@@ -1,6 +1,9 @@
 """What the CUDA collective cases share: the devices, known inputs, reference reductions and the
 comparison (cases_cuda.py, cases_cuda_host.py)."""
 
+import contextlib
+import os
+
 import torch
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
@@ -79,3 +82,17 @@ def capture(ops):
             ops()
     torch.cuda.current_stream().wait_stream(s)
     return graph
+
+
+@contextlib.contextmanager
+def setting(name, value):
+    """`name` set to `value` in this process (read by the groups made meanwhile), then as it was."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old

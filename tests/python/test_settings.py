@@ -87,21 +87,28 @@ def test_cuda_tuning_by_group_size(monkeypatch):
     clear error for a bad setting or size."""
     import moelink
 
-    for name in ("MOELINK_CUDA_LAMPORT_BYTES", "MOELINK_CUDA_ONESHOT_BYTES", "MOELINK_CUDA_BLOCKS",
-                 "MOELINK_CUDA_ROUND_BYTES", "MOELINK_CUDA_SPLIT"):
+    for name in ("MOELINK_CUDA_LAMPORT_BYTES", "MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "MOELINK_CUDA_ONESHOT_BYTES",
+                 "MOELINK_CUDA_BLOCKS", "MOELINK_CUDA_ROUND_BYTES", "MOELINK_CUDA_SPLIT"):
         monkeypatch.delenv(name, raising=False)
         assert settings.value(name) in (None, True)  # unset: the group's row decides (split: a flag)
     two, four, eight = (moelink.cuda_tuning(n) for n in (2, 4, 8))
-    assert two == {"lamport_bytes": 262144, "one_shot_bytes": None, "blocks": 64, "round_bytes": 8 << 20,
+    assert two == {"lamport_bytes": 262144, "lamport_two_shot_bytes": 0, "one_shot_bytes": None, "blocks": 64, "round_bytes": 8 << 20,
                    "split": True, "broadcast_step_bytes": 32 << 20, "lamport_narrow_bytes": 65536,
                    "lamport_threads": 512, "defaults_measured_on": two["defaults_measured_on"]}
     assert "H200" in two["defaults_measured_on"] and "H200" in four["defaults_measured_on"]
     assert four["one_shot_bytes"] == 1 << 20 and four["lamport_bytes"] == 262144
+    assert four["lamport_two_shot_bytes"] == 2 << 20 and eight["lamport_two_shot_bytes"] == 2 << 20
     assert eight["lamport_bytes"] == 65536 and eight["defaults_measured_on"] is None
     assert four["lamport_threads"] == 512 and eight["lamport_threads"] == 256
     monkeypatch.setenv("MOELINK_CUDA_LAMPORT_BYTES", "4096")
     monkeypatch.setenv("MOELINK_CUDA_BLOCKS", "16")
     assert moelink.cuda_tuning(8)["lamport_bytes"] == 4096 and moelink.cuda_tuning(8)["blocks"] == 16
+    monkeypatch.setenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", str(1 << 20))
+    assert moelink.cuda_tuning(4)["lamport_two_shot_bytes"] == 1 << 20 and moelink.cuda_tuning(2)["lamport_two_shot_bytes"] == 0
+    monkeypatch.setenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", str((4 << 20) + 1))
+    with pytest.raises(ValueError, match="MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES"):
+        moelink.cuda_tuning(4)
+    monkeypatch.delenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES")
     monkeypatch.setenv("MOELINK_CUDA_ROUND_BYTES", str(1 << 20))  # the broadcast's steps follow the rounds
     assert moelink.cuda_tuning(4)["broadcast_step_bytes"] == 4 << 20
     monkeypatch.setenv("MOELINK_CUDA_ROUND_BYTES", "1000")
@@ -119,11 +126,14 @@ def test_cuda_sms_follow_the_plan(monkeypatch):
     to 64 per role, pushing and consuming roles from the second round on."""
     import moelink
 
-    for name in ("MOELINK_CUDA_LAMPORT_BYTES", "MOELINK_CUDA_BLOCKS", "MOELINK_CUDA_ROUND_BYTES", "MOELINK_CUDA_SPLIT"):
+    for name in ("MOELINK_CUDA_LAMPORT_BYTES", "MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "MOELINK_CUDA_BLOCKS",
+                 "MOELINK_CUDA_ROUND_BYTES", "MOELINK_CUDA_SPLIT"):
         monkeypatch.delenv(name, raising=False)
     assert moelink.cuda_sms("all_reduce", 4, 8 << 10) == 3
     assert moelink.cuda_sms("all_reduce", 4, 256 << 10) == 33
     assert moelink.cuda_sms("all_gather", 4, 256 << 10) == 17
+    assert moelink.cuda_sms("all_reduce", 4, 2 << 20) == 65  # the two-shot Lamport kernel
+    assert moelink.cuda_sms("all_reduce", 4, 4 << 20) == 64  # the staged halves
     assert moelink.cuda_sms("all_to_all", 8, 1 << 30) == 128
     monkeypatch.setenv("MOELINK_CUDA_BLOCKS", "16")
     assert moelink.cuda_sms("broadcast", 4, 1 << 30) == 32

@@ -51,14 +51,24 @@ constexpr uint64_t kExchangeMinPiece = 16 << 10;
 constexpr uint64_t kLamportMaxBytes = 256 << 10;
 constexpr uint64_t kLamportLineBytes = 16;
 constexpr uint64_t kLamportHeaderLines = 8;  // an ExchangeHeader, 8 data bytes per line
-constexpr uint64_t kLamportSourceBytes = (kLamportHeaderLines + kLamportMaxBytes / 8) * kLamportLineBytes;
+// The two-shot Lamport all_reduce (ExchangeMode::kReduceGather): blocks of at most this many
+// bytes. A source's lines of the gather half start kLamportGatherLine lines into its slot,
+// behind the room for the scatter half's.
+constexpr uint64_t kLamportTwoShotBlockBytes = 512 << 10;
+constexpr uint64_t kLamportGatherLine = kLamportTwoShotBlockBytes / 8;
+static_assert(kLamportGatherLine * 8 >= kLamportMaxBytes, "a slot holds the longest pair of a one-shot exchange");
+// One source's slot of the Lamport area: the header's lines, then the data's.
+constexpr uint64_t kLamportSourceBytes = (kLamportHeaderLines + 2 * kLamportGatherLine) * kLamportLineBytes;
 // Threads of a Lamport block at most (each moves two lines of every pair at a time, every peer's
 // lines in registers): fewer in groups above 4 ranks. A block carries twice its threads' lines.
 constexpr int lamportThreads(int n) { return n > 4 ? 256 : 512; }
 // Threads of a Lamport block where the longest pair is short (ExchangeDefaults::lamport_narrow_bytes).
 constexpr int kLamportNarrowThreads = 256;
 
-enum class ExchangeMode : uint8_t { kCopy, kReduce };
+// kReduceGather: the two-shot all_reduce in one launch of the Lamport kernel (exchangeAllreduceTwoShot):
+// the reduce-scatter half's pairs and reduction, then this rank's reduced block to every peer and
+// theirs into place; never on the staged kernel.
+enum class ExchangeMode : uint8_t { kCopy, kReduce, kReduceGather };
 
 // What one rank does in one exchange. Offsets are in bytes from `in` / `out` (device
 // pointers supplied at launch).
@@ -74,7 +84,8 @@ struct Exchange {
   std::vector<uint64_t> send_off, send_bytes, recv_off, recv_bytes;
   // kReduce: out[0, reduce_bytes) = op over ranks q in order of (q == me ? in + send_off[me] :
   // what q sent), every recv_bytes[q] (q != me) being reduce_bytes. AVG divides by the group
-  // size at the end.
+  // size at the end. kReduceGather: the same reduction lands at out + send_off[me], is sent to
+  // every peer, and peer q's (send_bytes[q] bytes) lands at out + send_off[q].
   uint64_t reduce_bytes = 0;
 };
 
@@ -86,6 +97,9 @@ Exchange exchangeAllreduceOneShot(int n, int me, uint64_t count, DType t, Reduce
 // all-gather half (every rank sends its reduced block to all). Blocks: allreduceBlocks.
 Exchange exchangeAllreduceScatter(int n, int me, uint64_t count, DType t, ReduceOp op);
 Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t);
+// The two halves in one exchange (ExchangeMode::kReduceGather), in place: the scatter half's pairs,
+// then each rank's reduced block to all. Lamport kernel only: allreduceTwoShotLamport says when.
+Exchange exchangeAllreduceTwoShot(int n, int me, uint64_t count, DType t, ReduceOp op);
 // Element ranges [begin, end) of the two-shot blocks: count split as evenly as 16-byte
 // alignment of the block starts allows.
 std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count, DType t);
@@ -130,6 +144,7 @@ std::vector<std::pair<uint64_t, uint64_t>> droppedRanges(const Exchange& x, cons
 struct ExchangeDefaults {
   int up_to = 0;                // groups of at most this many ranks
   uint64_t lamport_bytes = 0;   // MOELINK_CUDA_LAMPORT_BYTES
+  uint64_t lamport_two_shot_bytes = 0;  // MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES
   uint64_t one_shot_bytes = 0;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2 take one exchange at every size)
   int blocks = 0;               // MOELINK_CUDA_BLOCKS
   uint64_t round_bytes = 0;     // MOELINK_CUDA_ROUND_BYTES
@@ -161,6 +176,9 @@ struct ExchangeTuning {
   // MOELINK_CUDA_LAMPORT_BYTES: exchanges whose pairs are all at most this long take the
   // Lamport protocol (0: never).
   uint64_t lamport_bytes = 0;
+  // MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES: all_reduce above lamport_bytes and up to this many bytes
+  // takes the two-shot Lamport kernel (allreduceTwoShotLamport; 0: never).
+  uint64_t lamport_two_shot_bytes = 0;
   // The row's broadcast_step_rounds (no setting: every rank of a group has the same row).
   int broadcast_step_rounds = 4;
   // The row's Lamport block sizes (no setting; a rank's own choice, which its peers never see).
@@ -179,9 +197,16 @@ constexpr int kBroadcastMaxChunks = 64;
 // Chunks of the pipelined broadcast of `bytes` over `n` ranks: about t.broadcast_step_rounds
 // rounds per rank but the root and step, at least 2, at most kBroadcastMaxChunks.
 int broadcastChunks(int n, uint64_t bytes, const ExchangeTuning& t);
+// Whether an all_reduce of `count` elements of `t` over `n` ranks takes the two-shot Lamport kernel
+// (exchangeAllreduceTwoShot) rather than one exchange or the staged halves: groups of more than
+// 2, above t.lamport_bytes (never where that is 0), at most t.lamport_two_shot_bytes, every block within
+// kLamportTwoShotBlockBytes, elements of at most 8 bytes. Every rank decides alike from the same
+// tuning (a rank that decides otherwise fails the op on every rank: the exchanges' modes differ).
+bool allreduceTwoShotLamport(int n, uint64_t count, DType t, const ExchangeTuning& tuning);
 // Whether `x` takes the Lamport protocol: every pair and the reduction within
 // t.lamport_bytes (and kLamportMaxBytes). Reductions of 16-byte elements (complex128) stay on
-// the staged protocol (a line carries 8 bytes).
+// the staged protocol (a line carries 8 bytes). A kReduceGather exchange always does (its blocks
+// within kLamportTwoShotBlockBytes; the staged kernel has no such mode).
 bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
 // A copy exchange on the staged kernel (some pair of this rank is too long for lines) sends and
 // receives its pairs of at most this many bytes as Lamport lines all the same (0: none; a

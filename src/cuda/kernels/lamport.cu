@@ -14,6 +14,11 @@
 // (peerDisagrees). A block may have written lines of an op its peers disagree about into the
 // output before the check fails the op; a failed op's output is undefined.
 //
+// The two-shot all_reduce (ExchangeMode::kReduceGather, Gather) runs the reduce-scatter half's
+// pairs as above, then each thread sends the lines it reduced of this rank's block to every peer
+// as lines of the same op, kLamportGatherLine lines into its slot there, and places the peers'
+// reduced lines of the same index into the output (gatherLines): two crossings, one launch.
+//
 // Reuse: op seq writes the parity that op seq - 2 used. When this rank's op seq - 1 succeeded
 // (linesEarly), it saw every peer's header or lines of seq - 1, which a peer writes only after
 // its own op seq - 2 has ended: nothing of seq - 2 is still being read, and the lines go out at
@@ -273,16 +278,47 @@ __device__ void checkHeaders(const Ctx& c, const HeaderWord& h, bool ok) {
   }
 }
 
+// The two-shot all_reduce's gather half (kReduceGather) at lines i and i + blockDim.x: this
+// rank's reduced lines r (bits `lines` of its block) to every peer, kLamportGatherLine lines into
+// its slot, then every peer's reduced lines into place (out + send_off[q]). A line of this rank
+// goes to peer p only after this thread has p's scatter line of this op at the same place: p had
+// started this op, so it had ended op seq - 2, the last to read those lines. False when the wait
+// failed.
+template <int N>
+__device__ bool gatherLines(const Ctx& c, uint32_t flag, int parity, uint64_t i, uint32_t lines,
+                            const uint64_t (&r)[2], uint64_t (&v)[N][2], HeaderWord& h) {
+  const ExchangeLaunch& a = *c.a;
+  const int me = a.rank, n = a.size;
+  const uint64_t at = (kLamportHeaderLines + kLamportGatherLine + i) * kLamportLineBytes;
+#pragma unroll
+  for (int p = 0; p < N; ++p) {
+    if (p >= n || p == me || !lines) continue;
+    char* area = lamportArea(a.staging[p], a.layout, n, parity, me) + at;
+    if (lines & 1) putLine(area, r[0], flag);
+    if (lines & 2) putLine(area + blockDim.x * kLamportLineBytes, r[1], flag);
+  }
+  uint32_t want = 0;
+#pragma unroll
+  for (int q = 0; q < N; ++q)
+    if (q < n && q != me) want |= pairLines(a.send_bytes[q], i) << (2 * q);
+  if (!awaitLines<N>(c, flag, parity, kLamportGatherLine + i, want, v, h)) return false;
+#pragma unroll
+  for (int q = 0; q < N; ++q)
+    if ((want >> (2 * q)) & 3) storeLines(a.out + a.send_off[q], a.send_bytes[q], i, v[q]);
+  return true;
+}
+
 // Copies or reduces this thread's lines into place, with the header word h beside the first
-// wait. False when a wait failed.
-template <typename Reduce, int N>
+// wait (and, in the two-shot all_reduce, Gather, sends the reduced lines on and takes the
+// peers'). False when a wait failed.
+template <typename Reduce, int N, bool Gather>
 __device__ bool consumeLines(const Ctx& c, uint32_t flag, int parity, HeaderWord& h) {
   const ExchangeLaunch& a = *c.a;
   const int me = a.rank, n = a.size;
   const uint64_t stride = 2ull * a.launched * blockDim.x;
   const uint64_t first = 2ull * blockIdx.x * blockDim.x + threadIdx.x;
   uint64_t v[N][2];
-  if (a.mode != static_cast<uint8_t>(ExchangeMode::kReduce)) {
+  if (a.mode == static_cast<uint8_t>(ExchangeMode::kCopy)) {
     const char* own = a.in + a.send_off[me];
     char* into = a.out + a.recv_off[me];
     for (uint64_t i = first;; i += stride) {
@@ -303,26 +339,34 @@ __device__ bool consumeLines(const Ctx& c, uint32_t flag, int parity, HeaderWord
         if ((want >> (2 * q)) & 3) storeLines(a.out + a.recv_off[q], a.recv_bytes[q], i, v[q]);
     }
   }
+  // This rank's block; in the two-shot all_reduce the lines run on over the peers' blocks (the
+  // first is the longest), whose reduced lines this thread takes after its own.
   const uint64_t bytes = a.reduce_bytes;
-  for (uint64_t i = first; 8 * i < bytes; i += stride) {
+  char* const into = Gather ? a.out + a.send_off[me] : a.out;
+  const uint64_t span = Gather && a.send_bytes[0] > bytes ? a.send_bytes[0] : bytes;
+  for (uint64_t i = first; 8 * i < span; i += stride) {
     const uint32_t lines = pairLines(bytes, i);
-    uint32_t want = 0;
+    uint64_t r[2] = {0, 0};
+    if (lines) {
+      uint32_t want = 0;
 #pragma unroll
-    for (int q = 0; q < N; ++q)
-      if (q < n && q != me) want |= lines << (2 * q);
+      for (int q = 0; q < N; ++q)
+        if (q < n && q != me) want |= lines << (2 * q);
 #pragma unroll
-    for (int q = 0; q < N; ++q)
-      if (q == me) loadLines(a.in + a.send_off[me], bytes, i, v[q]);
-    if (!awaitLines<N>(c, flag, parity, i, want, v, h)) return false;
-    uint64_t r[2];
+      for (int q = 0; q < N; ++q)
+        if (q == me) loadLines(a.in + a.send_off[me], bytes, i, v[q]);
+      if (!awaitLines<N>(c, flag, parity, i, want, v, h)) return false;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      uint64_t w[N];
+      for (int j = 0; j < 2; ++j) {
+        uint64_t w[N];
 #pragma unroll
-      for (int q = 0; q < N; ++q) w[q] = v[q][j];
-      r[j] = Reduce::template run<N>(w, n, static_cast<ReduceOp>(a.redop), n);
+        for (int q = 0; q < N; ++q) w[q] = v[q][j];
+        r[j] = Reduce::template run<N>(w, n, static_cast<ReduceOp>(a.redop), n);
+      }
+      storeLines(into, bytes, i, r);
     }
-    storeLines(a.out, bytes, i, r);
+    if constexpr (Gather)
+      if (!gatherLines<N>(c, flag, parity, i, lines, r, v, h)) return false;
   }
   return true;
 }
@@ -330,7 +374,7 @@ __device__ bool consumeLines(const Ctx& c, uint32_t flag, int parity, HeaderWord
 // Blocks [0, launched) move the data; the last block writes this rank's header into each peer's
 // header slot (a release store per peer: its round trip stays off the data blocks). The op's
 // number (the counter) and whether the op before it succeeded are loaded together at the start.
-template <typename Reduce, int N>
+template <typename Reduce, int N, bool Gather>
 __global__ void __launch_bounds__(threadsFor<N>()) lamportKernel(const __grid_constant__ ExchangeLaunch a) {
   // Launched as a programmatic dependent (launchFor): wait for the kernel before this one on the
   // stream to end and its writes to be seen, then let the next launch of this kernel get its
@@ -359,7 +403,7 @@ __global__ void __launch_bounds__(threadsFor<N>()) lamportKernel(const __grid_co
   } else if (linesEarly(c.seq, any_ok) || awaitPeersStarted(c)) {
     pushLines<N>(c, flag, parity);
     HeaderWord h = headerWord(a);
-    bool ok = consumeLines<Reduce, N>(c, flag, parity, h);
+    bool ok = consumeLines<Reduce, N, Gather>(c, flag, parity, h);
     if (ok && h.pending) {  // a thread without lines of its own
       uint64_t none[N][2];
       ok = awaitLines<N>(c, flag, parity, 0, 0, none, h);
@@ -376,7 +420,7 @@ __global__ void __launch_bounds__(threadsFor<N>()) lamportKernel(const __grid_co
 // this launch while the kernel before it ends, its blocks waiting at griddepcontrol.wait (captured
 // into a graph as a programmatic edge); a plain launch where the attribute is refused. In a plain
 // launch griddepcontrol.wait returns at once, the stream having ordered it already.
-template <typename Reduce, int N>
+template <typename Reduce, int N, bool Gather>
 cudaError_t launchAs(const ExchangeLaunch& l, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(l.launched + 1);
@@ -387,22 +431,26 @@ cudaError_t launchAs(const ExchangeLaunch& l, cudaStream_t stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = l.dependent_launch ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, lamportKernel<Reduce, N>, l);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, lamportKernel<Reduce, N, Gather>, l);
   if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return e;
   (void)cudaGetLastError();
-  lamportKernel<Reduce, N><<<cfg.gridDim, cfg.blockDim, 0, stream>>>(l);
+  lamportKernel<Reduce, N, Gather><<<cfg.gridDim, cfg.blockDim, 0, stream>>>(l);
   return cudaGetLastError();
 }
 
+// The kernels of a copy (LineCopy) or a reduction; a reduction's also as the two-shot all_reduce.
 template <typename Reduce>
 cudaError_t launchFor(const ExchangeLaunch& l, cudaStream_t stream) {
-  return l.size <= 4 ? launchAs<Reduce, 4>(l, stream) : launchAs<Reduce, kExchangeMaxRanks>(l, stream);
+  if constexpr (!std::is_same_v<Reduce, LineCopy>)
+    if (l.mode == static_cast<uint8_t>(ExchangeMode::kReduceGather))
+      return l.size <= 4 ? launchAs<Reduce, 4, true>(l, stream) : launchAs<Reduce, kExchangeMaxRanks, true>(l, stream);
+  return l.size <= 4 ? launchAs<Reduce, 4, false>(l, stream) : launchAs<Reduce, kExchangeMaxRanks, false>(l, stream);
 }
 
 }  // namespace
 
 cudaError_t launchLamport(const ExchangeLaunch& l, cudaStream_t stream) {
-  if (l.mode != static_cast<uint8_t>(ExchangeMode::kReduce)) return launchFor<LineCopy>(l, stream);
+  if (l.mode == static_cast<uint8_t>(ExchangeMode::kCopy)) return launchFor<LineCopy>(l, stream);
   switch (static_cast<DType>(l.dtype)) {
     case DType::kFloat32: return launchFor<LineReduce<float>>(l, stream);
     case DType::kFloat64: return launchFor<LineReduce<double>>(l, stream);

@@ -99,6 +99,43 @@ void model(const std::vector<Exchange>& xs, std::vector<Bytes>& in, std::vector<
   }
 }
 
+// The two-shot Lamport all_reduce (ExchangeMode::kReduceGather), as lamport.cu moves it: each
+// rank reduces its block from the peers' pairs and its own input into out + send_off[me], then
+// sends that block to every peer, which places it at its own send_off of that rank.
+void modelTwoShotLamport(const std::vector<Exchange>& xs, const std::vector<Bytes>& in, std::vector<Bytes>& out) {
+  const int n = static_cast<int>(xs.size());
+  std::vector<Bytes> reduced(n);
+  for (int p = 0; p < n; ++p) {
+    const Exchange& x = xs[p];
+    ASSERT_EQ(x.mode, ExchangeMode::kReduceGather);
+    ASSERT_LE(x.reduce_bytes, kLamportTwoShotBlockBytes);
+    std::vector<const void*> srcs;
+    for (int q = 0; q < n; ++q) {
+      if (q != p) {
+        ASSERT_EQ(xs[q].send_bytes[p], x.reduce_bytes) << q << "->" << p;
+        ASSERT_EQ(x.recv_bytes[q], x.reduce_bytes) << q << "->" << p;
+      }
+      srcs.push_back(in[q].data() + xs[q].send_off[p]);
+    }
+    std::vector<char> scratch;
+    const size_t count = x.reduce_bytes / elementSize(x.dtype);
+    reduced[p].assign(x.reduce_bytes, 0);
+    reduceOrdered(reduced[p].data(), srcs, count, x.dtype, x.redop, scratch);
+    if (x.redop == ReduceOp::kAvg) divideInPlace(reduced[p].data(), count, x.dtype, n);
+  }
+  for (int p = 0; p < n; ++p)
+    for (int q = 0; q < n; ++q) {
+      // the block's place is the same on every rank; its length what its owner reduced
+      ASSERT_EQ(xs[p].send_off[q], xs[q].send_off[q]);
+      if (q != p) {
+        ASSERT_EQ(xs[p].send_bytes[q], xs[q].reduce_bytes);
+      }
+      // the kernel's lines run over the longest block: block 0 (send_bytes[0], or this rank's own)
+      ASSERT_LE(xs[q].reduce_bytes, std::max(xs[p].reduce_bytes, xs[p].send_bytes[0]));
+      if (!reduced[q].empty()) std::memcpy(out[p].data() + xs[p].send_off[q], reduced[q].data(), reduced[q].size());
+    }
+}
+
 // Rank r's input of `count` floats: r * 1000 + i.
 Bytes floats(int r, uint64_t count) {
   std::vector<float> v(count);
@@ -145,7 +182,7 @@ class ExchangePlan : public ::testing::TestWithParam<std::tuple<int, uint64_t>> 
 
 TEST_P(ExchangePlan, AllreduceOneShotAndTwoShot) {
   auto [n, count] = GetParam();
-  for (bool two : {false, true}) {
+  for (int two : {0, 1, 2}) {  // one exchange, the staged halves, the two-shot Lamport exchange
     std::vector<Exchange> a, b;
     std::vector<Bytes> in, out;
     std::vector<uint64_t> base;
@@ -153,9 +190,12 @@ TEST_P(ExchangePlan, AllreduceOneShotAndTwoShot) {
       in.push_back(floats(r, count));
       out.push_back(in.back());  // in place
     }
-    if (!two) {
+    if (two == 0) {
       for (int r = 0; r < n; ++r) a.push_back(exchangeAllreduceOneShot(n, r, count, DType::kFloat32, ReduceOp::kSum));
       model(a, in, out, small());
+    } else if (two == 2) {
+      for (int r = 0; r < n; ++r) a.push_back(exchangeAllreduceTwoShot(n, r, count, DType::kFloat32, ReduceOp::kSum));
+      modelTwoShotLamport(a, in, out);
     } else {
       auto blocks = allreduceBlocks(n, count, DType::kFloat32);
       for (int r = 0; r < n; ++r) {
@@ -171,7 +211,7 @@ TEST_P(ExchangePlan, AllreduceOneShotAndTwoShot) {
       for (uint64_t i = 0; i < count; ++i) {
         float want = 0;
         for (int q = 0; q < n; ++q) want += at(in[q], i);
-        ASSERT_EQ(at(out[r], i), want) << "rank " << r << " element " << i << (two ? " two-shot" : " one-shot");
+        ASSERT_EQ(at(out[r], i), want) << "rank " << r << " element " << i << " plan " << two;
       }
   }
 }
@@ -488,6 +528,11 @@ TEST(ExchangePiece, RolesWaitForEachOtherOnlyWhereTheOutputMeetsPushedInput) {
   EXPECT_FALSE(exchangeOutputMeetsInput(self_only, 0, buf.data(), buf.data()));
 }
 
+ExchangeTuning off_tuning(ExchangeTuning t) {
+  t.lamport_bytes = 0;
+  return t;
+}
+
 TEST(ExchangePiece, SmsACollectiveHolds) {
   const ExchangeTuning t = ExchangeTuning::fromEnv(4);  // 64 blocks, 8 MiB rounds, Lamport to 256 KiB
   // Lamport: one block per 4 KiB of the longest pair up to 64 KiB, per 8 KiB above (two lines
@@ -495,9 +540,14 @@ TEST(ExchangePiece, SmsACollectiveHolds) {
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 8 << 10, t), 3);
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 256 << 10, t), 33);
   EXPECT_EQ(collectiveSms(OpKind::kAllgather, 4, 256 << 10, t), 17);  // pairs of 64 KiB
-  // Staged, one round: a block per 16 KiB piece of the longest pair (2 MiB all_reduce: two
-  // exchanges of 512 KiB pairs).
-  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 2 << 20, t), 32);
+  // The two-shot Lamport all_reduce: blocks for the lines of its longest block (2 MiB: blocks of
+  // 512 KiB, 65536 lines, 1024 per 512-thread block) and the header block.
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 2 << 20, t), 65);
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, (256 << 10) + 4, t), 9 + 1);
+  // Staged, one round: a block per 16 KiB piece of the longest pair (4 MiB all_reduce: two
+  // exchanges of 1 MiB pairs).
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 4 << 20, t), 64);
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 2 << 20, off_tuning(t)), 32);
   EXPECT_EQ(collectiveSms(OpKind::kAlltoall, 4, 4 << 20, t), 64);
   // More than one round: pushing and consuming blocks.
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 1ull << 30, t), 128);
@@ -519,11 +569,6 @@ TEST(ExchangeLayout, FitsTheRoundsAndAligns) {
   EXPECT_EQ(l.total, l.lamport + 2ull * 4 * kLamportSourceBytes);
   EXPECT_GE(l.flags, l.counter + 32);  // seq, done, failed, single_ok, any_ok (exchange_common.cuh)
   EXPECT_THROW(ExchangeLayout::make(kExchangeMaxRanks + 1, 1 << 20), moelink::Error);
-}
-
-ExchangeTuning off_tuning(ExchangeTuning t) {
-  t.lamport_bytes = 0;
-  return t;
 }
 
 TEST(ExchangeLamport, TakesSmallExchangesAndTheShortPairsOfStagedCopies) {
@@ -593,8 +638,44 @@ TEST(ExchangeLamport, TakesSmallExchangesAndTheShortPairsOfStagedCopies) {
   ExchangeTuning wide = t8;
   wide.lamport_threads = 512;
   EXPECT_EQ(lamportThreadsFor(exchangeAllgather(8, 0, kLamportMaxBytes), wide), 256);
-  EXPECT_EQ(kLamportSourceBytes, (kLamportHeaderLines + kLamportMaxBytes / 8) * kLamportLineBytes);
+  EXPECT_EQ(kLamportSourceBytes, (kLamportHeaderLines + 2 * kLamportGatherLine) * kLamportLineBytes);
+  EXPECT_GE(kLamportGatherLine * 8, kLamportMaxBytes);
   EXPECT_GE(kLamportHeaderLines * 8, sizeof(ExchangeHeader));
+}
+
+TEST(ExchangeLamport, TwoShotAllreduceBetweenTheOneShotAndTheStagedHalves) {
+  const ExchangeTuning t4 = ExchangeTuning::fromEnv(4), t2 = ExchangeTuning::fromEnv(2), t8 = ExchangeTuning::fromEnv(8);
+  const uint64_t one = t4.lamport_bytes / 4, two = t4.lamport_two_shot_bytes / 4;  // float32 elements
+  EXPECT_FALSE(allreduceTwoShotLamport(4, one, DType::kFloat32, t4));  // one Lamport exchange
+  EXPECT_TRUE(allreduceTwoShotLamport(4, one + 1, DType::kFloat32, t4));
+  EXPECT_TRUE(allreduceTwoShotLamport(4, two, DType::kFloat32, t4));
+  EXPECT_FALSE(allreduceTwoShotLamport(4, two + 1, DType::kFloat32, t4));  // the staged halves
+  EXPECT_FALSE(allreduceTwoShotLamport(4, two, DType::kComplex64, t4));  // 4 MiB
+  EXPECT_TRUE(allreduceTwoShotLamport(4, two / 2, DType::kComplex64, t4));
+  EXPECT_FALSE(allreduceTwoShotLamport(4, two / 4, DType::kComplex128, t4));  // a line carries 8 bytes
+  EXPECT_TRUE(allreduceTwoShotLamport(4, 2 * two, DType::kBFloat16, t4));
+  EXPECT_FALSE(allreduceTwoShotLamport(2, one + 1, DType::kFloat32, t2));  // 2 ranks: one exchange moves as much
+  EXPECT_FALSE(allreduceTwoShotLamport(4, one + 1, DType::kFloat32, off_tuning(t4)));  // no Lamport at all
+  EXPECT_TRUE(allreduceTwoShotLamport(8, t8.lamport_bytes / 4 + 1, DType::kFloat32, t8));
+  // blocks within what a slot holds, whatever the setting says: 3 ranks, 2 MiB has blocks of 683 KiB
+  EXPECT_FALSE(allreduceTwoShotLamport(3, two, DType::kFloat32, t4));
+  ExchangeTuning wide = t4;
+  wide.lamport_two_shot_bytes = UINT64_MAX;
+  EXPECT_TRUE(allreduceTwoShotLamport(4, 4 * kLamportTwoShotBlockBytes / 4, DType::kFloat32, wide));
+  EXPECT_FALSE(allreduceTwoShotLamport(4, 4 * kLamportTwoShotBlockBytes / 4 + 4, DType::kFloat32, wide));
+  // always the Lamport kernel, its blocks over the longest block, whatever the pairs' setting
+  const Exchange x = exchangeAllreduceTwoShot(4, 3, two, DType::kFloat32, ReduceOp::kSum);
+  EXPECT_EQ(x.mode, ExchangeMode::kReduceGather);
+  EXPECT_TRUE(exchangeLamport(x, off_tuning(t4)));
+  EXPECT_EQ(lamportBlocks(x, t4), 64);
+  EXPECT_EQ(exchangeLamportPairs(x, t4), 0u);
+  // a rank on the staged halves against one on the two-shot kernel: the modes differ
+  auto mine = exchangeHeader(x, 0, t4);
+  auto theirs = exchangeHeader(exchangeAllreduceScatter(4, 0, two, DType::kFloat32, ReduceOp::kSum), 3, t4);
+  mine.seq = theirs.seq = 5;
+  EXPECT_EQ(describeMismatch(mine, theirs, 0),
+            "allreduce #5: rank 0 ran the reduce step where this rank ran the two-shot Lamport step (different "
+            "MOELINK_CUDA_ONESHOT_BYTES or MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES?)");
 }
 
 TEST(ExchangeHeader, MismatchesReadLikeTheCpuPath) {
@@ -663,6 +744,12 @@ TEST(ExchangeTuning, ReadsAndChecksTheEnvironment) {
   setenv("MOELINK_CUDA_LAMPORT_BYTES", "262145", 1);
   EXPECT_THROW(ExchangeTuning::fromEnv(4), moelink::Error);
   unsetenv("MOELINK_CUDA_LAMPORT_BYTES");
+  EXPECT_EQ(ExchangeTuning::fromEnv(4).lamport_two_shot_bytes, exchangeDefaults(4).lamport_two_shot_bytes);
+  setenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "0", 1);
+  EXPECT_EQ(ExchangeTuning::fromEnv(4).lamport_two_shot_bytes, 0u);
+  setenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "4194305", 1);
+  EXPECT_THROW(ExchangeTuning::fromEnv(4), moelink::Error);
+  unsetenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES");
 }
 
 TEST(ExchangeTuning, EveryGroupSizeHasARowOfDefaultsThatTheSettingsAllow) {
@@ -677,6 +764,12 @@ TEST(ExchangeTuning, EveryGroupSizeHasARowOfDefaultsThatTheSettingsAllow) {
     // Unset, the tuning is the row.
     const ExchangeTuning t = ExchangeTuning::fromEnv(n);
     EXPECT_EQ(t.lamport_bytes, d.lamport_bytes);
+    EXPECT_EQ(t.lamport_two_shot_bytes, d.lamport_two_shot_bytes);
+    // where the row takes the two-shot Lamport all_reduce, the first size above the one-shot
+    // Lamport exchange takes it at every group size of the row but 2 ranks
+    if (d.lamport_two_shot_bytes && n > 2) {
+      EXPECT_TRUE(allreduceTwoShotLamport(n, d.lamport_bytes / 4 + 1, DType::kFloat32, t)) << n;
+    }
     EXPECT_EQ(t.blocks, d.blocks);
     EXPECT_EQ(t.round_bytes, d.round_bytes);
     EXPECT_EQ(t.one_shot_bytes, d.one_shot_bytes);
@@ -695,6 +788,8 @@ TEST(ExchangeTuning, EveryGroupSizeHasARowOfDefaultsThatTheSettingsAllow) {
   EXPECT_EQ(exchangeDefaults(2).lamport_bytes, 256u << 10);
   EXPECT_EQ(exchangeDefaults(4).lamport_bytes, 256u << 10);
   EXPECT_EQ(exchangeDefaults(4).one_shot_bytes, 1u << 20);
+  EXPECT_EQ(exchangeDefaults(2).lamport_two_shot_bytes, 0u);
+  EXPECT_EQ(exchangeDefaults(4).lamport_two_shot_bytes, 2u << 20);
   EXPECT_NE(std::string(exchangeDefaults(4).measured), "");
   EXPECT_EQ(exchangeDefaults(5).lamport_bytes, 64u << 10);
   EXPECT_EQ(std::string(exchangeDefaults(8).measured), "");
