@@ -44,7 +44,9 @@ benchnormal   | 400 | EP normal-mode benchmark beside DeepEP v1 (when .devdeps/d
 benchtwohop   | 400 | EP normal-mode benchmark, 4 GPUs as 2 virtual hosts of 2 (two-hop route, tcp between them) beside the all_to_all_single pipeline over NCCL-socket
 cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
 cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
+cudamid       | 400 | CUDA collectives 256 KiB-32 MiB: latency and graph replay beside NCCL, GPUS ranks
 cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
+cudatwoshot   | 300 | the two-shot Lamport all_reduce's threshold: 512 KiB, 2 and 8 MiB all_reduce graph replay beside NCCL at MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES 0 and 4194304, GPUS ranks
 cudapdl       | 400 | the Lamport kernel's launch: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_PDL 0 and 1, GPUS ranks
 cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, tcp between them) beside NCCL on its socket transport, 4 MiB-256 MiB, GPUS ranks, MOELINK_TCP_STREAMS 1 and the default
 nvlinkbench   | 200 | the NVLink all-to-all ceiling by way of copying and SMs (examples/bench/nvlink.py), GPUS GPUs
@@ -137,18 +139,24 @@ stage_benchtwohop() {
 bench_cuda() { python3 examples/bench/collectives.py --device cuda --iters "${ITERS:-20}" "$@"; }
 stage_cudabench() { bench_cuda --gpus "${GPUS:-2}" --min-bytes 8192 --max-bytes $((1 << 30)) --out "$OUT/cuda${GPUS:-2}.png"; }
 stage_cudasmall() { bench_cuda --gpus "${GPUS:-2}" --issue --graph --min-bytes 8192 --max-bytes 262144 --out "$OUT/cudasmall${GPUS:-2}.png"; }
-# Graph replay of 8-256 KiB ops beside NCCL with setting $1 at each later value; plot $OUT/$2<value>.png.
+stage_cudamid() { bench_cuda --gpus "${GPUS:-2}" --graph --min-bytes 262144 --max-bytes $((32 << 20)) --out "$OUT/cudamid${GPUS:-2}.png"; }
+# Graph replay beside NCCL with setting $1 at each later value; plot $OUT/$2<value>.png. SWEEP_ARGS:
+# the benchmark's size and op arguments (default 8-256 KiB, every op).
 graph_sweep() {
   local name=$1 prefix=$2 v
   shift 2
   for v in "$@"; do
     echo "== $name=$v"
     ( export "$name=$v"
-      bench_cuda --gpus "${GPUS:-2}" --graph --min-bytes 8192 --max-bytes 262144 --out "$OUT/$prefix$v.png" )
+      bench_cuda --gpus "${GPUS:-2}" --graph ${SWEEP_ARGS:---min-bytes 8192 --max-bytes 262144} --out "$OUT/$prefix$v.png" )
   done
 }
 stage_cudasweep() { graph_sweep MOELINK_CUDA_LAMPORT_BYTES "sweep${GPUS:-2}-lamport" 0 262144; }
 stage_cudapdl() { graph_sweep MOELINK_CUDA_PDL "pdl${GPUS:-2}-" 0 1; }
+stage_cudatwoshot() {
+  SWEEP_ARGS="--ops all_reduce --min-bytes 524288 --max-bytes $((8 << 20))" \
+    graph_sweep MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES "sweep${GPUS:-2}-twoshot" 0 4194304
+}
 sweep_sizes() { echo --min-bytes "${MINB:-$((4 << 20))}" --max-bytes "${MAXB:-$((256 << 20))}"; }
 stage_cudabenchhost() {
   for st in ${STREAMS:-1 default}; do
