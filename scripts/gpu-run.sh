@@ -46,7 +46,7 @@ cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
 cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
 cudamid       | 400 | CUDA collectives 256 KiB-32 MiB: latency and graph replay beside NCCL, GPUS ranks
 cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
-cudatwoshot   | 300 | the two-shot Lamport all_reduce's threshold: 512 KiB, 2 and 8 MiB all_reduce graph replay beside NCCL at MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES 0 and 4194304, GPUS ranks
+cudatwoshot   | 300 | the two-shot Lamport all_reduce's threshold: 512 KiB, 2 and 8 MiB (or SWEEP_ARGS) all_reduce graph replay beside NCCL at MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES 0 and 4194304, GPUS ranks
 cudapdl       | 400 | the Lamport kernel's launch: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_PDL 0 and 1, GPUS ranks
 cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, tcp between them) beside NCCL on its socket transport, 4 MiB-256 MiB, GPUS ranks, MOELINK_TCP_STREAMS 1 and the default
 nvlinkbench   | 200 | the NVLink all-to-all ceiling by way of copying and SMs (examples/bench/nvlink.py), GPUS GPUs
@@ -154,7 +154,7 @@ graph_sweep() {
 stage_cudasweep() { graph_sweep MOELINK_CUDA_LAMPORT_BYTES "sweep${GPUS:-2}-lamport" 0 262144; }
 stage_cudapdl() { graph_sweep MOELINK_CUDA_PDL "pdl${GPUS:-2}-" 0 1; }
 stage_cudatwoshot() {
-  SWEEP_ARGS="--ops all_reduce --min-bytes 524288 --max-bytes $((8 << 20))" \
+  SWEEP_ARGS="${SWEEP_ARGS:---ops all_reduce --min-bytes 524288 --max-bytes $((8 << 20))}" \
     graph_sweep MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES "sweep${GPUS:-2}-twoshot" 0 4194304
 }
 sweep_sizes() { echo --min-bytes "${MINB:-$((4 << 20))}" --max-bytes "${MAXB:-$((256 << 20))}"; }

@@ -92,8 +92,8 @@ const std::vector<Setting> kSettings = {
     number("MOELINK_CUDA_LAMPORT_BYTES", "collectives", 0, 0, 256 * kKiB,
            "in-host CUDA ops whose every (source, destination) pair moves at most this many bytes (all-to-all "
            "excepted) send their data as 16-byte lines that carry the op's number (the Lamport protocol: one NVLink "
-           "crossing, no flags or acknowledgements, twice the bytes); `0`: never; at most 262144; the same on "
-           "every rank",
+           "crossing, no flags or acknowledgements, twice the bytes); `0`: never (nor the two-shot all_reduce of "
+           "`MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES`); at most 262144; the same on every rank",
            "per group size (`moelink.cuda_tuning(n)`): 262144 up to 4 ranks, 65536 above"),
     number("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "collectives", 0, 0, 4 * kMiB,
            "groups of more than 2: in-host CUDA all_reduce larger than `MOELINK_CUDA_LAMPORT_BYTES` and at most "

@@ -736,20 +736,19 @@ TEST(ExchangeTuning, ReadsAndChecksTheEnvironment) {
   unsetenv("MOELINK_CUDA_ONESHOT_BYTES");
   unsetenv("MOELINK_CUDA_BLOCKS");
   unsetenv("MOELINK_CUDA_ROUND_BYTES");
-  // the Lamport threshold: per group size unless set, at most what the area holds
-  EXPECT_EQ(ExchangeTuning::fromEnv(2).lamport_bytes, exchangeDefaults(2).lamport_bytes);
-  EXPECT_EQ(ExchangeTuning::fromEnv(8).lamport_bytes, exchangeDefaults(8).lamport_bytes);
-  setenv("MOELINK_CUDA_LAMPORT_BYTES", "0", 1);
-  EXPECT_EQ(ExchangeTuning::fromEnv(4).lamport_bytes, 0u);
-  setenv("MOELINK_CUDA_LAMPORT_BYTES", "262145", 1);
-  EXPECT_THROW(ExchangeTuning::fromEnv(4), moelink::Error);
-  unsetenv("MOELINK_CUDA_LAMPORT_BYTES");
-  EXPECT_EQ(ExchangeTuning::fromEnv(4).lamport_two_shot_bytes, exchangeDefaults(4).lamport_two_shot_bytes);
-  setenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "0", 1);
-  EXPECT_EQ(ExchangeTuning::fromEnv(4).lamport_two_shot_bytes, 0u);
-  setenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "4194305", 1);
-  EXPECT_THROW(ExchangeTuning::fromEnv(4), moelink::Error);
-  unsetenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES");
+  // the Lamport thresholds: per group size unless set, 0 turns them off, at most what the area holds
+  const auto limited = [](const char* name, uint64_t ExchangeDefaults::*row, uint64_t ExchangeTuning::*field,
+                          const char* over) {
+    for (int n : {2, 4, 8}) EXPECT_EQ(ExchangeTuning::fromEnv(n).*field, exchangeDefaults(n).*row) << name << " " << n;
+    setenv(name, "0", 1);
+    EXPECT_EQ(ExchangeTuning::fromEnv(4).*field, 0u) << name;
+    setenv(name, over, 1);
+    EXPECT_THROW(ExchangeTuning::fromEnv(4), moelink::Error) << name;
+    unsetenv(name);
+  };
+  limited("MOELINK_CUDA_LAMPORT_BYTES", &ExchangeDefaults::lamport_bytes, &ExchangeTuning::lamport_bytes, "262145");
+  limited("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", &ExchangeDefaults::lamport_two_shot_bytes,
+          &ExchangeTuning::lamport_two_shot_bytes, "4194305");
 }
 
 TEST(ExchangeTuning, EveryGroupSizeHasARowOfDefaultsThatTheSettingsAllow) {
