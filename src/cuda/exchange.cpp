@@ -334,7 +334,12 @@ bool allreduceTwoShotLamport(int n, uint64_t count, DType t, const ExchangeTunin
 }
 
 bool exchangeLamport(const Exchange& x, const ExchangeTuning& t) {
-  if (x.mode == ExchangeMode::kReduceGather) return true;
+  if (x.mode == ExchangeMode::kReduceGather) {  // the Lamport kernel's alone: its slots must hold both halves
+    MOELINK_CHECK(longestPair(x) <= kLamportTwoShotBlockBytes && elementSize(x.dtype) <= 8,
+                  "a two-shot Lamport all_reduce of blocks of ", longestPair(x), " bytes of ", elementSize(x.dtype),
+                  "-byte elements (at most ", kLamportTwoShotBlockBytes, " bytes of elements of at most 8)");
+    return true;
+  }
   if (t.lamport_bytes == 0) return false;
   if (longestPair(x) > std::min(t.lamport_bytes, kLamportMaxBytes)) return false;
   return x.mode == ExchangeMode::kCopy || elementSize(x.dtype) <= 8;

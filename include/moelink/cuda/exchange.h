@@ -205,8 +205,9 @@ int broadcastChunks(int n, uint64_t bytes, const ExchangeTuning& t);
 bool allreduceTwoShotLamport(int n, uint64_t count, DType t, const ExchangeTuning& tuning);
 // Whether `x` takes the Lamport protocol: every pair and the reduction within
 // t.lamport_bytes (and kLamportMaxBytes). Reductions of 16-byte elements (complex128) stay on
-// the staged protocol (a line carries 8 bytes). A kReduceGather exchange always does (its blocks
-// within kLamportTwoShotBlockBytes; the staged kernel has no such mode).
+// the staged protocol (a line carries 8 bytes). A kReduceGather exchange always does (the staged
+// kernel has no such mode); one whose blocks exceed kLamportTwoShotBlockBytes, or of 16-byte
+// elements, throws moelink::Error (allreduceTwoShotLamport never builds one).
 bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
 // A copy exchange on the staged kernel (some pair of this rank is too long for lines) sends and
 // receives its pairs of at most this many bytes as Lamport lines all the same (0: none; a

@@ -669,6 +669,11 @@ TEST(ExchangeLamport, TwoShotAllreduceBetweenTheOneShotAndTheStagedHalves) {
   EXPECT_TRUE(exchangeLamport(x, off_tuning(t4)));
   EXPECT_EQ(lamportBlocks(x, t4), 64);
   EXPECT_EQ(exchangeLamportPairs(x, t4), 0u);
+  // a plan the predicate refuses never reaches the kernel: the slots hold blocks of 512 KiB of 8-byte lines
+  EXPECT_THROW(exchangeLamport(exchangeAllreduceTwoShot(4, 0, 2 * two, DType::kFloat32, ReduceOp::kSum), t4),
+               moelink::Error);
+  EXPECT_THROW(exchangeLamport(exchangeAllreduceTwoShot(4, 0, 64, DType::kComplex128, ReduceOp::kSum), t4),
+               moelink::Error);
   // a rank on the staged halves against one on the two-shot kernel: the modes differ
   auto mine = exchangeHeader(x, 0, t4);
   auto theirs = exchangeHeader(exchangeAllreduceScatter(4, 0, two, DType::kFloat32, ReduceOp::kSum), 3, t4);
