@@ -176,7 +176,6 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
         out["blocks"] = t.blocks;
         out["round_bytes"] = t.round_bytes;
         out["split"] = t.split;
-        out["broadcast_step_bytes"] = static_cast<uint64_t>(t.broadcast_step_rounds) * t.round_bytes;
         out["lamport_narrow_bytes"] = t.lamport_narrow_bytes;
         out["lamport_threads"] = std::min(t.lamport_threads, moelink::cuda::lamportThreads(world));
         out["defaults_measured_on"] = *d.measured ? py::object(py::str(d.measured)) : py::object(py::none());
@@ -185,9 +184,8 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       py::arg("world"),
       "The in-host CUDA path's tuning for a group of `world` ranks on one host: the MOELINK_CUDA_* settings "
       "as set, else the defaults of the group size's row (docs/PERF.md, \"Defaults by group size\"). "
-      "one_shot_bytes None: allreduce and broadcast are one exchange at every size; broadcast_step_bytes: above "
-      "one_shot_bytes a broadcast is pipelined in chunks that give each rank but the root about this much per "
-      "step; lamport_narrow_bytes / lamport_threads: the Lamport kernel runs 256-thread blocks where the longest "
+      "one_shot_bytes None: allreduce and broadcast are one exchange at every size (above it a broadcast is "
+      "forwarded: each rank but the root passes its block on to the others as it lands); lamport_narrow_bytes / lamport_threads: the Lamport kernel runs 256-thread blocks where the longest "
       "pair is at most lamport_narrow_bytes, blocks of lamport_threads above; lamport_two_shot_bytes: all_reduce "
       "above lamport_bytes and up to this size runs the two-shot Lamport kernel (0: never); defaults_measured_on None: "
       "no machine of this size has measured the row's defaults.");

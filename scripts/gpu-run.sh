@@ -47,6 +47,7 @@ cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph rep
 cudamid       | 400 | CUDA collectives 256 KiB-32 MiB: latency and graph replay beside NCCL, GPUS ranks
 cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
 cudatwoshot   | 300 | the two-shot Lamport all_reduce's threshold: 512 KiB, 2 and 8 MiB (or SWEEP_ARGS) all_reduce graph replay beside NCCL at MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES 0 and 4194304, GPUS ranks
+cudabcast     | 300 | broadcast's plan: 256 KiB-4 MiB (or SWEEP_ARGS) graph replay beside NCCL at MOELINK_CUDA_ONESHOT_BYTES 262144 (forwarded above it) and 4194304 (one exchange up to it), GPUS ranks
 cudapdl       | 400 | the Lamport kernel's launch: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_PDL 0 and 1, GPUS ranks
 cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, tcp between them) beside NCCL on its socket transport, 4 MiB-256 MiB, GPUS ranks, MOELINK_TCP_STREAMS 1 and the default
 nvlinkbench   | 200 | the NVLink all-to-all ceiling by way of copying and SMs (examples/bench/nvlink.py), GPUS GPUs
@@ -152,6 +153,10 @@ graph_sweep() {
   done
 }
 stage_cudasweep() { graph_sweep MOELINK_CUDA_LAMPORT_BYTES "sweep${GPUS:-2}-lamport" 0 262144; }
+stage_cudabcast() {
+  SWEEP_ARGS="${SWEEP_ARGS:---ops broadcast --min-bytes 262144 --max-bytes $((4 << 20))}" \
+    graph_sweep MOELINK_CUDA_ONESHOT_BYTES "sweep${GPUS:-2}-bcast" 262144 4194304
+}
 stage_cudapdl() { graph_sweep MOELINK_CUDA_PDL "pdl${GPUS:-2}-" 0 1; }
 stage_cudatwoshot() {
   SWEEP_ARGS="${SWEEP_ARGS:---ops all_reduce --min-bytes 524288 --max-bytes $((8 << 20))}" \

@@ -291,12 +291,13 @@ def ibgda_status() -> dict:
 def cuda_tuning(world: int) -> dict:
     """How the in-host CUDA collectives of a group of ``world`` ranks are tuned: the
     ``MOELINK_CUDA_*`` settings where set, else the defaults of the group size's row (docs/PERF.md,
-    "Defaults by group size"): ``{"lamport_bytes", "one_shot_bytes", "blocks", "round_bytes",
-    "split", "broadcast_step_bytes", "defaults_measured_on"}``. ``one_shot_bytes`` None: allreduce
-    and broadcast are one exchange at every size (groups of 2); above ``one_shot_bytes`` a broadcast
-    is pipelined in chunks of about ``broadcast_step_bytes`` per rank but the root (at least two
-    chunks, at most 64); ``defaults_measured_on`` None: no machine of this size has measured the row
-    (groups of 5-8 ranks so far). Raises ValueError for a setting that does not fit
+    "Defaults by group size"): ``{"lamport_bytes", "lamport_two_shot_bytes", "one_shot_bytes",
+    "blocks", "round_bytes", "split", "lamport_narrow_bytes", "lamport_threads",
+    "defaults_measured_on"}``. ``one_shot_bytes`` None: allreduce and broadcast are one exchange at
+    every size (groups of 2); above ``one_shot_bytes`` a broadcast is forwarded (the root sends each
+    rank its block, which that rank passes on to the others as it lands, in one launch);
+    ``defaults_measured_on`` None: no machine of this size has measured the row (groups of 5-8
+    ranks so far). Raises ValueError for a setting that does not fit
     or a size outside 1-8."""
     return dict(_C.cuda_tuning(world))
 

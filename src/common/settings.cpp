@@ -75,16 +75,16 @@ const std::vector<Setting> kSettings = {
            "per group size (`moelink.cuda_tuning(n)`): 64 at every size"),
     flag("MOELINK_CUDA_SPLIT", "collectives", true,
          "`0`: each block of the exchange kernel pushes and then consumes in turn in ops of several rounds too "
-         "(`MOELINK_CUDA_BLOCKS` SMs in all, lower bandwidth); the same on every rank"),
+         "(`MOELINK_CUDA_BLOCKS` SMs in all, lower bandwidth; a forwarded broadcast splits all the same); the same on "
+         "every rank"),
     number("MOELINK_CUDA_ROUND_BYTES", "collectives", 0, 64 * kKiB, 1ull << 32,
            "staging bytes per (source, destination) pair and round (a multiple of 16); the staging area is 2 x "
            "ranks x this",
            "per group size (`moelink.cuda_tuning(n)`): 8388608 at every size"),
     number("MOELINK_CUDA_ONESHOT_BYTES", "collectives", 0, 0, UINT64_MAX,
            "groups of more than 2: up to this size allreduce and broadcast are one exchange, above it allreduce is "
-           "reduce-scatter + all-gather and broadcast is pipelined in chunks (each rank forwards its block of one "
-           "chunk while the root sends the next; `moelink.cuda_tuning(n)[\"broadcast_step_bytes\"]` per rank but the "
-           "root and step)",
+           "reduce-scatter + all-gather and broadcast is forwarded (the root sends each rank its block, which that "
+           "rank passes on to the others as it lands)",
            "per group size (`moelink.cuda_tuning(n)`): 1048576 (groups of 2: one exchange at every size)"),
     flag("MOELINK_CUDA_PDL", "collectives", true,
          "`0`: the Lamport kernel is launched plainly instead of as a programmatic dependent (which lets the next "

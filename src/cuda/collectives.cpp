@@ -309,24 +309,20 @@ void CudaCollectives::flat(Op& op, const Exchange& x, const at::Tensor& in, cons
 void CudaCollectives::broadcastFlat(Op& op, const at::Tensor& buf, int root) {
   const uint64_t bytes = nbytes(buf);
   const int n = static_cast<int>(members_.size());
-  if (!inHost() || tuning_.oneShot(n, bytes)) {
+  if (!inHost() || !broadcastForwards(n, bytes, tuning_)) {
     flat(op, exchangeBroadcast(size_, rank_, bytes, root), buf, buf,
          [=](const algo::AlgoContext& c, char* in, char*) { return algo::broadcastOp(c, in, bytes, root); },
          [&](HostPipeline& p, const HostPipeline::Call& c) { p.broadcast(c, ptr(buf), bytes, root); });
     return;
   }
-  // Over the active ranks: the root's position among them builds the halves; their headers
-  // name the root by its rank in the group, as every rank's do.
+  // Over the active ranks: the root's position among them builds the plan; its header names
+  // the root by its rank in the group, as every rank's does.
   const auto it = std::lower_bound(members_.begin(), members_.end(), root);
   TORCH_CHECK_VALUE(it != members_.end() && *it == root, "moelink: root rank ", root,
                     " is not active in the group (it left; moelink.recover_ranks readmits it)");
-  const int r = static_cast<int>(it - members_.begin());
-  const int chunks = broadcastChunks(n, bytes, tuning_);
-  for (int s = 0; s <= chunks; ++s) {
-    Exchange step = exchangeBroadcastStep(n, me_, bytes, r, chunks, s);
-    step.root = root;
-    exchange(op, step, ptr(buf), ptr(buf));
-  }
+  Exchange x = exchangeBroadcastForward(n, me_, bytes, static_cast<int>(it - members_.begin()));
+  x.root = root;
+  exchange(op, x, ptr(buf), ptr(buf));
 }
 
 void CudaCollectives::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop) {

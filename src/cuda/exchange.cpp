@@ -105,47 +105,34 @@ Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t) {
   return x;
 }
 
-int broadcastChunks(int n, uint64_t bytes, const ExchangeTuning& t) {
-  // Each step gives every rank but the root one piece of about `per` bytes; at least two chunks,
-  // so that the forwarding of the first overlaps the root's sending of the second.
-  const uint64_t per = static_cast<uint64_t>(std::max(1, t.broadcast_step_rounds)) * t.round_bytes *
-                       static_cast<uint64_t>(std::max(1, n - 1));
-  const uint64_t chunks = std::max<uint64_t>(2, (bytes + per - 1) / per);
-  return static_cast<int>(std::min<uint64_t>(chunks, kBroadcastMaxChunks));
+namespace {
+// The forwarding broadcast's blocks (offset, length), one per rank but the root, in rank order.
+std::vector<std::pair<uint64_t, uint64_t>> forwardBlocks(int n, uint64_t bytes) {
+  auto b = allreduceBlocks(n - 1, bytes, DType::kBytes);
+  for (auto& [off, len] : b) len -= off;
+  return b;
 }
+}  // namespace
 
-Exchange exchangeBroadcastStep(int n, int me, uint64_t bytes, int root, int chunks, int step) {
-  MOELINK_CHECK(n >= 3 && root >= 0 && root < n && chunks >= 1 && step >= 0 && step <= chunks,
-                "exchangeBroadcastStep: ", n, " ranks, root ", root, ", step ", step, " of ", chunks);
-  Exchange x = base(OpKind::kBroadcast, ExchangeMode::kCopy, n, DType::kBytes, ReduceOp::kNone, root, bytes);
-  const uint64_t chunk = alignUp((bytes + chunks - 1) / chunks, 16);
-  // Chunk c's blocks as (offset, length), one per rank but the root, in rank order (none for a
-  // chunk outside 0..chunks-1).
-  using Blocks = std::vector<std::pair<uint64_t, uint64_t>>;
-  const auto blocksOf = [&](int c) {
-    if (c < 0 || c >= chunks) return Blocks{};
-    const uint64_t lo = std::min(bytes, c * chunk), len = std::min(bytes, lo + chunk) - lo;
-    Blocks b = allreduceBlocks(n - 1, len, DType::kBytes);
-    for (auto& [off, n_bytes] : b) {
-      n_bytes -= off;
-      off += lo;
-    }
-    return b;
-  };
-  const auto at = [root](int q) { return q < root ? q : q - 1; };
-  const bool sending = step < chunks, forwarding = step > 0;
-  const Blocks sent = blocksOf(step), forwarded = blocksOf(step - 1);
+bool broadcastForwards(int n, uint64_t bytes, const ExchangeTuning& t) { return n > 2 && !t.oneShot(n, bytes); }
+
+Exchange exchangeBroadcastForward(int n, int me, uint64_t bytes, int root) {
+  MOELINK_CHECK(n >= 3 && n <= kExchangeMaxRanks && root >= 0 && root < n && me >= 0 && me < n,
+                "exchangeBroadcastForward: ", n, " ranks, root ", root, ", rank ", me);
+  Exchange x = base(OpKind::kBroadcast, ExchangeMode::kForward, n, DType::kBytes, ReduceOp::kNone, root, bytes);
+  x.forward_from = root;
+  const auto blocks = forwardBlocks(n, bytes);
+  const auto of = [&](int q) { return blocks[q < root ? q : q - 1]; };
   for (int q = 0; q < n; ++q) {
-    if (q == me) continue;
+    if (q == me || q == root) continue;
     if (me == root) {
-      if (sending) std::tie(x.send_off[q], x.send_bytes[q]) = sent[at(q)];
-    } else if (q == root) {
-      if (sending) std::tie(x.recv_off[q], x.recv_bytes[q]) = sent[at(me)];
-    } else if (forwarding) {
-      std::tie(x.send_off[q], x.send_bytes[q]) = forwarded[at(me)];
-      std::tie(x.recv_off[q], x.recv_bytes[q]) = forwarded[at(q)];
+      std::tie(x.send_off[q], x.send_bytes[q]) = of(q);
+      continue;
     }
+    std::tie(x.send_off[q], x.send_bytes[q]) = of(me);  // passed on from where it lands
+    std::tie(x.recv_off[q], x.recv_bytes[q]) = of(q);
   }
+  if (me != root) std::tie(x.recv_off[root], x.recv_bytes[root]) = of(me);
   return x;
 }
 
@@ -227,6 +214,8 @@ Exchange exchangeAlltoall(int n, int me, const std::vector<uint64_t>& send_off,
 }
 
 Exchange restrictExchange(const Exchange& x, const std::vector<int>& members) {
+  MOELINK_CHECK(x.mode != ExchangeMode::kForward, "a forwarding broadcast is built over the active ranks, "
+                "not restricted to them");
   const int n = static_cast<int>(x.send_bytes.size());
   Exchange y = x;
   y.send_off.clear();
@@ -261,19 +250,18 @@ const ExchangeDefaults& exchangeDefaults(int n) {
   static const ExchangeDefaults kRows[] = {
       // 2 ranks: the Lamport protocol is ahead of the staged one at every size it can carry;
       // one exchange at every size (a reduce-scatter + all-gather moves the same bytes twice;
-      // so the broadcast step is never used).
-      {2, kLamportMaxBytes, 0, UINT64_MAX, 64, 8 << 20, 4, 64 << 10, 512,
+      // a broadcast has no rank to forward through).
+      {2, kLamportMaxBytes, 0, UINT64_MAX, 64, 8 << 20, 64 << 10, 512,
        "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
       // 4 ranks: Lamport ahead at every size it carries; 64 blocks and 8 MiB rounds the best of
-      // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; more exchanges above 1 MiB; broadcast
-      // steps of 4 rounds the best of 1, 2 and 4 at 512 MiB-1 GiB (a step's kernel boundary costs
-      // more than the longer first and last steps); 256-thread Lamport blocks ahead of 512 and
-      // 128 for pairs up to 64 KiB, no better above (the 2-rank row takes the same, unswept).
-      {4, kLamportMaxBytes, 2 << 20, 1 << 20, 64, 8 << 20, 4, 64 << 10, 512, "4x H200 (nvidia-h100-x4)"},
+      // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; more exchanges above 1 MiB (all_reduce's
+      // staged halves, broadcast's forwarding); 256-thread Lamport blocks ahead of 512 and 128 for
+      // pairs up to 64 KiB, no better above (the 2-rank row takes the same, unswept).
+      {4, kLamportMaxBytes, 2 << 20, 1 << 20, 64, 8 << 20, 64 << 10, 512, "4x H200 (nvidia-h100-x4)"},
       // 5-8 ranks: no machine of this size has been lent. Each rank writes n - 1 lines per
       // 8 bytes, so the Lamport protocol takes the smaller pairs only; its blocks hold every
       // peer's lines in registers, so 256 threads at every size; the rest as at 4 ranks.
-      {kExchangeMaxRanks, 64 << 10, 2 << 20, 1 << 20, 64, 8 << 20, 4, 64 << 10, 256, ""},
+      {kExchangeMaxRanks, 64 << 10, 2 << 20, 1 << 20, 64, 8 << 20, 64 << 10, 256, ""},
   };
   MOELINK_CHECK(n >= 1 && n <= kExchangeMaxRanks, "exchange groups hold 1..", kExchangeMaxRanks, " ranks, not ", n);
   for (const auto& row : kRows)
@@ -292,7 +280,6 @@ ExchangeTuning ExchangeTuning::fromEnv(int n) {
   t.one_shot_bytes = settings::numberIfSet("MOELINK_CUDA_ONESHOT_BYTES").value_or(d.one_shot_bytes);
   t.split = settings::flag("MOELINK_CUDA_SPLIT");
   t.dependent_launch = settings::flag("MOELINK_CUDA_PDL");
-  t.broadcast_step_rounds = d.broadcast_step_rounds;
   t.lamport_narrow_bytes = d.lamport_narrow_bytes;
   t.lamport_threads = d.lamport_threads;
   MOELINK_CHECK(t.round_bytes % 16 == 0, "MOELINK_CUDA_ROUND_BYTES must be a multiple of 16, got ", t.round_bytes);
@@ -340,7 +327,7 @@ bool exchangeLamport(const Exchange& x, const ExchangeTuning& t) {
                   "-byte elements (at most ", kLamportTwoShotBlockBytes, " bytes of elements of at most 8)");
     return true;
   }
-  if (t.lamport_bytes == 0) return false;
+  if (t.lamport_bytes == 0 || x.mode == ExchangeMode::kForward) return false;
   if (longestPair(x) > std::min(t.lamport_bytes, kLamportMaxBytes)) return false;
   return x.mode == ExchangeMode::kCopy || elementSize(x.dtype) <= 8;
 }
@@ -384,12 +371,8 @@ int collectiveSms(OpKind kind, int n, uint64_t bytes, const ExchangeTuning& t) {
         }
         break;
       case OpKind::kBroadcast:
-        if (t.oneShot(n, bytes)) {
-          xs.push_back(exchangeBroadcast(n, me, bytes, 0));
-        } else {
-          const int chunks = broadcastChunks(n, bytes, t);
-          for (int s = 0; s <= chunks; ++s) xs.push_back(exchangeBroadcastStep(n, me, bytes, 0, chunks, s));
-        }
+        xs.push_back(broadcastForwards(n, bytes, t) ? exchangeBroadcastForward(n, me, bytes, 0)
+                                                    : exchangeBroadcast(n, me, bytes, 0));
         break;
       case OpKind::kAllgather: xs.push_back(exchangeAllgather(n, me, block)); break;
       case OpKind::kReduceScatter: xs.push_back(exchangeReduceScatter(n, me, block / 4, f32, ReduceOp::kSum)); break;
@@ -417,6 +400,7 @@ bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const v
     return false;
   };
   if (x.mode == ExchangeMode::kReduce) return x.reduce_bytes && pushed(at(out, 0), at(out, x.reduce_bytes));
+  if (x.mode == ExchangeMode::kForward) return false;  // (exchange.h)
   for (size_t q = 0; q < x.recv_bytes.size(); ++q) {
     if (x.recv_bytes[q] == 0) continue;
     // This rank's own range in place is not written (the kernel skips the copy).
@@ -427,7 +411,7 @@ bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const v
 }
 
 bool exchangeSplits(const Exchange& x, const ExchangeTuning& t) {
-  return t.split && longestPair(x) > t.round_bytes;
+  return x.mode == ExchangeMode::kForward || (t.split && longestPair(x) > t.round_bytes);
 }
 
 int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t) {
@@ -464,9 +448,10 @@ std::string describeMismatch(const ExchangeHeader& mine, const ExchangeHeader& t
   const std::string who = str(opKindName(static_cast<OpKind>(mine.kind)), " #", mine.seq, ": rank ", peer);
   if (theirs.mode != mine.mode) {  // first: where the ranks chose different plans, the pairs differ too
     const auto step = [](uint8_t m) {
-      return m == static_cast<uint8_t>(ExchangeMode::kCopy)     ? "copy"
-             : m == static_cast<uint8_t>(ExchangeMode::kReduce) ? "reduce"
-                                                                 : "two-shot Lamport";
+      return m == static_cast<uint8_t>(ExchangeMode::kCopy)      ? "copy"
+             : m == static_cast<uint8_t>(ExchangeMode::kReduce)  ? "reduce"
+             : m == static_cast<uint8_t>(ExchangeMode::kForward) ? "forwarding broadcast"
+                                                                  : "two-shot Lamport";
     };
     return str(who, " ran the ", step(theirs.mode), " step where this rank ran the ", step(mine.mode),
                " step (different MOELINK_CUDA_ONESHOT_BYTES or MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES?)");

@@ -176,7 +176,7 @@ class CudaCollectives final : public Collectives {
   std::function<void(const std::string&, int)> doneCallback(Op& op, uint32_t ticket);
   void allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop);
   // Broadcast: one exchange, or above the one-shot size in groups of more than 2 (in-host) the
-  // pipelined steps of exchangeBroadcastStep.
+  // forwarding exchange (exchangeBroadcastForward).
   void broadcastFlat(Op& op, const at::Tensor& buf, int root);
 
   GroupContext g_;

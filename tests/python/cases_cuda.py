@@ -12,6 +12,7 @@ import moelink
 import cases_fsdp
 import cases_funcol
 from cases_cuda_host import host_graph_capture, host_pieces  # noqa: F401 (cases named in CASES)
+from cases_cuda_broadcast import broadcast_disagreement, broadcast_forwarded  # noqa: F401 (cases named in CASES)
 from cases_cuda_lamport import lamport_two_shot, two_shot_disagreement  # noqa: F401 (cases named in CASES)
 from cuda_support import DTYPES, REDUCE_OPS, SIZES, capture, dev, reduce_ref, same, setting, valid, value  # noqa: F401
 
@@ -153,28 +154,6 @@ def all_to_all_mixed_protocols(rank, world):
         x = torch.full((100,), float(rank + it), device=d)
         dist.all_reduce(x)
         same(x, torch.full_like(x, float(sum(r + it for r in range(world)))), f"all_reduce after #{it}")
-
-
-def broadcast_pipelined(rank, world):
-    """Broadcast above the one-shot size (groups of more than 2: pipelined in chunks, each rank
-    but the root forwarding its block of the last chunk while the root sends the next) from every
-    root: at the one-shot boundary +-1 element, where the chunk count goes from 2 to 3 +-1
-    element, and at sizes whose blocks are uneven (the last block of a chunk short enough for
-    Lamport lines while the others are not: its owner meets the root on the Lamport kernel)."""
-    d = dev(rank)
-    tuning = moelink.cuda_tuning(world)
-    one_shot = tuning["one_shot_bytes"] or 1 << 20  # None (2 ranks): one exchange always
-    two_chunks = 2 * tuning["broadcast_step_bytes"] * max(world - 1, 1)
-    cases = [(torch.float32, one_shot // 4 + k) for k in (-1, 0, 1)]
-    cases += [(torch.float32, two_chunks // 4 + k) for k in (-1, 0, 1)]
-    cases += [(torch.uint8, one_shot + 20), (torch.float32, (4 << 20) // 4 + 3), (torch.bfloat16, 3 * one_shot + 7)]
-    for dtype, n in cases:
-        for root in range(world):
-            xs = [value(r, n, dtype, d, salt=root) for r in range(world)]
-            x = xs[rank].clone()
-            dist.broadcast(x, src=root)
-            same(x, xs[root], f"broadcast {dtype} n={n} from {root}")
-            del xs, x
 
 
 def stream_order(rank, world):
@@ -706,7 +685,7 @@ def fsdp2_matches_local(rank, world):
 
 
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
-         "uneven_all_to_all", "in_place_all_to_all", "all_to_all_mixed_protocols", "broadcast_pipelined", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
+         "uneven_all_to_all", "in_place_all_to_all", "all_to_all_mixed_protocols", "broadcast_forwarded", "broadcast_disagreement", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
          "round_size_disagreement", "lamport_boundaries", "lamport_two_shot", "two_shot_disagreement", "plain_launch_beside_dependent", "lamport_disagreement", "graph_capture", "host_pieces", "point_to_point", "against_nccl", "bad_input",
          "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "sparse_all_reduce",
          "functional_and_dtensor", "fsdp2_matches_local"]

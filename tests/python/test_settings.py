@@ -93,7 +93,7 @@ def test_cuda_tuning_by_group_size(monkeypatch):
         assert settings.value(name) in (None, True)  # unset: the group's row decides (split: a flag)
     two, four, eight = (moelink.cuda_tuning(n) for n in (2, 4, 8))
     assert two == {"lamport_bytes": 262144, "lamport_two_shot_bytes": 0, "one_shot_bytes": None, "blocks": 64, "round_bytes": 8 << 20,
-                   "split": True, "broadcast_step_bytes": 32 << 20, "lamport_narrow_bytes": 65536,
+                   "split": True, "lamport_narrow_bytes": 65536,
                    "lamport_threads": 512, "defaults_measured_on": two["defaults_measured_on"]}
     assert "H200" in two["defaults_measured_on"] and "H200" in four["defaults_measured_on"]
     assert four["one_shot_bytes"] == 1 << 20 and four["lamport_bytes"] == 262144
@@ -109,8 +109,8 @@ def test_cuda_tuning_by_group_size(monkeypatch):
     with pytest.raises(ValueError, match="MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES"):
         moelink.cuda_tuning(4)
     monkeypatch.delenv("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES")
-    monkeypatch.setenv("MOELINK_CUDA_ROUND_BYTES", str(1 << 20))  # the broadcast's steps follow the rounds
-    assert moelink.cuda_tuning(4)["broadcast_step_bytes"] == 4 << 20
+    monkeypatch.setenv("MOELINK_CUDA_ROUND_BYTES", str(1 << 20))
+    assert moelink.cuda_tuning(4)["round_bytes"] == 1 << 20
     monkeypatch.setenv("MOELINK_CUDA_ROUND_BYTES", "1000")
     with pytest.raises(ValueError, match="MOELINK_CUDA_ROUND_BYTES must be"):
         moelink.cuda_tuning(4)
@@ -123,7 +123,8 @@ def test_cuda_sms_follow_the_plan(monkeypatch):
     """The SMs the in-host kernels hold, from the plan and tuning of each op: a few blocks for
     small ops (the Lamport kernel: one per 4 KiB of the longest pair up to 64 KiB, per 8 KiB above,
     plus its header block), up
-    to 64 per role, pushing and consuming roles from the second round on."""
+    to 64 per role, pushing and consuming roles from the second round on (and in a forwarded
+    broadcast at every size)."""
     import moelink
 
     for name in ("MOELINK_CUDA_LAMPORT_BYTES", "MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "MOELINK_CUDA_BLOCKS",
@@ -138,7 +139,8 @@ def test_cuda_sms_follow_the_plan(monkeypatch):
     monkeypatch.setenv("MOELINK_CUDA_BLOCKS", "16")
     assert moelink.cuda_sms("broadcast", 4, 1 << 30) == 32
     monkeypatch.setenv("MOELINK_CUDA_SPLIT", "0")
-    assert moelink.cuda_sms("broadcast", 4, 1 << 30) == 16
+    assert moelink.cuda_sms("all_reduce", 4, 1 << 30) == 16
+    assert moelink.cuda_sms("broadcast", 4, 1 << 30) == 32  # a forwarded broadcast splits all the same
     with pytest.raises(ValueError, match="op must be"):
         moelink.cuda_sms("gather", 4, 1 << 20)
     with pytest.raises(ValueError, match="hold 1..8 ranks"):

@@ -68,7 +68,9 @@ constexpr int kLamportNarrowThreads = 256;
 // kReduceGather: the two-shot all_reduce in one launch of the Lamport kernel (exchangeAllreduceTwoShot):
 // the reduce-scatter half's pairs and reduction, then this rank's reduced block to every peer and
 // theirs into place; never on the staged kernel.
-enum class ExchangeMode : uint8_t { kCopy, kReduce, kReduceGather };
+// kForward: a copy in which every rank but Exchange::forward_from passes on what that rank sends
+// it, piece by piece as the pieces land (exchangeBroadcastForward); the staged kernel only.
+enum class ExchangeMode : uint8_t { kCopy, kReduce, kReduceGather, kForward };
 
 // What one rank does in one exchange. Offsets are in bytes from `in` / `out` (device
 // pointers supplied at launch).
@@ -87,6 +89,9 @@ struct Exchange {
   // size at the end. kReduceGather: the same reduction lands at out + send_off[me], is sent to
   // every peer, and peer q's (send_bytes[q] bytes) lands at out + send_off[q].
   uint64_t reduce_bytes = 0;
+  // kForward: the rank (index into the vectors above) whose pair this rank passes on. Every pair
+  // this rank sends is that pair again (the same bytes), read from where it lands in `out`.
+  int forward_from = -1;
 };
 
 // Builders. `n` ranks, this one `me`; counts are elements of `dtype`, bytes are bytes.
@@ -103,15 +108,15 @@ Exchange exchangeAllreduceTwoShot(int n, int me, uint64_t count, DType t, Reduce
 // Element ranges [begin, end) of the two-shot blocks: count split as evenly as 16-byte
 // alignment of the block starts allows.
 std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count, DType t);
-// Broadcast above the one-shot size in groups of more than 2, pipelined: the buffer in
-// `chunks` chunks (broadcastChunks), each cut into n - 1 blocks, one per rank but the root
-// (allreduceBlocks of the chunk over them in rank order). Step s of 0..chunks, one exchange each,
-// in place: the root sends chunk s's blocks to their ranks while every other rank forwards its
-// block of chunk s - 1 to the others but the root. The root sends the buffer once and every other
-// rank receives it once, so after the first step the root's links and the others' carry it at
-// once (a scatter and then an all-gather would have the root send its own block n - 1 times more,
-// and keep every link but the root's idle while it scatters).
-Exchange exchangeBroadcastStep(int n, int me, uint64_t bytes, int root, int chunks, int step);
+// Broadcast above the one-shot size in groups of more than 2 (broadcastForwards), in one launch
+// of the staged kernel, in place: the buffer cut into n - 1 blocks, one per rank but the root
+// (allreduceBlocks over them in rank order); the root sends each rank its block, and each rank
+// passes every piece of it on to the others but the root as soon as the piece has landed
+// (ExchangeMode::kForward). The root sends the buffer once and every other rank receives it once,
+// and from the first pieces on the root's NVLink ports and the others' carry it at once (a
+// scatter and then an all-gather would have the root send its own block n - 1 times more, and
+// keep every link but the root's idle while it scatters).
+Exchange exchangeBroadcastForward(int n, int me, uint64_t bytes, int root);
 Exchange exchangeReduce(int n, int me, uint64_t count, DType t, ReduceOp op, int root);
 // in: `bytes`; out: n blocks of `bytes` in rank order.
 Exchange exchangeAllgather(int n, int me, uint64_t bytes);
@@ -129,8 +134,9 @@ Exchange exchangeAlltoall(int n, int me, const std::vector<uint64_t>& send_off,
 // The same exchange over a sub-group (after a membership change: the active ranks).
 // `members`: sorted ranks of the group, `x`'s rank among them. Pairs between members keep
 // their offsets and sizes, at the member's position in `members`; pairs with other ranks are
-// dropped. Valid for every builder above but the two-shot halves (whose blocks belong to
-// ranks: build those over the sub-group's size instead). A reduction is then over the
+// dropped. Valid for every builder above but the two-shot halves and the forwarding broadcast
+// (whose blocks belong to ranks: build those over the sub-group's size instead; a kForward
+// exchange is refused). A reduction is then over the
 // members, and AVG divides by their number.
 Exchange restrictExchange(const Exchange& x, const std::vector<int>& members);
 // The (offset, bytes) ranges of the output that a kCopy exchange `x` receives from ranks
@@ -148,9 +154,6 @@ struct ExchangeDefaults {
   uint64_t one_shot_bytes = 0;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2 take one exchange at every size)
   int blocks = 0;               // MOELINK_CUDA_BLOCKS
   uint64_t round_bytes = 0;     // MOELINK_CUDA_ROUND_BYTES
-  // The pipelined broadcast's step (exchangeBroadcastStep): each rank but the root takes about
-  // this many rounds' worth of a chunk per step (broadcastChunks).
-  int broadcast_step_rounds = 0;
   // The Lamport kernel's blocks (lamportThreadsFor): kLamportNarrowThreads where the longest
   // pair is at most lamport_narrow_bytes (twice the blocks of 512: more SMs store into NVLink at
   // once), lamport_threads above (at most lamportThreads(n)).
@@ -166,12 +169,12 @@ struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
   int blocks = 64;                  // MOELINK_CUDA_BLOCKS (per role: the kernel holds 2 x blocks SMs when split)
   // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always): allreduce and broadcast up to it take one
-  // exchange; above it allreduce takes two, broadcast broadcastChunks + 1.
+  // exchange; above it allreduce takes two, broadcast forwards (broadcastForwards).
   uint64_t one_shot_bytes = 1 << 20;
   // MOELINK_CUDA_SPLIT: pushing to the peers and consuming what they sent run on separate
   // blocks (`blocks` of each), so that the next round's NVLink writes overlap this round's
   // copy or reduction (ops of more than one round, exchangeSplits); 0: every block does both
-  // in turn.
+  // in turn (but in a forwarding broadcast, which always splits).
   bool split = true;
   // MOELINK_CUDA_LAMPORT_BYTES: exchanges whose pairs are all at most this long take the
   // Lamport protocol (0: never).
@@ -179,8 +182,6 @@ struct ExchangeTuning {
   // MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES: all_reduce above lamport_bytes and up to this many bytes
   // takes the two-shot Lamport kernel (allreduceTwoShotLamport; 0: never).
   uint64_t lamport_two_shot_bytes = 0;
-  // The row's broadcast_step_rounds (no setting: every rank of a group has the same row).
-  int broadcast_step_rounds = 4;
   // The row's Lamport block sizes (no setting; a rank's own choice, which its peers never see).
   uint64_t lamport_narrow_bytes = 64 << 10;
   int lamport_threads = 512;
@@ -192,11 +193,10 @@ struct ExchangeTuning {
   static ExchangeTuning fromEnv(int n = 2);
   bool oneShot(int n, uint64_t bytes) const { return n <= 2 || bytes <= one_shot_bytes; }
 };
-// The pipelined broadcast takes at most this many chunks.
-constexpr int kBroadcastMaxChunks = 64;
-// Chunks of the pipelined broadcast of `bytes` over `n` ranks: about t.broadcast_step_rounds
-// rounds per rank but the root and step, at least 2, at most kBroadcastMaxChunks.
-int broadcastChunks(int n, uint64_t bytes, const ExchangeTuning& t);
+// Whether a broadcast of `bytes` over `n` ranks takes exchangeBroadcastForward rather than one
+// exchange: groups of more than 2, above t.one_shot_bytes. Every rank decides alike from the
+// same tuning (one that decides otherwise fails the op on every rank: the exchanges' modes differ).
+bool broadcastForwards(int n, uint64_t bytes, const ExchangeTuning& t);
 // Whether an all_reduce of `count` elements of `t` over `n` ranks takes the two-shot Lamport kernel
 // (exchangeAllreduceTwoShot) rather than one exchange or the staged halves: groups of more than
 // 2, above t.lamport_bytes (never where that is 0), at most t.lamport_two_shot_bytes, every block within
@@ -207,16 +207,17 @@ bool allreduceTwoShotLamport(int n, uint64_t count, DType t, const ExchangeTunin
 // t.lamport_bytes (and kLamportMaxBytes). Reductions of 16-byte elements (complex128) stay on
 // the staged protocol (a line carries 8 bytes). A kReduceGather exchange always does (the staged
 // kernel has no such mode); one whose blocks exceed kLamportTwoShotBlockBytes, or of 16-byte
-// elements, throws moelink::Error (allreduceTwoShotLamport never builds one).
+// elements, throws moelink::Error (allreduceTwoShotLamport never builds one). A kForward exchange
+// never does (every rank of it is on the staged kernel, whatever its pairs' sizes).
 bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
 // A copy exchange on the staged kernel (some pair of this rank is too long for lines) sends and
 // receives its pairs of at most this many bytes as Lamport lines all the same (0: none; a
 // reduction has none). Both ends of a pair know its size, so a peer whose pairs are all short
 // (on the Lamport kernel) and this rank move it alike: an all-to-all, where each rank knows
-// only its own pairs, and a broadcast's scatter half, whose last block may be short where the
-// others are long. A reduction takes one protocol on every rank: each rank sends or receives
+// only its own pairs. A reduction takes one protocol on every rank: each rank sends or receives
 // its longest pair (one-shot, reduce and reduce-scatter pairs are all alike; in the two-shot
-// scatter half the owner of the longest block receives it and every other rank sends it).
+// scatter half the owner of the longest block receives it and every other rank sends it). A
+// kForward exchange has none (its pieces are passed on as they land in their staging halves).
 uint64_t exchangeLamportPairs(const Exchange& x, const ExchangeTuning& t);
 // Threads of each block of a Lamport launch: kLamportNarrowThreads where the longest pair is at most
 // t.lamport_narrow_bytes, t.lamport_threads above, never more than lamportThreads(n). A rank's
@@ -265,12 +266,15 @@ int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t);
 // Whether this rank runs `x` on separate pushing and consuming blocks: with
 // ExchangeTuning::split, when `x` has more than one round. Within a round the consumers wait for
 // every pusher, so an op of one round gains nothing from them and would only pay that wait. A
-// rank-local choice: ranks pair their blocks by index whatever their roles.
+// kForward exchange always splits: its pushing blocks pass on what its consuming blocks place.
+// A rank-local choice: ranks pair their blocks by index whatever their roles.
 bool exchangeSplits(const Exchange& x, const ExchangeTuning& t);
 // Whether some range of the output that `x` writes at `out` (every received pair, or the
 // reduction's bytes) overlaps input that this rank pushes to a peer from `in` (an in-place
 // op whose pieces meet): then a rank that splits its blocks into roles must not consume a
 // round before its pushing blocks have read it. Addresses only; nothing is dereferenced.
+// False for kForward: the range it passes on is read only after it has landed, and no other
+// pair writes it.
 bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const void* out);
 // Bytes of round r of a pair that moves `bytes` (0 past the end).
 MOELINK_HOST_DEVICE inline uint64_t exchangeRoundLen(uint64_t bytes, uint64_t r, uint64_t round_bytes) {

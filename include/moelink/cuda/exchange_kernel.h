@@ -34,9 +34,14 @@ struct ExchangeLaunch {
   int threads = 0;
   // The Lamport kernel launches as a programmatic dependent (ExchangeTuning::dependent_launch).
   bool dependent_launch = true;
-  // The staged kernel: pairs of 1..lamport_pairs bytes travel as Lamport lines (exchangeLamportPairs).
+  // The staged kernel: pairs of 1..lamport_pairs bytes travel as Lamport lines (exchangeLamportPairs),
+  // and with `header_lines` the header goes to every peer as lines too, for a peer that runs the
+  // Lamport kernel for this op (a copy whose pairs are all short there; or a disagreeing peer).
   uint64_t lamport_pairs = 0;
+  bool header_lines = false;
   uint8_t mode = 0, dtype = 0, redop = 0;
+  // kForward: the rank whose pair this rank passes on (Exchange::forward_from).
+  int forward_from = -1;
   const char* in = nullptr;
   char* out = nullptr;
   uint64_t send_off[kExchangeMaxRanks] = {}, send_bytes[kExchangeMaxRanks] = {};

@@ -12,7 +12,9 @@
 // only its namesake blocks on other ranks, so blocks run their rounds independently and
 // NVLink pushes of one block overlap the local consumption of another; with separate roles
 // (exchangeSplits) the pushing and consuming blocks of one rank wait for each other only
-// where the op writes input it also pushes (ExchangeLaunch::guard_input).
+// where the op writes input it also pushes (ExchangeLaunch::guard_input), or, in a forwarded
+// broadcast (ExchangeMode::kForward), where a pushing block passes on the piece its namesake
+// consuming block has just placed.
 //
 // Across launches: a peer writes the next op's header only once its previous launch has
 // ended, which needed everything this rank sent it; so the header check also guarantees
@@ -220,6 +222,11 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
   char* mine = a.staging[me];
   const int half = exchangeHalf(c.seq, r);
   const uint64_t tag = tagOf(c.seq, r);
+  // kForward: this rank passes on piece b of round r of what forward_from sends it, read where
+  // it lands, once this rank's consuming block b has placed it (the same piece: every pair
+  // passed on is that pair's length). The root reads its input.
+  const bool passes_on = a.mode == static_cast<uint8_t>(ExchangeMode::kForward) && me != a.forward_from;
+  bool landed = !passes_on;
   // Each block visits the peers in its own rotation (block b starts b % (n-1) peers after this
   // rank): at any moment the blocks of a rank write to every peer at once, and the ranks' blocks
   // of the same index to different peers, so every NVLink port carries traffic throughout instead
@@ -249,7 +256,14 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
       }
       if (blockFailed(c)) return false;
     }
-    copyBytes(dataSlot(a.staging[p], L, n, half, me) + lo, a.in + a.send_off[p] + r * R + lo, hi - lo);
+    if (!landed) {
+      if (threadIdx.x == 0 && !waitAtLeast(c, flagSlot(mine, L, half, me, b), tag, a.forward_from))
+        atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+      if (blockFailed(c)) return false;
+      landed = true;
+    }
+    const char* src = passes_on ? a.out + a.recv_off[a.forward_from] : a.in + a.send_off[p];
+    copyBytes(dataSlot(a.staging[p], L, n, half, me) + lo, src + r * R + lo, hi - lo);
     // The barrier orders every thread's writes before thread 0's release, which is cumulative:
     // the peer that acquires the flag sees the whole piece. (A fence.sc.sys before it would
     // wait for the NVLink writes to be acknowledged, a round trip per flag, for nothing.)
@@ -361,7 +375,12 @@ __device__ bool runRounds(const Ctx& c, bool pushed_first) {
         exchangePiece(ql, b, G, &qlo, &qhi);
         copyBytes(a.out + a.recv_off[q] + r * R + qlo, dataSlot(mine, L, n, half, q) + qlo, qhi - qlo);
         __syncthreads();
-        if (threadIdx.x == 0) device::stReleaseSys64(ackSlot(a.staging[q], L, half, me, b), tag);
+        if (threadIdx.x == 0) {
+          // kForward: the piece to pass on has landed; this rank's pushing block b reads it (the
+          // slot guard_input would use, which a kForward launch does not).
+          if (q == a.forward_from) device::stReleaseSys64(flagSlot(mine, L, half, me, b), tag);
+          device::stReleaseSys64(ackSlot(a.staging[q], L, half, me, b), tag);
+        }
         pending &= ~(1u << q);
       }
     } else {
@@ -416,7 +435,7 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
   // header from lines: sent now when the Lamport kernel's rule allows it (linesEarly), else once
   // the peers' headers have come (below). A pushing block sends its short pairs' lines in round
   // 0, which comes after the headers unless this rank pushes early, which implies linesEarly.
-  const bool lines_now = a.lamport_pairs && linesEarly(c);
+  const bool lines_now = a.header_lines && linesEarly(c);
   if (lines_now) pushHeaderLines(c, static_cast<uint32_t>(c.seq), static_cast<int>(c.seq & 1));
   if (early && !pushRound(c, 0, blockIdx.x)) bad = 1;  // (roles == 1: block b is piece b)
   if (threadIdx.x < n && threadIdx.x != me) {
@@ -436,7 +455,7 @@ __global__ void __launch_bounds__(512) exchangeKernel(const __grid_constant__ Ex
     }
   }
   __syncthreads();
-  if (!bad && a.lamport_pairs && !lines_now)
+  if (!bad && a.header_lines && !lines_now)
     pushHeaderLines(c, static_cast<uint32_t>(c.seq), static_cast<int>(c.seq & 1));
 
   // (2) Rounds.
@@ -463,7 +482,10 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
     l.threads = lamportThreadsFor(x, t);
   } else {
     l.lamport_pairs = exchangeLamportPairs(x, t);
+    // Every copy: a peer's pairs may all be short where this rank's are not.
+    l.header_lines = (x.mode == ExchangeMode::kCopy || x.mode == ExchangeMode::kForward) && t.lamport_bytes != 0;
   }
+  l.forward_from = x.forward_from;
   l.mode = static_cast<uint8_t>(x.mode);
   l.dtype = static_cast<uint8_t>(x.dtype);
   l.redop = static_cast<uint8_t>(x.redop);
@@ -480,7 +502,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
 cudaError_t launchExchange(const ExchangeLaunch& l, cudaStream_t stream) {
   if (l.lamport) return launchLamport(l, stream);
   const int grid = l.launched * l.roles;
-  if (l.mode != static_cast<uint8_t>(ExchangeMode::kReduce)) {
+  if (l.mode == static_cast<uint8_t>(ExchangeMode::kCopy) || l.mode == static_cast<uint8_t>(ExchangeMode::kForward)) {
     exchangeKernel<CopyOnly><<<grid, 512, 0, stream>>>(l);
     return cudaGetLastError();
   }

@@ -24,14 +24,18 @@ using Bytes = std::vector<char>;
 
 // Runs one exchange per rank (xs[r] with in[r] / out[r]) the way the kernel does: for each
 // round and block, the piece of every pair; then the consumer's copy or rank-ordered reduce.
+// `launch_as`: the exchanges whose launches move these pairs, where xs are some of their pairs
+// (their blocks).
 void model(const std::vector<Exchange>& xs, std::vector<Bytes>& in, std::vector<Bytes>& out,
-           const ExchangeTuning& t, std::vector<uint64_t> out_base = {}) {
+           const ExchangeTuning& t, std::vector<uint64_t> out_base = {},
+           const std::vector<Exchange>* launch_as = nullptr) {
   const int n = static_cast<int>(xs.size());
   if (out_base.empty()) out_base.assign(n, 0);
+  const std::vector<Exchange>& launches = launch_as ? *launch_as : xs;
   const uint64_t R = t.round_bytes;
   // The blocks each rank launches: every piece it sends, receives or reduces must be on one.
   std::vector<int> launched(n);
-  for (int r = 0; r < n; ++r) launched[r] = exchangeBlocksWithWork(xs[r], t);
+  for (int r = 0; r < n; ++r) launched[r] = exchangeBlocksWithWork(launches[r], t);
   int pieces_of_round = 0;  // of a full round: what a pair longer than two rounds waits on
   for (uint64_t lo = 0, hi = 0; pieces_of_round < t.blocks; ++pieces_of_round) {
     exchangePiece(R, pieces_of_round, t.blocks, &lo, &hi);
@@ -134,6 +138,51 @@ void modelTwoShotLamport(const std::vector<Exchange>& xs, const std::vector<Byte
       ASSERT_LE(xs[q].reduce_bytes, std::max(xs[p].reduce_bytes, xs[p].send_bytes[0]));
       if (!reduced[q].empty()) std::memcpy(out[p].data() + xs[p].send_off[q], reduced[q].data(), reduced[q].size());
     }
+}
+
+// The forwarding broadcast (ExchangeMode::kForward), as exchange.cu moves it: the root's pairs
+// land first (each rank's consuming block b places piece b of round r of the root's pair before
+// its pushing block b passes that piece on), then every rank passes on what landed, read from
+// `io` where it landed. In place, as the kernel runs it.
+void modelForward(const std::vector<Exchange>& xs, std::vector<Bytes>& io, const ExchangeTuning& t) {
+  const int n = static_cast<int>(xs.size());
+  ASSERT_GT(n, 2);
+  const int root = xs[0].forward_from;
+  std::vector<Exchange> from_root, passed_on;
+  for (int p = 0; p < n; ++p) {
+    const Exchange& x = xs[p];
+    ASSERT_EQ(x.mode, ExchangeMode::kForward);
+    ASSERT_EQ(x.forward_from, root);
+    EXPECT_TRUE(exchangeSplits(x, t)) << "rank " << p;  // pushing blocks pass on what consuming ones place
+    EXPECT_FALSE(exchangeLamport(x, t));
+    EXPECT_EQ(exchangeLamportPairs(x, t), 0u);  // every piece passed on is a staged piece
+    Exchange a = x, b = x;  // copies of the two kinds of pairs
+    a.mode = b.mode = ExchangeMode::kCopy;
+    for (int q = 0; q < n; ++q) {
+      if (p == root) {
+        ASSERT_EQ(x.recv_bytes[q], 0u) << "the root receives nothing";
+        b.send_bytes[q] = 0;
+        continue;
+      }
+      if (q != root && q != p) {
+        // every pair passed on is the root's pair again: the same pieces, from where it lands
+        ASSERT_EQ(x.send_bytes[q], x.recv_bytes[root]) << p << "->" << q;
+        ASSERT_EQ(x.send_off[q], x.recv_off[root]) << p << "->" << q;
+        // and what the others pass on lands elsewhere
+        ASSERT_TRUE(x.recv_off[q] + x.recv_bytes[q] <= x.recv_off[root] ||
+                    x.recv_off[root] + x.recv_bytes[root] <= x.recv_off[q])
+            << p << " <- " << q;
+      }
+      ASSERT_EQ(x.send_bytes[root], 0u);
+      if (q != root) a.recv_bytes[q] = 0;
+      a.send_bytes[q] = 0;
+      if (q == root) b.recv_bytes[q] = 0;
+    }
+    from_root.push_back(a);
+    passed_on.push_back(b);
+  }
+  model(from_root, io, io, t, {}, &xs);
+  model(passed_on, io, io, t, {}, &xs);
 }
 
 // Rank r's input of `count` floats: r * 1000 + i.
@@ -241,26 +290,19 @@ TEST_P(ExchangePlan, AllgatherGatherScatterBroadcast) {
   model(bc, io, io, small());
   for (int r = 0; r < n; ++r) ASSERT_EQ(io[r], in[root]);
 
-  // the pipelined broadcast (n > 2): its steps in order, every root, in place, in one chunk
-  // (every step but the first and last empty for someone), a few, and more chunks than bytes
-  // allow blocks of
-  for (int chunks : {1, 2, 3, 7}) {
+  // the forwarding broadcast (n > 2), from every root, in place, in one round and several
+  for (const ExchangeTuning& t : {small(), ExchangeTuning{}}) {
     for (int rt = 0; rt < n && n > 2; ++rt) {
       std::vector<Bytes> io = in;
-      for (int step = 0; step <= chunks; ++step) {
-        std::vector<Exchange> xs;
-        for (int r = 0; r < n; ++r) {
-          xs.push_back(exchangeBroadcastStep(n, r, bytes, rt, chunks, step));
-          EXPECT_EQ(xs.back().root, rt);
-          EXPECT_EQ(xs.back().op_bytes, bytes);
-          EXPECT_FALSE(exchangeOutputMeetsInput(xs.back(), r, io[r].data(), io[r].data()));
-          if (r == rt) {
-            EXPECT_EQ(std::accumulate(xs.back().recv_bytes.begin(), xs.back().recv_bytes.end(), 0ull), 0u);
-          }
-        }
-        model(xs, io, io, small());
+      std::vector<Exchange> xs;
+      for (int r = 0; r < n; ++r) {
+        xs.push_back(exchangeBroadcastForward(n, r, bytes, rt));
+        EXPECT_EQ(xs.back().root, rt);
+        EXPECT_EQ(xs.back().op_bytes, bytes);
+        EXPECT_FALSE(exchangeOutputMeetsInput(xs.back(), r, io[r].data(), io[r].data()));
       }
-      for (int r = 0; r < n; ++r) ASSERT_EQ(io[r], in[rt]) << chunks << "-chunk broadcast from " << rt << " on " << r;
+      modelForward(xs, io, t);
+      for (int r = 0; r < n; ++r) ASSERT_EQ(io[r], in[rt]) << "broadcast from " << rt << " on " << r;
     }
   }
 
@@ -482,33 +524,44 @@ TEST(ExchangePiece, LaunchedBlocksAndRolesFollowTheLongestPair) {
   EXPECT_FALSE(splits(64 << 20));
 }
 
-TEST(ExchangePlanBroadcast, ChunksGrowWithTheBufferFromTwoToTheCap) {
+TEST(ExchangePlanBroadcast, ForwardsAboveTheOneShotSizeInGroupsOfMoreThanTwo) {
   ExchangeTuning t;
-  t.round_bytes = 8 << 20;
-  const uint64_t per = t.broadcast_step_rounds * t.round_bytes * 3;  // 4 ranks: 3 take a piece per step
-  EXPECT_EQ(broadcastChunks(4, 0, t), 2);
-  EXPECT_EQ(broadcastChunks(4, per, t), 2);
-  EXPECT_EQ(broadcastChunks(4, 3 * per, t), 3);
-  EXPECT_EQ(broadcastChunks(4, 3 * per + 1, t), 4);
-  EXPECT_EQ(broadcastChunks(4, uint64_t{1} << 40, t), kBroadcastMaxChunks);
-  EXPECT_THROW(exchangeBroadcastStep(2, 0, 1 << 20, 0, 2, 0), moelink::Error);  // 2 ranks: one exchange
-  EXPECT_THROW(exchangeBroadcastStep(4, 0, 1 << 20, 0, 2, 3), moelink::Error);  // steps 0..chunks
+  t.one_shot_bytes = 1 << 20;
+  EXPECT_FALSE(broadcastForwards(2, uint64_t{1} << 30, t));  // no rank to forward through
+  EXPECT_FALSE(broadcastForwards(4, 1 << 20, t));
+  EXPECT_TRUE(broadcastForwards(4, (1 << 20) + 1, t));
+  EXPECT_TRUE(broadcastForwards(8, (1 << 20) + 1, t));
+  t.one_shot_bytes = 0;  // every size, blocks of a few bytes or none
+  EXPECT_TRUE(broadcastForwards(3, 1, t));
+  // blocks in rank order over the ranks but the root, the last one what is left (none here)
+  const auto x = exchangeBroadcastForward(8, 3, 16, 5);
+  EXPECT_EQ(x.recv_bytes[5], 0u);
+  EXPECT_EQ(exchangeBroadcastForward(8, 0, 16, 5).recv_bytes[5], 16u);
+  EXPECT_EQ(exchangeBroadcastForward(8, 0, 16, 5).send_bytes[1], 16u);
+  EXPECT_THROW(exchangeBroadcastForward(2, 0, 1 << 20, 0), moelink::Error);  // 2 ranks: one exchange
+  EXPECT_THROW(exchangeBroadcastForward(4, 0, 1 << 20, 4), moelink::Error);
+  EXPECT_THROW(restrictExchange(exchangeBroadcastForward(4, 0, 1 << 20, 1), {0, 1, 2}), moelink::Error);
+  // always on separate pushing and consuming blocks, MOELINK_CUDA_SPLIT=0 or not, one round or not
+  t.split = false;
+  EXPECT_TRUE(exchangeSplits(exchangeBroadcastForward(4, 0, 1 << 20, 1), t));
+  EXPECT_EQ(exchangeSms(exchangeBroadcastForward(4, 0, 1 << 20, 1), t),
+            2 * exchangeBlocksWithWork(exchangeBroadcastForward(4, 0, 1 << 20, 1), t));
 }
 
 TEST(ExchangePiece, RolesWaitForEachOtherOnlyWhereTheOutputMeetsPushedInput) {
   std::vector<char> buf(1 << 20), other(1 << 20);
   const uint64_t count = buf.size() / 4;
   // In place, but the ranges the consumers write are never pushed: the two-shot halves (a
-  // rank reduces its own block, then sends it), broadcast's halves.
+  // rank reduces its own block, then sends it); or pushed only once they have landed: the
+  // forwarding broadcast.
   for (int me = 0; me < 4; ++me) {
     const auto blocks = allreduceBlocks(4, count, DType::kFloat32);
     EXPECT_FALSE(exchangeOutputMeetsInput(exchangeAllreduceScatter(4, me, count, DType::kFloat32, ReduceOp::kSum), me,
                                           buf.data(), buf.data() + blocks[me].first * 4));
     EXPECT_FALSE(exchangeOutputMeetsInput(exchangeAllreduceGather(4, me, count, DType::kFloat32), me, buf.data(),
                                           buf.data()));
-    for (int step = 0; step <= 3; ++step)
-      EXPECT_FALSE(exchangeOutputMeetsInput(exchangeBroadcastStep(4, me, buf.size(), 1, 3, step), me, buf.data(),
-                                            buf.data()));
+    EXPECT_FALSE(exchangeOutputMeetsInput(exchangeBroadcastForward(4, me, buf.size(), 1), me, buf.data(),
+                                          buf.data()));
   }
   // A one-shot all_reduce in place writes all of what it pushes.
   EXPECT_TRUE(exchangeOutputMeetsInput(exchangeAllreduceOneShot(4, 2, count, DType::kFloat32, ReduceOp::kSum), 2,
@@ -552,6 +605,9 @@ TEST(ExchangePiece, SmsACollectiveHolds) {
   // More than one round: pushing and consuming blocks.
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 1ull << 30, t), 128);
   EXPECT_EQ(collectiveSms(OpKind::kBroadcast, 4, 1ull << 30, t), 128);
+  // A forwarded broadcast splits at every size: 2 MiB in blocks of 699056 bytes, 43 pieces of 16 KiB.
+  EXPECT_EQ(collectiveSms(OpKind::kBroadcast, 4, 2 << 20, t), 2 * 43);
+  EXPECT_EQ(collectiveSms(OpKind::kBroadcast, 4, 1 << 20, t), 64);  // one exchange: 1 MiB pairs
   // 2 ranks: one exchange at every size.
   const ExchangeTuning t2 = ExchangeTuning::fromEnv(2);
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 2, 2 << 20, t2), 64);
@@ -599,9 +655,11 @@ TEST(ExchangeLamport, TakesSmallExchangesAndTheShortPairsOfStagedCopies) {
     EXPECT_FALSE(exchangeLamport(mixed, t));
     EXPECT_EQ(exchangeLamportPairs(mixed, t), 64u << 10);
     EXPECT_EQ(exchangeLamportPairs(mixed, off_tuning(t)), 0u);
-    // every staged copy exchange (a broadcast step's last block may be short); no reduction
-    // (each rank meets its longest pair, so all take one protocol)
-    EXPECT_EQ(exchangeLamportPairs(exchangeBroadcastStep(std::max(n, 3), 0, (1 << 20) + 16, 0, 2, 0), t), 64u << 10);
+    // every staged copy exchange; no reduction (each rank meets its longest pair, so all take one
+    // protocol) and no forwarding broadcast (every rank of it is on the staged kernel)
+    EXPECT_EQ(exchangeLamportPairs(exchangeBroadcast(n, 0, (1 << 20) + 16, 0), t), 64u << 10);
+    EXPECT_EQ(exchangeLamportPairs(exchangeBroadcastForward(std::max(n, 3), 0, (1 << 20) + 16, 0), t), 0u);
+    EXPECT_FALSE(exchangeLamport(exchangeBroadcastForward(std::max(n, 3), 0, 64, 0), t));
     EXPECT_EQ(exchangeLamportPairs(exchangeAllreduceScatter(n, 0, 1 << 20, DType::kFloat32, ReduceOp::kSum), t), 0u);
     // a line carries 8 bytes: complex128 moves but does not reduce by lines
     EXPECT_TRUE(exchangeLamport(exchangeAllgather(n, 0, 1600), t));
@@ -777,8 +835,6 @@ TEST(ExchangeTuning, EveryGroupSizeHasARowOfDefaultsThatTheSettingsAllow) {
     EXPECT_EQ(t.blocks, d.blocks);
     EXPECT_EQ(t.round_bytes, d.round_bytes);
     EXPECT_EQ(t.one_shot_bytes, d.one_shot_bytes);
-    EXPECT_EQ(t.broadcast_step_rounds, d.broadcast_step_rounds);
-    EXPECT_GE(d.broadcast_step_rounds, 1);
     EXPECT_EQ(t.lamport_narrow_bytes, d.lamport_narrow_bytes);
     EXPECT_EQ(t.lamport_threads, d.lamport_threads);
     // whole warps, enough threads for every peer's header lines, within the kernel's bound
