@@ -185,7 +185,8 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       "The in-host CUDA path's tuning for a group of `world` ranks on one host: the MOELINK_CUDA_* settings "
       "as set, else the defaults of the group size's row (docs/PERF.md, \"Defaults by group size\"). "
       "one_shot_bytes None: allreduce and broadcast are one exchange at every size (above it a broadcast is "
-      "forwarded: each rank but the root passes its block on to the others as it lands); lamport_narrow_bytes / lamport_threads: the Lamport kernel runs 256-thread blocks where the longest "
+      "forwarded: each rank but the root passes its block on to the others as it lands); "
+      "lamport_narrow_bytes / lamport_threads: the Lamport kernel runs 256-thread blocks where the longest "
       "pair is at most lamport_narrow_bytes, blocks of lamport_threads above; lamport_two_shot_bytes: all_reduce "
       "above lamport_bytes and up to this size runs the two-shot Lamport kernel (0: never); defaults_measured_on None: "
       "no machine of this size has measured the row's defaults.");

@@ -225,7 +225,8 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
   // kForward: this rank passes on piece b of round r of what forward_from sends it, read where
   // it lands, once this rank's consuming block b has placed it (the same piece: every pair
   // passed on is that pair's length). The root reads its input.
-  const bool passes_on = a.mode == static_cast<uint8_t>(ExchangeMode::kForward) && me != a.forward_from;
+  const bool forward = a.mode == static_cast<uint8_t>(ExchangeMode::kForward);
+  const bool passes_on = forward && me != a.forward_from;
   bool landed = !passes_on;
   // The peers' flags go up together, after one barrier behind all of the block's pieces (each
   // release then waits for those writes at once, not for one peer's after another's), but in a
@@ -233,7 +234,6 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
   // has it. (4x H200, 4 ranks, graph replay: all_reduce, all_gather, reduce_scatter and all_to_all
   // at 4 MiB 9-17 % faster together, broadcast 1 MiB 17 %; a forwarded broadcast of 16-32 MiB
   // 3-8 % slower; docs/PERF.md.)
-  const bool flag_each = a.mode == static_cast<uint8_t>(ExchangeMode::kForward);
   unsigned pushed = 0;  // bit p: a staged piece of this round went to p, its flag not yet raised
   // Each block visits the peers in its own rotation (block b starts b % (n-1) peers after this
   // rank): at any moment the blocks of a rank write to every peer at once, and the ranks' blocks
@@ -274,11 +274,12 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
     copyBytes(dataSlot(a.staging[p], L, n, half, me) + lo, src + r * R + lo, hi - lo);
     // The barrier orders every thread's writes before the releases, which are cumulative: the
     // peer that acquires the flag sees the whole piece.
-    pushed |= 1u << p;
-    if (!flag_each) continue;
+    if (!forward) {
+      pushed |= 1u << p;
+      continue;
+    }
     __syncthreads();
     if (threadIdx.x == 0) device::stReleaseSys64(flagSlot(a.staging[p], L, half, me, b), tag);
-    pushed = 0;
   }
   if (pushed) {  // the same on every thread
     __syncthreads();
