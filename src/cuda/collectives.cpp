@@ -343,10 +343,7 @@ void CudaCollectives::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop)
     } else if (tuning_.oneShot(n, nbytes(buf))) {
       exchange(op, exchangeAllreduceOneShot(n, me_, count, t, rop), ptr(buf), ptr(buf));
     } else {
-      auto blocks = allreduceBlocks(n, count, t);
-      exchange(op, exchangeAllreduceScatter(n, me_, count, t, rop), ptr(buf),
-               ptr(buf) + blocks[me_].first * collective::elementSize(t));
-      exchange(op, exchangeAllreduceGather(n, me_, count, t), ptr(buf), ptr(buf));
+      exchange(op, exchangeAllreduceTwoShotStaged(n, me_, count, t, rop), ptr(buf), ptr(buf));
     }
   }
 }

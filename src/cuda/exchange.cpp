@@ -62,6 +62,12 @@ Exchange exchangeAllreduceTwoShot(int n, int me, uint64_t count, DType t, Reduce
   return x;
 }
 
+Exchange exchangeAllreduceTwoShotStaged(int n, int me, uint64_t count, DType t, ReduceOp op) {
+  Exchange x = exchangeAllreduceScatter(n, me, count, t, op);
+  x.mode = ExchangeMode::kReduceGatherStaged;
+  return x;
+}
+
 std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count, DType t) {
   // Block starts on 16-byte boundaries keep the kernel's vector path; elements per
   // alignment unit:
@@ -86,22 +92,6 @@ Exchange exchangeAllreduceScatter(int n, int me, uint64_t count, DType t, Reduce
     x.recv_bytes[q] = q == me ? 0 : mine;
   }
   x.reduce_bytes = mine;
-  return x;
-}
-
-Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t) {
-  const uint64_t es = elementSize(t);
-  // The same kind as the scatter half: the header check then catches a rank that runs the
-  // two halves against another rank's one-shot.
-  Exchange x = base(OpKind::kAllreduce, ExchangeMode::kCopy, n, t, ReduceOp::kNone, -1, count * es);
-  auto blocks = allreduceBlocks(n, count, t);
-  uint64_t mine = (blocks[me].second - blocks[me].first) * es;
-  for (int q = 0; q < n; ++q) {
-    x.send_off[q] = blocks[me].first * es;  // offsets from the whole buffer
-    x.send_bytes[q] = q == me ? 0 : mine;
-    x.recv_off[q] = blocks[q].first * es;
-    x.recv_bytes[q] = q == me ? 0 : (blocks[q].second - blocks[q].first) * es;
-  }
   return x;
 }
 
@@ -214,8 +204,10 @@ Exchange exchangeAlltoall(int n, int me, const std::vector<uint64_t>& send_off,
 }
 
 Exchange restrictExchange(const Exchange& x, const std::vector<int>& members) {
-  MOELINK_CHECK(x.mode != ExchangeMode::kForward, "a forwarding broadcast is built over the active ranks, "
-                "not restricted to them");
+  MOELINK_CHECK(x.mode != ExchangeMode::kForward && x.mode != ExchangeMode::kReduceGather &&
+                    x.mode != ExchangeMode::kReduceGatherStaged,
+                "a forwarding broadcast or a two-shot all_reduce is built over the active ranks, not restricted to "
+                "them");
   const int n = static_cast<int>(x.send_bytes.size());
   Exchange y = x;
   y.send_off.clear();
@@ -296,7 +288,9 @@ ExchangeLayout ExchangeLayout::make(int n, uint64_t round_bytes) {
   l.flags = l.counter + 128;
   const uint64_t flag_bytes = 2ull * kExchangeMaxRanks * kExchangeMaxBlocks * sizeof(uint64_t);
   l.acks = l.flags + flag_bytes;
-  l.data = alignUp(l.acks + flag_bytes, 4096);
+  l.gather_flags = l.acks + flag_bytes;
+  l.gather_acks = l.gather_flags + flag_bytes;
+  l.data = alignUp(l.gather_acks + flag_bytes, 4096);
   l.lamport = l.data + 2ull * n * round_bytes;
   l.total = l.lamport + 2ull * n * kLamportSourceBytes;
   return l;
@@ -327,7 +321,8 @@ bool exchangeLamport(const Exchange& x, const ExchangeTuning& t) {
                   "-byte elements (at most ", kLamportTwoShotBlockBytes, " bytes of elements of at most 8)");
     return true;
   }
-  if (t.lamport_bytes == 0 || x.mode == ExchangeMode::kForward) return false;
+  if (t.lamport_bytes == 0 || x.mode == ExchangeMode::kForward || x.mode == ExchangeMode::kReduceGatherStaged)
+    return false;
   if (longestPair(x) > std::min(t.lamport_bytes, kLamportMaxBytes)) return false;
   return x.mode == ExchangeMode::kCopy || elementSize(x.dtype) <= 8;
 }
@@ -366,8 +361,7 @@ int collectiveSms(OpKind kind, int n, uint64_t bytes, const ExchangeTuning& t) {
         } else if (t.oneShot(n, bytes)) {
           xs.push_back(exchangeAllreduceOneShot(n, me, count, f32, ReduceOp::kSum));
         } else {
-          xs.push_back(exchangeAllreduceScatter(n, me, count, f32, ReduceOp::kSum));
-          xs.push_back(exchangeAllreduceGather(n, me, count, f32));
+          xs.push_back(exchangeAllreduceTwoShotStaged(n, me, count, f32, ReduceOp::kSum));
         }
         break;
       case OpKind::kBroadcast:
@@ -400,7 +394,7 @@ bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const v
     return false;
   };
   if (x.mode == ExchangeMode::kReduce) return x.reduce_bytes && pushed(at(out, 0), at(out, x.reduce_bytes));
-  if (x.mode == ExchangeMode::kForward) return false;  // (exchange.h)
+  if (x.mode == ExchangeMode::kForward || x.mode == ExchangeMode::kReduceGatherStaged) return false;  // (exchange.h)
   for (size_t q = 0; q < x.recv_bytes.size(); ++q) {
     if (x.recv_bytes[q] == 0) continue;
     // This rank's own range in place is not written (the kernel skips the copy).
@@ -410,12 +404,16 @@ bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const v
   return false;
 }
 
+uint64_t exchangeRoundBytes(const Exchange& x, const ExchangeTuning& t) {
+  return x.mode == ExchangeMode::kReduceGatherStaged ? t.round_bytes / 32 * 16 : t.round_bytes;
+}
+
 bool exchangeSplits(const Exchange& x, const ExchangeTuning& t) {
-  return x.mode == ExchangeMode::kForward || (t.split && longestPair(x) > t.round_bytes);
+  return x.mode == ExchangeMode::kForward || (t.split && longestPair(x) > exchangeRoundBytes(x, t));
 }
 
 int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t) {
-  const uint64_t first = std::min(longestPair(x), t.round_bytes);
+  const uint64_t first = std::min(longestPair(x), exchangeRoundBytes(x, t));
   int blocks = 1;  // pieces are consecutive from block 0; at least one block runs
   for (; blocks < t.blocks; ++blocks) {
     uint64_t lo, hi;
@@ -451,7 +449,8 @@ std::string describeMismatch(const ExchangeHeader& mine, const ExchangeHeader& t
       return m == static_cast<uint8_t>(ExchangeMode::kCopy)      ? "copy"
              : m == static_cast<uint8_t>(ExchangeMode::kReduce)  ? "reduce"
              : m == static_cast<uint8_t>(ExchangeMode::kForward) ? "forwarding broadcast"
-                                                                  : "two-shot Lamport";
+             : m == static_cast<uint8_t>(ExchangeMode::kReduceGather) ? "two-shot Lamport"
+                                                                       : "two-shot staged";
     };
     return str(who, " ran the ", step(theirs.mode), " step where this rank ran the ", step(mine.mode),
                " step (different MOELINK_CUDA_ONESHOT_BYTES or MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES?)");

@@ -34,7 +34,8 @@ PATHS = {"nvlink": {}, "host": {"MOELINK_RANKS_PER_HOST": "1"}, "tcp": TCP,
 # cases of the kernels themselves (NCCL refuses two ranks on one GPU).
 EIGHT = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "in_place_all_to_all", "all_to_all_mixed_protocols", "broadcast_forwarded",
-         "stream_order", "async_interleaved", "small_op_burst", "lamport_boundaries", "lamport_two_shot", "graph_capture",
+         "stream_order", "async_interleaved", "small_op_burst", "lamport_boundaries", "lamport_two_shot",
+         "two_shot_staged", "graph_capture",
          "point_to_point", "bad_input"]
 assert set(EIGHT) <= set(cases_cuda.CASES), sorted(set(EIGHT) - set(cases_cuda.CASES))  # a renamed case stays in
 

@@ -1,10 +1,11 @@
 // The in-host GPU collectives as exchanges (plain C++: no CUDA, no torch).
 //
-// Every collective on CUDA tensors between ranks of one host runs as one exchange, or two
-// (allreduce above the one-shot size: a reduce-scatter then an all-gather): each rank sends
-// byte ranges of its input to peers and receives byte ranges from them, then either copies
-// what arrived into place (kCopy: broadcast, all-gather, gather, scatter, all-to-all) or
-// reduces it with its own range, in rank order (kReduce: allreduce, reduce, reduce-scatter).
+// Every collective on CUDA tensors between ranks of one host runs as one exchange: each rank
+// sends byte ranges of its input to peers and receives byte ranges from them, then either
+// copies what arrived into place (kCopy: broadcast, all-gather, gather, scatter, all-to-all) or
+// reduces it with its own range, in rank order (kReduce: allreduce, reduce, reduce-scatter),
+// or, above the one-shot size, reduces its block of an all_reduce and sends the result on
+// (kReduceGather, kReduceGatherStaged: a reduce-scatter and an all-gather in one launch).
 // An Exchange says what this rank sends and receives; the kernel (exchange_kernel.h) moves
 // it through a staging area that every rank of the group maps (CUDA IPC), in rounds of at
 // most `round_bytes` per (source, destination) pair and two halves, so round r+1 travels
@@ -70,7 +71,12 @@ constexpr int kLamportNarrowThreads = 256;
 // theirs into place; never on the staged kernel.
 // kForward: a copy in which every rank but Exchange::forward_from passes on what that rank sends
 // it, piece by piece as the pieces land (exchangeBroadcastForward); the staged kernel only.
-enum class ExchangeMode : uint8_t { kCopy, kReduce, kReduceGather, kForward };
+// kReduceGatherStaged: the same two halves as kReduceGather in one launch of the staged kernel
+// (exchangeAllreduceTwoShotStaged): a consuming block that has reduced its piece of this rank's
+// block writes it into every peer's staging area as it stores it, and copies the peers' reduced
+// pieces into place as they arrive, so that round r's all-gather overlaps round r + 1's
+// reduce-scatter (the pushing blocks run ahead).
+enum class ExchangeMode : uint8_t { kCopy, kReduce, kReduceGather, kForward, kReduceGatherStaged };
 
 // What one rank does in one exchange. Offsets are in bytes from `in` / `out` (device
 // pointers supplied at launch).
@@ -86,8 +92,9 @@ struct Exchange {
   std::vector<uint64_t> send_off, send_bytes, recv_off, recv_bytes;
   // kReduce: out[0, reduce_bytes) = op over ranks q in order of (q == me ? in + send_off[me] :
   // what q sent), every recv_bytes[q] (q != me) being reduce_bytes. AVG divides by the group
-  // size at the end. kReduceGather: the same reduction lands at out + send_off[me], is sent to
-  // every peer, and peer q's (send_bytes[q] bytes) lands at out + send_off[q].
+  // size at the end. kReduceGather, kReduceGatherStaged: the same reduction lands at
+  // out + send_off[me], is sent to every peer, and peer q's (send_bytes[q] bytes) lands at
+  // out + send_off[q].
   uint64_t reduce_bytes = 0;
   // kForward: the rank (index into the vectors above) whose pair this rank passes on. Every pair
   // this rank sends is that pair again (the same bytes), read from where it lands in `out`.
@@ -98,13 +105,16 @@ struct Exchange {
 Exchange exchangeBroadcast(int n, int me, uint64_t bytes, int root);
 // One-shot: every rank sends all of `count` to every rank and reduces everything.
 Exchange exchangeAllreduceOneShot(int n, int me, uint64_t count, DType t, ReduceOp op);
-// Two-shot: the reduce-scatter half (rank q reduces block q of the buffer in place) and the
-// all-gather half (every rank sends its reduced block to all). Blocks: allreduceBlocks.
+// Two-shot: the reduce-scatter half (rank q reduces block q of the buffer; as a kReduce
+// exchange it lands at `out`) and the all-gather half (every rank sends its reduced block to
+// all). Blocks: allreduceBlocks. An all_reduce runs both halves in one exchange:
 Exchange exchangeAllreduceScatter(int n, int me, uint64_t count, DType t, ReduceOp op);
-Exchange exchangeAllreduceGather(int n, int me, uint64_t count, DType t);
 // The two halves in one exchange (ExchangeMode::kReduceGather), in place: the scatter half's pairs,
 // then each rank's reduced block to all. Lamport kernel only: allreduceTwoShotLamport says when.
 Exchange exchangeAllreduceTwoShot(int n, int me, uint64_t count, DType t, ReduceOp op);
+// The same on the staged kernel (ExchangeMode::kReduceGatherStaged), in place: all_reduce above
+// the one-shot size in groups of more than 2, where the two-shot Lamport kernel does not take it.
+Exchange exchangeAllreduceTwoShotStaged(int n, int me, uint64_t count, DType t, ReduceOp op);
 // Element ranges [begin, end) of the two-shot blocks: count split as evenly as 16-byte
 // alignment of the block starts allows.
 std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count, DType t);
@@ -134,9 +144,9 @@ Exchange exchangeAlltoall(int n, int me, const std::vector<uint64_t>& send_off,
 // The same exchange over a sub-group (after a membership change: the active ranks).
 // `members`: sorted ranks of the group, `x`'s rank among them. Pairs between members keep
 // their offsets and sizes, at the member's position in `members`; pairs with other ranks are
-// dropped. Valid for every builder above but the two-shot halves and the forwarding broadcast
-// (whose blocks belong to ranks: build those over the sub-group's size instead; a kForward
-// exchange is refused). A reduction is then over the
+// dropped. Valid for every builder above but the two-shot ones and the forwarding broadcast
+// (whose blocks belong to ranks: build those over the sub-group's size instead; a kForward,
+// kReduceGather or kReduceGatherStaged exchange is refused). A reduction is then over the
 // members, and AVG divides by their number.
 Exchange restrictExchange(const Exchange& x, const std::vector<int>& members);
 // The (offset, bytes) ranges of the output that a kCopy exchange `x` receives from ranks
@@ -169,7 +179,9 @@ struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
   int blocks = 64;                  // MOELINK_CUDA_BLOCKS (per role: the kernel holds 2 x blocks SMs when split)
   // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always): allreduce and broadcast up to it take one
-  // exchange; above it allreduce takes two, broadcast forwards (broadcastForwards).
+  // exchange that moves the whole buffer to every peer; above it allreduce is two-shot
+  // (allreduceTwoShotLamport, else exchangeAllreduceTwoShotStaged), broadcast forwards
+  // (broadcastForwards).
   uint64_t one_shot_bytes = 1 << 20;
   // MOELINK_CUDA_SPLIT: pushing to the peers and consuming what they sent run on separate
   // blocks (`blocks` of each), so that the next round's NVLink writes overlap this round's
@@ -207,8 +219,9 @@ bool allreduceTwoShotLamport(int n, uint64_t count, DType t, const ExchangeTunin
 // t.lamport_bytes (and kLamportMaxBytes). Reductions of 16-byte elements (complex128) stay on
 // the staged protocol (a line carries 8 bytes). A kReduceGather exchange always does (the staged
 // kernel has no such mode); one whose blocks exceed kLamportTwoShotBlockBytes, or of 16-byte
-// elements, throws moelink::Error (allreduceTwoShotLamport never builds one). A kForward exchange
-// never does (every rank of it is on the staged kernel, whatever its pairs' sizes).
+// elements, throws moelink::Error (allreduceTwoShotLamport never builds one). A kForward or
+// kReduceGatherStaged exchange never does (every rank of it is on the staged kernel, whatever
+// its pairs' sizes).
 bool exchangeLamport(const Exchange& x, const ExchangeTuning& t);
 // A copy exchange on the staged kernel (some pair of this rank is too long for lines) sends and
 // receives its pairs of at most this many bytes as Lamport lines all the same (0: none; a
@@ -242,7 +255,12 @@ struct ExchangeLayout {
   uint64_t counter = 0;  // ExchangeCounter
   uint64_t flags = 0;    // [2 halves][kExchangeMaxRanks source][kExchangeMaxBlocks] uint64
   uint64_t acks = 0;     // [2 halves][kExchangeMaxRanks consumer][kExchangeMaxBlocks] uint64
-  uint64_t data = 0;     // [2 halves][n source][round_bytes]
+  // kReduceGatherStaged's all-gather half: the flags of the reduced pieces a source wrote, and
+  // the acknowledgements of the consumers that copied them out, laid out as flags and acks.
+  uint64_t gather_flags = 0, gather_acks = 0;
+  // [2 halves][n source][round_bytes]; kReduceGatherStaged puts a source's reduce-scatter piece
+  // in the first exchangeRoundBytes of its slot and its reduced piece in the next.
+  uint64_t data = 0;
   uint64_t lamport = 0;  // [2 parities][n source][kLamportSourceBytes]
   uint64_t round_bytes = 0;
   uint64_t total = 0;
@@ -263,9 +281,13 @@ MOELINK_HOST_DEVICE inline void exchangePiece(uint64_t len, int b, int blocks, u
 // two rounds has a piece on each of them on both of its ranks (the kernel's acknowledgements
 // rely on it).
 int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t);
+// Bytes per pair and round that the staged kernel moves for `x`: t.round_bytes, but half of it
+// (16-byte aligned) for kReduceGatherStaged, whose pairs' slots hold a piece of each half.
+uint64_t exchangeRoundBytes(const Exchange& x, const ExchangeTuning& t);
 // Whether this rank runs `x` on separate pushing and consuming blocks: with
-// ExchangeTuning::split, when `x` has more than one round. Within a round the consumers wait for
-// every pusher, so an op of one round gains nothing from them and would only pay that wait. A
+// ExchangeTuning::split, when `x` has more than one round (exchangeRoundBytes). Within a round
+// the consumers wait for every pusher, so an op of one round gains nothing from them and would
+// only pay that wait. A
 // kForward exchange always splits: its pushing blocks pass on what its consuming blocks place.
 // A rank-local choice: ranks pair their blocks by index whatever their roles.
 bool exchangeSplits(const Exchange& x, const ExchangeTuning& t);
@@ -274,7 +296,9 @@ bool exchangeSplits(const Exchange& x, const ExchangeTuning& t);
 // op whose pieces meet): then a rank that splits its blocks into roles must not consume a
 // round before its pushing blocks have read it. Addresses only; nothing is dereferenced.
 // False for kForward: the range it passes on is read only after it has landed, and no other
-// pair writes it.
+// pair writes it. False for kReduceGatherStaged: its reduction writes its own block, which it
+// pushes to no peer, and a peer's reduced piece lands on the input this rank pushed to that
+// peer only after the peer has reduced it, having received it.
 bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const void* out);
 // Bytes of round r of a pair that moves `bytes` (0 past the end).
 MOELINK_HOST_DEVICE inline uint64_t exchangeRoundLen(uint64_t bytes, uint64_t r, uint64_t round_bytes) {

@@ -24,6 +24,7 @@ struct ExchangeLaunch {
   // (the largest), so that a small exchange runs on a few blocks.
   int rank = 0, size = 0, blocks = 1, launched = 1;
   int roles = 1;  // 2: blocks [0, launched) push, [launched, 2 * launched) consume (exchangeSplits)
+  uint64_t round = 0;  // bytes per pair and round (exchangeRoundBytes; within layout.round_bytes)
   // roles == 2: some range this rank's consuming blocks write lies in the input its pushing
   // blocks read (an in-place op; exchangeOutputMeetsInput), so that a consuming block waits
   // until every pushing block has read the round. Otherwise the roles meet only through peers.

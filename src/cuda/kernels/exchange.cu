@@ -16,6 +16,14 @@
 // broadcast (ExchangeMode::kForward), where a pushing block passes on the piece its namesake
 // consuming block has just placed.
 //
+// A two-shot all_reduce (ExchangeMode::kReduceGatherStaged) runs its all-gather half on the
+// consuming blocks: the block that reduces piece b of this rank's block stores the result into
+// place and, in the same loop, into the second part of every peer's slot (the first holds the
+// reduce-scatter piece; rounds of exchangeRoundBytes), raises the peers' gather flags, then
+// copies the peers' reduced pieces b into place as they arrive and acknowledges them (gather
+// flags and acknowledgements beside the others, so that the two halves' rounds run apart). The
+// pushing blocks meanwhile push the next round's reduce-scatter pieces.
+//
 // Across launches: a peer writes the next op's header only once its previous launch has
 // ended, which needed everything this rank sent it; so the header check also guarantees
 // that nothing of the previous op is still being read, and two header parities keep a fast
@@ -59,14 +67,23 @@ __device__ bool takePairLines(const Ctx& c, int q, char* dst, uint64_t bytes, ui
 
 __device__ __forceinline__ uint64_t tagOf(uint64_t seq, uint64_t round) { return (seq << 24) | (round + 1); }
 
+// Block b's word for `rank` in one of the layout's [2 halves][kExchangeMaxRanks][kExchangeMaxBlocks]
+// arrays (`array`: its offset, ExchangeLayout::flags, acks, gather_flags or gather_acks).
+__device__ __forceinline__ uint64_t* slotOf(char* staging, uint64_t array, int half, int rank, int b) {
+  return reinterpret_cast<uint64_t*>(staging + array) + (half * kExchangeMaxRanks + rank) * kExchangeMaxBlocks + b;
+}
 __device__ __forceinline__ uint64_t* flagSlot(char* staging, const ExchangeLayout& l, int half, int src, int b) {
-  return reinterpret_cast<uint64_t*>(staging + l.flags) + (half * kExchangeMaxRanks + src) * kExchangeMaxBlocks + b;
+  return slotOf(staging, l.flags, half, src, b);
 }
 __device__ __forceinline__ uint64_t* ackSlot(char* staging, const ExchangeLayout& l, int half, int consumer, int b) {
-  return reinterpret_cast<uint64_t*>(staging + l.acks) + (half * kExchangeMaxRanks + consumer) * kExchangeMaxBlocks + b;
+  return slotOf(staging, l.acks, half, consumer, b);
 }
 __device__ __forceinline__ char* dataSlot(char* staging, const ExchangeLayout& l, int n, int half, int src) {
   return staging + l.data + (static_cast<uint64_t>(half) * n + src) * l.round_bytes;
+}
+// kReduceGatherStaged: where a source's reduced piece goes, behind its reduce-scatter piece.
+__device__ __forceinline__ char* gatherSlot(const ExchangeLaunch& a, char* staging, int half, int src) {
+  return dataSlot(staging, a.layout, a.size, half, src) + a.round;
 }
 
 // Block-wide copy; 16-byte vectors when everything is aligned.
@@ -89,14 +106,17 @@ __device__ void copyBytes(char* dst, const char* src, uint64_t len) {
   }
 }
 
-// out = op over the n sources, in source order. When every pointer and the length are
-// 16-byte aligned, each thread loads a 16-byte vector of every source before reducing it
-// (the loads are in flight together); the rest goes element by element.
+// Every outs[k] (k < nouts: the place, and the peers' slots it goes to as well) = op over the n
+// sources, in source order. When every pointer and the length are 16-byte aligned, each thread
+// loads a 16-byte vector of every source before reducing it (the loads are in flight together);
+// the rest goes element by element.
 template <typename T>
-__device__ void reduceRange(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
+__device__ void reduceRange(char* const* outs, int nouts, const char* const* src, int n, uint64_t bytes, ReduceOp op,
+                            int avg_n) {
   using A = typename AccOf<T>::type;
   constexpr int V = 16 / sizeof(T);
-  uintptr_t align = reinterpret_cast<uintptr_t>(out) | bytes;
+  uintptr_t align = bytes;
+  for (int k = 0; k < nouts; ++k) align |= reinterpret_cast<uintptr_t>(outs[k]);
   for (int q = 0; q < n; ++q) align |= reinterpret_cast<uintptr_t>(src[q]);
   uint64_t first = 0;  // elements done by the vector path
   if ((align & 15) == 0) {
@@ -121,22 +141,25 @@ __device__ void reduceRange(char* out, const char* const* src, int n, uint64_t b
       T* o = reinterpret_cast<T*>(&r);
 #pragma unroll
       for (int k = 0; k < V; ++k) o[k] = finishAcc<T>(acc[k], op, avg_n);
-      reinterpret_cast<int4*>(out)[i] = r;
+#pragma unroll
+      for (int k = 0; k < kExchangeMaxRanks; ++k)
+        if (k < nouts) reinterpret_cast<int4*>(outs[k])[i] = r;
     }
     first = vectors * V;
   }
   const uint64_t count = bytes / sizeof(T);
   const T* const* s = reinterpret_cast<const T* const*>(src);
-  T* o = reinterpret_cast<T*>(out);
   for (uint64_t i = first + threadIdx.x; i < count; i += blockDim.x) {
     A acc = toAcc<T>(s[0][i]);
     for (int q = 1; q < n; ++q) acc = apply<A>(acc, toAcc<T>(s[q][i]), op);
-    o[i] = finishAcc<T>(acc, op, avg_n);
+    const T v = finishAcc<T>(acc, op, avg_n);
+    for (int k = 0; k < nouts; ++k) reinterpret_cast<T*>(outs[k])[i] = v;
   }
 }
 
 template <>
-__device__ void reduceRange<Bool>(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int) {
+__device__ void reduceRange<Bool>(char* const* outs, int nouts, const char* const* src, int n, uint64_t bytes,
+                                  ReduceOp op, int) {
   for (uint64_t i = threadIdx.x; i < bytes; i += blockDim.x) {
     bool acc = src[0][i] != 0;
     for (int q = 1; q < n; ++q) {
@@ -145,13 +168,14 @@ __device__ void reduceRange<Bool>(char* out, const char* const* src, int n, uint
       else if (op == ReduceOp::kProduct || op == ReduceOp::kMin || op == ReduceOp::kBand) acc = acc && v;
       else acc = acc || v;
     }
-    out[i] = acc;
+    for (int k = 0; k < nouts; ++k) outs[k][i] = acc;
   }
 }
 
 // Complex: SUM/AVG add, PRODUCT multiplies (MIN/MAX/bitwise are refused before launch).
 template <typename R>
-__device__ void reduceComplex(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
+__device__ void reduceComplex(char* const* outs, int nouts, const char* const* src, int n, uint64_t bytes, ReduceOp op,
+                              int avg_n) {
   const uint64_t count = bytes / (2 * sizeof(R));
   for (uint64_t i = threadIdx.x; i < count; i += blockDim.x) {
     const R* v = reinterpret_cast<const R*>(src[0]) + 2 * i;
@@ -171,9 +195,11 @@ __device__ void reduceComplex(char* out, const char* const* src, int n, uint64_t
       re /= static_cast<R>(avg_n);
       im /= static_cast<R>(avg_n);
     }
-    R* o = reinterpret_cast<R*>(out) + 2 * i;
-    o[0] = re;
-    o[1] = im;
+    for (int k = 0; k < nouts; ++k) {
+      R* o = reinterpret_cast<R*>(outs[k]) + 2 * i;
+      o[0] = re;
+      o[1] = im;
+    }
   }
 }
 
@@ -181,18 +207,20 @@ __device__ void reduceComplex(char* out, const char* const* src, int n, uint64_t
 // copies), so that each instance carries a single reduction loop.
 template <typename T>
 struct ReduceAs {
-  __device__ static void run(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
-    reduceRange<T>(out, src, n, bytes, op, avg_n);
+  __device__ static void run(char* const* outs, int nouts, const char* const* src, int n, uint64_t bytes, ReduceOp op,
+                             int avg_n) {
+    reduceRange<T>(outs, nouts, src, n, bytes, op, avg_n);
   }
 };
 template <typename R>
 struct ReduceComplex {
-  __device__ static void run(char* out, const char* const* src, int n, uint64_t bytes, ReduceOp op, int avg_n) {
-    reduceComplex<R>(out, src, n, bytes, op, avg_n);
+  __device__ static void run(char* const* outs, int nouts, const char* const* src, int n, uint64_t bytes, ReduceOp op,
+                             int avg_n) {
+    reduceComplex<R>(outs, nouts, src, n, bytes, op, avg_n);
   }
 };
 struct CopyOnly {
-  __device__ static void run(char*, const char* const*, int, uint64_t, ReduceOp, int) {}
+  __device__ static void run(char* const*, int, const char* const*, int, uint64_t, ReduceOp, int) {}
 };
 
 // Whether a pair of `bytes` travels as Lamport lines (exchangeLamportPairs).
@@ -202,7 +230,7 @@ __device__ __forceinline__ bool linePair(const ExchangeLaunch& a, uint64_t bytes
 
 __device__ int roundsOf(const ExchangeLaunch& a, int q) {
   uint64_t bytes = a.send_bytes[q] > a.recv_bytes[q] ? a.send_bytes[q] : a.recv_bytes[q];
-  return static_cast<int>((bytes + a.layout.round_bytes - 1) / a.layout.round_bytes);
+  return static_cast<int>((bytes + a.round - 1) / a.round);
 }
 
 // Whether every pair of this rank with a peer moves at most one round.
@@ -218,7 +246,7 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
   const ExchangeLaunch& a = *c.a;
   const int me = a.rank, n = a.size, G = a.blocks;
   const ExchangeLayout& L = a.layout;
-  const uint64_t R = L.round_bytes;
+  const uint64_t R = a.round;
   char* mine = a.staging[me];
   const int half = exchangeHalf(c.seq, r);
   const uint64_t tag = tagOf(c.seq, r);
@@ -289,10 +317,10 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
   return true;
 }
 
-// The source among `pending` (bits by rank) whose piece b of this round has arrived first, the
-// same for every thread of the block (a barrier); -1 when the launch failed or its deadline
-// passed while waiting (recorded).
-__device__ int nextArrival(const Ctx& c, int half, int b, uint64_t tag, unsigned pending) {
+// The source among `pending` (bits by rank) whose piece b of this round has arrived first (its
+// flag in `flags`: ExchangeLayout::flags or gather_flags), the same for every thread of the block
+// (a barrier); -1 when the launch failed or its deadline passed while waiting (recorded).
+__device__ int nextArrival(const Ctx& c, uint64_t flags, int half, int b, uint64_t tag, unsigned pending) {
   const ExchangeLaunch& a = *c.a;
   __shared__ int next;
   __syncthreads();
@@ -302,7 +330,7 @@ __device__ int nextArrival(const Ctx& c, int half, int b, uint64_t tag, unsigned
     for (uint32_t spins = 0; got < 0;) {
       for (int k = 1; k < a.size && got < 0; ++k) {
         const int q = (a.rank + a.size - k) % a.size;
-        if ((pending >> q & 1) && device::ldAcquireSys64(flagSlot(mine, a.layout, half, q, b)) >= tag) got = q;
+        if ((pending >> q & 1) && device::ldAcquireSys64(slotOf(mine, flags, half, q, b)) >= tag) got = q;
       }
       if (got < 0 && (++spins & 1023) == 0) {
         int waited = 0;  // the first source still pending, for the message
@@ -316,6 +344,139 @@ __device__ int nextArrival(const Ctx& c, int half, int b, uint64_t tag, unsigned
   return next;
 }
 
+// Consuming block b's piece of round r of a reduction: once every peer's piece has come, this
+// rank's block reduced in rank order into place (kReduce: at `out`; kReduceGatherStaged: at
+// out + send_off[me], and in the same stores into every peer's gather slot, whose flag then goes
+// up). False when the launch failed.
+template <typename Reduce>
+__device__ bool reducePiece(const Ctx& c, int r, int b) {
+  const ExchangeLaunch& a = *c.a;
+  const int me = a.rank, n = a.size, G = a.blocks;
+  const ExchangeLayout& L = a.layout;
+  const uint64_t R = a.round;
+  char* mine = a.staging[me];
+  const int half = exchangeHalf(c.seq, r);
+  const uint64_t tag = tagOf(c.seq, r);
+  const bool gather = a.mode == static_cast<uint8_t>(ExchangeMode::kReduceGatherStaged);
+  uint64_t len = exchangeRoundLen(a.reduce_bytes, r, R), lo, hi;
+  exchangePiece(len, b, G, &lo, &hi);
+  if (lo >= hi) return true;
+  __shared__ const char* srcs[kExchangeMaxRanks];
+  __shared__ char* outs[kExchangeMaxRanks];  // [0] the place, then the peers' gather slots
+  if (threadIdx.x < n && threadIdx.x != me) {
+    const int q = threadIdx.x;
+    if (!waitAtLeast(c, flagSlot(mine, L, half, q, b), tag, q))
+      atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+    srcs[q] = dataSlot(mine, L, n, half, q) + lo;
+    if (gather) outs[q < me ? q + 1 : q] = gatherSlot(a, a.staging[q], half, me) + lo;
+  }
+  if (gather && r >= 2 && threadIdx.x < G) {
+    // Each peer's consuming blocks that copied round r-2 of this half out of the gather slot where
+    // this piece goes have finished (round r-2 was a full round, cut as R: in full rounds the
+    // namesake alone).
+    uint64_t plo, phi;
+    exchangePiece(R, threadIdx.x, G, &plo, &phi);
+    for (int p = 0; p < n; ++p)
+      if (p != me && plo < phi && plo < hi && lo < phi &&
+          !waitAtLeast(c, slotOf(mine, L.gather_acks, half, p, threadIdx.x), tagOf(c.seq, r - 2), p))
+        atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+  }
+  if (threadIdx.x == 0) {
+    srcs[me] = a.in + a.send_off[me] + r * R + lo;
+    outs[0] = a.out + (gather ? a.send_off[me] : 0) + r * R + lo;
+  }
+  if (blockFailed(c)) return false;
+  Reduce::run(outs, gather ? n : 1, srcs, n, hi - lo, static_cast<ReduceOp>(a.redop), n);
+  __syncthreads();
+  if (threadIdx.x < n && threadIdx.x != me) {
+    device::stReleaseSys64(ackSlot(a.staging[threadIdx.x], L, half, me, b), tag);
+    if (gather) device::stReleaseSys64(slotOf(a.staging[threadIdx.x], L.gather_flags, half, me, b), tag);
+  }
+  return true;
+}
+
+// kReduceGatherStaged: consuming block b copies piece b of round r of each peer's reduced block
+// into place, in the order the pieces arrive, and acknowledges each in the peer's memory. False
+// when the launch failed.
+__device__ bool takeGathered(const Ctx& c, int r, int b) {
+  const ExchangeLaunch& a = *c.a;
+  const int me = a.rank, n = a.size, G = a.blocks;
+  const ExchangeLayout& L = a.layout;
+  const uint64_t R = a.round;
+  char* mine = a.staging[me];
+  const int half = exchangeHalf(c.seq, r);
+  const uint64_t tag = tagOf(c.seq, r);
+  unsigned pending = 0;  // bit q: a piece of q's block in this round
+  for (int q = 0; q < n; ++q) {
+    uint64_t lo, hi;
+    exchangePiece(exchangeRoundLen(a.send_bytes[q], r, R), b, G, &lo, &hi);
+    if (q != me && lo < hi) pending |= 1u << q;
+  }
+  while (pending) {
+    const int q = nextArrival(c, L.gather_flags, half, b, tag, pending);
+    if (q < 0) atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+    if (blockFailed(c)) return false;
+    uint64_t lo, hi;
+    exchangePiece(exchangeRoundLen(a.send_bytes[q], r, R), b, G, &lo, &hi);
+    copyBytes(a.out + a.send_off[q] + r * R + lo, gatherSlot(a, mine, half, q) + lo, hi - lo);
+    __syncthreads();
+    if (threadIdx.x == 0) device::stReleaseSys64(slotOf(a.staging[q], L.gather_acks, half, me, b), tag);
+    pending &= ~(1u << q);
+  }
+  return true;
+}
+
+// Consuming block b's pieces of round r of a copy: this rank's own block straight into place,
+// then what the peers sent: Lamport lines (round 0), then the staged pieces in the order they
+// arrive, each acknowledged in its sender's memory. False when the launch failed.
+__device__ bool takeCopies(const Ctx& c, int r, int b) {
+  const ExchangeLaunch& a = *c.a;
+  const int me = a.rank, n = a.size, G = a.blocks;
+  const ExchangeLayout& L = a.layout;
+  const uint64_t R = a.round;
+  char* mine = a.staging[me];
+  const int half = exchangeHalf(c.seq, r);
+  const uint64_t tag = tagOf(c.seq, r);
+  uint64_t len = exchangeRoundLen(a.send_bytes[me], r, R), lo, hi;
+  exchangePiece(len, b, G, &lo, &hi);
+  const char* s = a.in + a.send_off[me] + r * R;
+  char* d = a.out + a.recv_off[me] + r * R;
+  if (lo < hi && s != d) copyBytes(d + lo, s + lo, hi - lo);
+  unsigned pending = 0;  // bit q: a staged piece from q in this round
+  for (int k = 1; k < n; ++k) {
+    const int q = (me + n - k) % n;
+    if (linePair(a, a.recv_bytes[q])) {
+      if (r != 0) continue;
+      if (!takePairLines(c, q, a.out + a.recv_off[q], a.recv_bytes[q], static_cast<uint32_t>(c.seq),
+                         static_cast<int>(c.seq & 1), static_cast<uint64_t>(b) * blockDim.x + threadIdx.x,
+                         static_cast<uint64_t>(a.launched) * blockDim.x))
+        atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+      if (blockFailed(c)) return false;
+      continue;
+    }
+    uint64_t ql = exchangeRoundLen(a.recv_bytes[q], r, R), qlo, qhi;
+    exchangePiece(ql, b, G, &qlo, &qhi);
+    if (qlo < qhi) pending |= 1u << q;
+  }
+  while (pending) {
+    const int q = nextArrival(c, L.flags, half, b, tag, pending);
+    if (q < 0) atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
+    if (blockFailed(c)) return false;
+    uint64_t ql = exchangeRoundLen(a.recv_bytes[q], r, R), qlo, qhi;
+    exchangePiece(ql, b, G, &qlo, &qhi);
+    copyBytes(a.out + a.recv_off[q] + r * R + qlo, dataSlot(mine, L, n, half, q) + qlo, qhi - qlo);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      // kForward: the piece to pass on has landed; this rank's pushing block b reads it (the
+      // slot guard_input would use, which a kForward launch does not).
+      if (q == a.forward_from) device::stReleaseSys64(flagSlot(mine, L, half, me, b), tag);
+      device::stReleaseSys64(ackSlot(a.staging[q], L, half, me, b), tag);
+    }
+    pending &= ~(1u << q);
+  }
+  return true;
+}
+
 // The rounds of block b (round 0's pushes already done when `pushed_first`). False when the
 // launch failed.
 template <typename Reduce>
@@ -324,18 +485,19 @@ __device__ bool runRounds(const Ctx& c, bool pushed_first) {
   // Block b of the G that cut each round (Gl of them launched per role, every piece of this
   // rank's pairs among them): one block does both the pushing and the consuming, or
   // (roles == 2) block b pushes and block Gl + b consumes.
-  const int me = a.rank, n = a.size, G = a.blocks, Gl = a.launched, b = blockIdx.x % Gl;
+  const int me = a.rank, n = a.size, Gl = a.launched, b = blockIdx.x % Gl;
   const bool push = a.roles == 1 || static_cast<int>(blockIdx.x) < Gl;
   const ExchangeLayout& L = a.layout;
-  const uint64_t R = L.round_bytes;
+  const uint64_t R = a.round;
   char* mine = a.staging[me];
-  const bool reduce = a.mode == static_cast<uint8_t>(ExchangeMode::kReduce);
+  const bool copy = a.mode == static_cast<uint8_t>(ExchangeMode::kCopy) ||
+                    a.mode == static_cast<uint8_t>(ExchangeMode::kForward);
+  const bool gather = a.mode == static_cast<uint8_t>(ExchangeMode::kReduceGatherStaged);
   int rounds = 0;
   for (int q = 0; q < n; ++q) rounds = max(rounds, roundsOf(a, q));
-  if (!reduce && a.send_bytes[me] && a.in + a.send_off[me] != a.out + a.recv_off[me])
+  if (copy && a.send_bytes[me] && a.in + a.send_off[me] != a.out + a.recv_off[me])
     rounds = max(rounds, static_cast<int>((a.send_bytes[me] + R - 1) / R));
-  if (reduce) rounds = max(rounds, static_cast<int>((a.reduce_bytes + R - 1) / R));
-  __shared__ const char* srcs[kExchangeMaxRanks];
+  if (!copy) rounds = max(rounds, static_cast<int>((a.reduce_bytes + R - 1) / R));
 
   for (int r = 0; r < rounds; ++r) {
     const int half = exchangeHalf(c.seq, r);
@@ -358,63 +520,8 @@ __device__ bool runRounds(const Ctx& c, bool pushed_first) {
         atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
       if (blockFailed(c)) return false;
     }
-    if (!reduce) {
-      // This rank's own block, straight into place.
-      uint64_t len = exchangeRoundLen(a.send_bytes[me], r, R), lo, hi;
-      exchangePiece(len, b, G, &lo, &hi);
-      const char* s = a.in + a.send_off[me] + r * R;
-      char* d = a.out + a.recv_off[me] + r * R;
-      if (lo < hi && s != d) copyBytes(d + lo, s + lo, hi - lo);
-      // What the peers sent: Lamport lines (round 0), then the staged pieces in the order
-      // they arrive.
-      unsigned pending = 0;  // bit q: a staged piece from q in this round
-      for (int k = 1; k < n; ++k) {
-        const int q = (me + n - k) % n;
-        if (linePair(a, a.recv_bytes[q])) {
-          if (r != 0) continue;
-          if (!takePairLines(c, q, a.out + a.recv_off[q], a.recv_bytes[q], static_cast<uint32_t>(c.seq),
-                             static_cast<int>(c.seq & 1), static_cast<uint64_t>(b) * blockDim.x + threadIdx.x,
-                             static_cast<uint64_t>(a.launched) * blockDim.x))
-            atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
-          if (blockFailed(c)) return false;
-          continue;
-        }
-        uint64_t ql = exchangeRoundLen(a.recv_bytes[q], r, R), qlo, qhi;
-        exchangePiece(ql, b, G, &qlo, &qhi);
-        if (qlo < qhi) pending |= 1u << q;
-      }
-      while (pending) {
-        const int q = nextArrival(c, half, b, tag, pending);
-        if (q < 0) atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
-        if (blockFailed(c)) return false;
-        uint64_t ql = exchangeRoundLen(a.recv_bytes[q], r, R), qlo, qhi;
-        exchangePiece(ql, b, G, &qlo, &qhi);
-        copyBytes(a.out + a.recv_off[q] + r * R + qlo, dataSlot(mine, L, n, half, q) + qlo, qhi - qlo);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          // kForward: the piece to pass on has landed; this rank's pushing block b reads it (the
-          // slot guard_input would use, which a kForward launch does not).
-          if (q == a.forward_from) device::stReleaseSys64(flagSlot(mine, L, half, me, b), tag);
-          device::stReleaseSys64(ackSlot(a.staging[q], L, half, me, b), tag);
-        }
-        pending &= ~(1u << q);
-      }
-    } else {
-      uint64_t len = exchangeRoundLen(a.reduce_bytes, r, R), lo, hi;
-      exchangePiece(len, b, G, &lo, &hi);
-      if (lo >= hi) continue;
-      if (threadIdx.x < n && threadIdx.x != me) {
-        const int q = threadIdx.x;
-        if (!waitAtLeast(c, flagSlot(mine, L, half, q, b), tag, q))
-          atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
-        srcs[q] = dataSlot(mine, L, n, half, q) + lo;
-      }
-      if (threadIdx.x == 0) srcs[me] = a.in + a.send_off[me] + r * R + lo;
-      if (blockFailed(c)) return false;
-      Reduce::run(a.out + r * R + lo, srcs, n, hi - lo, static_cast<ReduceOp>(a.redop), n);
-      __syncthreads();
-      if (threadIdx.x < n && threadIdx.x != me) device::stReleaseSys64(ackSlot(a.staging[threadIdx.x], L, half, me, b), tag);
-    }
+    if (copy ? !takeCopies(c, r, b) : !reducePiece<Reduce>(c, r, b) || (gather && !takeGathered(c, r, b)))
+      return false;
   }
   return true;
 }
@@ -488,6 +595,7 @@ void describeLaunch(const Exchange& x, int rank, const ExchangeTuning& t, Exchan
   l.size = n;
   l.blocks = t.blocks;
   l.roles = exchangeSplits(x, t) ? 2 : 1;
+  l.round = exchangeRoundBytes(x, t);
   l.launched = exchangeBlocksWithWork(x, t);
   l.lamport = exchangeLamport(x, t);
   l.dependent_launch = t.dependent_launch;

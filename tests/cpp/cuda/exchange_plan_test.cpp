@@ -32,7 +32,7 @@ void model(const std::vector<Exchange>& xs, std::vector<Bytes>& in, std::vector<
   const int n = static_cast<int>(xs.size());
   if (out_base.empty()) out_base.assign(n, 0);
   const std::vector<Exchange>& launches = launch_as ? *launch_as : xs;
-  const uint64_t R = t.round_bytes;
+  const uint64_t R = exchangeRoundBytes(launches[0], t);
   // The blocks each rank launches: every piece it sends, receives or reduces must be on one.
   std::vector<int> launched(n);
   for (int r = 0; r < n; ++r) launched[r] = exchangeBlocksWithWork(launches[r], t);
@@ -223,6 +223,37 @@ Exchange packedAlltoall(int n, int r, PairBytes bytes) {
   return exchangeAlltoall(n, r, so, sb, ro, rb);
 }
 
+// The two-shot staged all_reduce (ExchangeMode::kReduceGatherStaged), as exchange.cu moves it, in
+// rounds of exchangeRoundBytes: the reduce-scatter half's pairs and reduction into place at
+// send_off[me], then each rank's reduced block, piece by piece as it was reduced, to every peer,
+// which places it at its own send_off of that rank.
+void modelTwoShotStaged(const std::vector<Exchange>& xs, std::vector<Bytes>& in, std::vector<Bytes>& out,
+                        const ExchangeTuning& t) {
+  const int n = static_cast<int>(xs.size());
+  std::vector<Exchange> scatter, gather;
+  std::vector<uint64_t> base;
+  for (int p = 0; p < n; ++p) {
+    const Exchange& x = xs[p];
+    ASSERT_EQ(x.mode, ExchangeMode::kReduceGatherStaged);
+    Exchange s = x;
+    s.mode = ExchangeMode::kReduce;
+    scatter.push_back(s);
+    base.push_back(x.send_off[p]);
+    Exchange g = x;  // this rank's reduced block to every peer, each peer's into place
+    g.mode = ExchangeMode::kCopy;
+    for (int q = 0; q < n; ++q) {
+      g.send_off[q] = x.send_off[p];
+      g.send_bytes[q] = q == p ? 0 : x.reduce_bytes;
+      g.recv_off[q] = x.send_off[q];
+      g.recv_bytes[q] = q == p ? 0 : x.send_bytes[q];
+    }
+    gather.push_back(g);
+  }
+  model(scatter, in, out, t, base, &xs);
+  std::vector<Bytes> mid = out;
+  model(gather, mid, out, t, {}, &xs);
+}
+
 // Bytes of the packed input / output of an all-to-all plan.
 uint64_t sentBytes(const Exchange& x) { return x.send_off.back() + x.send_bytes.back(); }
 uint64_t receivedBytes(const Exchange& x) { return x.recv_off.back() + x.recv_bytes.back(); }
@@ -231,7 +262,7 @@ class ExchangePlan : public ::testing::TestWithParam<std::tuple<int, uint64_t>> 
 
 TEST_P(ExchangePlan, AllreduceOneShotAndTwoShot) {
   auto [n, count] = GetParam();
-  for (int two : {0, 1, 2}) {  // one exchange, the staged halves, the two-shot Lamport exchange
+  for (int two : {0, 1, 2}) {  // one exchange, the two-shot staged exchange, the two-shot Lamport one
     std::vector<Exchange> a, b;
     std::vector<Bytes> in, out;
     std::vector<uint64_t> base;
@@ -246,15 +277,9 @@ TEST_P(ExchangePlan, AllreduceOneShotAndTwoShot) {
       for (int r = 0; r < n; ++r) a.push_back(exchangeAllreduceTwoShot(n, r, count, DType::kFloat32, ReduceOp::kSum));
       modelTwoShotLamport(a, in, out);
     } else {
-      auto blocks = allreduceBlocks(n, count, DType::kFloat32);
-      for (int r = 0; r < n; ++r) {
-        a.push_back(exchangeAllreduceScatter(n, r, count, DType::kFloat32, ReduceOp::kSum));
-        b.push_back(exchangeAllreduceGather(n, r, count, DType::kFloat32));
-        base.push_back(blocks[r].first * 4);
-      }
-      model(a, in, out, small(), base);
-      std::vector<Bytes> mid = out;
-      model(b, mid, out, small());
+      for (int r = 0; r < n; ++r)
+        a.push_back(exchangeAllreduceTwoShotStaged(n, r, count, DType::kFloat32, ReduceOp::kSum));
+      modelTwoShotStaged(a, in, out, small());
     }
     for (int r = 0; r < n; ++r)
       for (uint64_t i = 0; i < count; ++i) {

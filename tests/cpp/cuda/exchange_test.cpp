@@ -60,8 +60,28 @@ TEST(ExchangePiece, LaunchedBlocksAndRolesFollowTheLongestPair) {
   EXPECT_FALSE(splits(8 << 20));
   EXPECT_TRUE(splits((8 << 20) + 16));
   EXPECT_TRUE(exchangeSplits(exchangeAllgather(2, 0, 16 << 20), t));
+  // The two-shot staged all_reduce moves half a staging round per pair and round (a slot holds a
+  // piece of each half): 4 ranks, blocks of a quarter of the buffer.
+  auto twoShot = [&](uint64_t bytes) {
+    return exchangeAllreduceTwoShotStaged(4, 1, bytes / 4, DType::kFloat32, ReduceOp::kSum);
+  };
+  EXPECT_EQ(exchangeRoundBytes(twoShot(16 << 20), t), uint64_t{4} << 20);
+  EXPECT_EQ(exchangeRoundBytes(exchangeAllgather(4, 0, 16 << 20), t), t.round_bytes);
+  EXPECT_EQ(exchangeBlocksWithWork(twoShot(16 << 20), t), 64);
+  EXPECT_EQ(exchangeBlocksWithWork(twoShot(1 << 20), t), 16);  // blocks of 256 KiB
+  EXPECT_FALSE(exchangeSplits(twoShot(16 << 20), t));           // blocks of 4 MiB: one round
+  EXPECT_TRUE(exchangeSplits(twoShot((16 << 20) + 64), t));
+  for (uint64_t round : {uint64_t{64} << 10, (uint64_t{64} << 10) + 16, uint64_t{8} << 20, (uint64_t{1} << 32) - 16}) {
+    ExchangeTuning r = t;
+    r.round_bytes = round;  // MOELINK_CUDA_ROUND_BYTES: a multiple of 16 from 64 KiB
+    const uint64_t half = exchangeRoundBytes(twoShot(64 << 20), r);
+    EXPECT_EQ(half % 16, 0u) << round;
+    EXPECT_LE(2 * half, round) << round;
+    EXPECT_GE(2 * half + 16, round) << round;
+  }
   t.split = false;
   EXPECT_FALSE(splits(64 << 20));
+  EXPECT_FALSE(exchangeSplits(twoShot(64 << 20), t));
 }
 
 TEST(ExchangePlanBroadcast, ForwardsAboveTheOneShotSizeInGroupsOfMoreThanTwo) {
@@ -91,15 +111,16 @@ TEST(ExchangePlanBroadcast, ForwardsAboveTheOneShotSizeInGroupsOfMoreThanTwo) {
 TEST(ExchangePiece, RolesWaitForEachOtherOnlyWhereTheOutputMeetsPushedInput) {
   std::vector<char> buf(1 << 20), other(1 << 20);
   const uint64_t count = buf.size() / 4;
-  // In place, but the ranges the consumers write are never pushed: the two-shot halves (a
-  // rank reduces its own block, then sends it); or pushed only once they have landed: the
-  // forwarding broadcast.
+  // In place, but the ranges the consumers write are never pushed: a rank reduces its own block
+  // (the reduce-scatter half into place), and the peers' reduced blocks land where this rank
+  // pushed from only once the peers have reduced what it pushed (the two-shot staged all_reduce);
+  // or pushed only once they have landed: the forwarding broadcast.
   for (int me = 0; me < 4; ++me) {
     const auto blocks = allreduceBlocks(4, count, DType::kFloat32);
     EXPECT_FALSE(exchangeOutputMeetsInput(exchangeAllreduceScatter(4, me, count, DType::kFloat32, ReduceOp::kSum), me,
                                           buf.data(), buf.data() + blocks[me].first * 4));
-    EXPECT_FALSE(exchangeOutputMeetsInput(exchangeAllreduceGather(4, me, count, DType::kFloat32), me, buf.data(),
-                                          buf.data()));
+    EXPECT_FALSE(exchangeOutputMeetsInput(
+        exchangeAllreduceTwoShotStaged(4, me, count, DType::kFloat32, ReduceOp::kSum), me, buf.data(), buf.data()));
     EXPECT_FALSE(exchangeOutputMeetsInput(exchangeBroadcastForward(4, me, buf.size(), 1), me, buf.data(),
                                           buf.data()));
   }
@@ -137,9 +158,11 @@ TEST(ExchangePiece, SmsACollectiveHolds) {
   // 512 KiB, 65536 lines, 1024 per 512-thread block) and the header block.
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 2 << 20, t), 65);
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, (256 << 10) + 4, t), 9 + 1);
-  // Staged, one round: a block per 16 KiB piece of the longest pair (4 MiB all_reduce: two
-  // exchanges of 1 MiB pairs).
+  // Staged, one round: a block per 16 KiB piece of the longest pair (4 MiB all_reduce: the
+  // two-shot staged exchange's blocks of 1 MiB; up to 16 MiB, blocks of one 4 MiB round).
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 4 << 20, t), 64);
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 16 << 20, t), 64);
+  EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 32 << 20, t), 128);
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 2 << 20, off_tuning(t)), 32);
   EXPECT_EQ(collectiveSms(OpKind::kAlltoall, 4, 4 << 20, t), 64);
   // More than one round: pushing and consuming blocks.
@@ -164,6 +187,12 @@ TEST(ExchangeLayout, FitsTheRoundsAndAligns) {
   EXPECT_EQ(l.lamport % 16, 0u);  // lines are 16-byte stores
   EXPECT_EQ(l.total, l.lamport + 2ull * 4 * kLamportSourceBytes);
   EXPECT_GE(l.flags, l.counter + 32);  // seq, done, failed, single_ok, any_ok (exchange_common.cuh)
+  // four arrays of [2 halves][kExchangeMaxRanks][kExchangeMaxBlocks] words, apart, before the data
+  const uint64_t words = 2ull * kExchangeMaxRanks * kExchangeMaxBlocks * 8;
+  EXPECT_EQ(l.acks, l.flags + words);
+  EXPECT_EQ(l.gather_flags, l.acks + words);
+  EXPECT_EQ(l.gather_acks, l.gather_flags + words);
+  EXPECT_LE(l.gather_acks + words, l.data);
   EXPECT_THROW(ExchangeLayout::make(kExchangeMaxRanks + 1, 1 << 20), moelink::Error);
 }
 
@@ -241,13 +270,13 @@ TEST(ExchangeLamport, TakesSmallExchangesAndTheShortPairsOfStagedCopies) {
   EXPECT_GE(kLamportHeaderLines * 8, sizeof(ExchangeHeader));
 }
 
-TEST(ExchangeLamport, TwoShotAllreduceBetweenTheOneShotAndTheStagedHalves) {
+TEST(ExchangeLamport, TwoShotAllreduceBetweenTheOneShotAndTheStagedTwoShot) {
   const ExchangeTuning t4 = ExchangeTuning::fromEnv(4), t2 = ExchangeTuning::fromEnv(2), t8 = ExchangeTuning::fromEnv(8);
   const uint64_t one = t4.lamport_bytes / 4, two = t4.lamport_two_shot_bytes / 4;  // float32 elements
   EXPECT_FALSE(allreduceTwoShotLamport(4, one, DType::kFloat32, t4));  // one Lamport exchange
   EXPECT_TRUE(allreduceTwoShotLamport(4, one + 1, DType::kFloat32, t4));
   EXPECT_TRUE(allreduceTwoShotLamport(4, two, DType::kFloat32, t4));
-  EXPECT_FALSE(allreduceTwoShotLamport(4, two + 1, DType::kFloat32, t4));  // the staged halves
+  EXPECT_FALSE(allreduceTwoShotLamport(4, two + 1, DType::kFloat32, t4));  // the staged two-shot
   EXPECT_FALSE(allreduceTwoShotLamport(4, two, DType::kComplex64, t4));  // 4 MiB
   EXPECT_TRUE(allreduceTwoShotLamport(4, two / 2, DType::kComplex64, t4));
   EXPECT_FALSE(allreduceTwoShotLamport(4, two / 4, DType::kComplex128, t4));  // a line carries 8 bytes
@@ -272,13 +301,46 @@ TEST(ExchangeLamport, TwoShotAllreduceBetweenTheOneShotAndTheStagedHalves) {
                moelink::Error);
   EXPECT_THROW(exchangeLamport(exchangeAllreduceTwoShot(4, 0, 64, DType::kComplex128, ReduceOp::kSum), t4),
                moelink::Error);
-  // a rank on the staged halves against one on the two-shot kernel: the modes differ
+  // a rank on the staged two-shot kernel against one on the Lamport one, or on one exchange: the
+  // modes differ
   auto mine = exchangeHeader(x, 0, t4);
-  auto theirs = exchangeHeader(exchangeAllreduceScatter(4, 0, two, DType::kFloat32, ReduceOp::kSum), 3, t4);
+  auto theirs = exchangeHeader(exchangeAllreduceTwoShotStaged(4, 0, two, DType::kFloat32, ReduceOp::kSum), 3, t4);
   mine.seq = theirs.seq = 5;
   EXPECT_EQ(describeMismatch(mine, theirs, 0),
-            "allreduce #5: rank 0 ran the reduce step where this rank ran the two-shot Lamport step (different "
-            "MOELINK_CUDA_ONESHOT_BYTES or MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES?)");
+            "allreduce #5: rank 0 ran the two-shot staged step where this rank ran the two-shot Lamport step "
+            "(different MOELINK_CUDA_ONESHOT_BYTES or MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES?)");
+  theirs = exchangeHeader(exchangeAllreduceOneShot(4, 0, two, DType::kFloat32, ReduceOp::kSum), 3, t4);
+  theirs.seq = 5;
+  EXPECT_NE(describeMismatch(mine, theirs, 0).find("rank 0 ran the reduce step where this rank ran the two-shot"),
+            std::string::npos);
+}
+
+TEST(ExchangePlanAllreduce, TwoShotStagedAboveTheOneShotSizeOnTheStagedKernel) {
+  const ExchangeTuning t4 = ExchangeTuning::fromEnv(4);
+  // the staged kernel at every size, Lamport setting or not (its peers decide alike: the mode is in
+  // the header)
+  for (uint64_t count : {uint64_t{1}, uint64_t{1000}, uint64_t{1} << 20}) {
+    const Exchange x = exchangeAllreduceTwoShotStaged(4, 2, count, DType::kFloat32, ReduceOp::kSum);
+    EXPECT_EQ(x.mode, ExchangeMode::kReduceGatherStaged);
+    EXPECT_FALSE(exchangeLamport(x, t4));
+    EXPECT_EQ(exchangeLamportPairs(x, t4), 0u);
+    // the pairs of the reduce-scatter half: block q of the buffer to rank q, this rank's block from each
+    const auto blocks = allreduceBlocks(4, count, DType::kFloat32);
+    for (int q = 0; q < 4; ++q) {
+      EXPECT_EQ(x.send_off[q], blocks[q].first * 4);
+      EXPECT_EQ(x.send_bytes[q], q == 2 ? 0 : (blocks[q].second - blocks[q].first) * 4);
+      EXPECT_EQ(x.recv_bytes[q], q == 2 ? 0 : x.reduce_bytes);
+    }
+    EXPECT_EQ(x.reduce_bytes, (blocks[2].second - blocks[2].first) * 4);
+  }
+  // built over the active ranks, never restricted to them (its blocks are the ranks')
+  EXPECT_THROW(restrictExchange(exchangeAllreduceTwoShotStaged(4, 0, 1 << 20, DType::kFloat32, ReduceOp::kSum),
+                                {0, 1, 3}),
+               moelink::Error);
+  EXPECT_THROW(restrictExchange(exchangeAllreduceTwoShot(4, 0, 1 << 18, DType::kFloat32, ReduceOp::kSum), {0, 1, 3}),
+               moelink::Error);
+  EXPECT_TRUE(droppedRanges(exchangeAllreduceTwoShotStaged(4, 0, 1 << 20, DType::kFloat32, ReduceOp::kSum), {0, 1})
+                  .empty());
 }
 
 TEST(ExchangeHeader, MismatchesReadLikeTheCpuPath) {
