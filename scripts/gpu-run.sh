@@ -45,6 +45,7 @@ benchtwohop   | 400 | EP normal-mode benchmark, 4 GPUs as 2 virtual hosts of 2 (
 cudabench     | 400 | CUDA collectives 8 KiB-1 GiB beside NCCL, GPUS ranks
 cudasmall     | 400 | CUDA collectives 8-256 KiB: latency, issue time, graph replay beside NCCL, GPUS ranks
 cudamid       | 400 | CUDA collectives 256 KiB-32 MiB: latency and graph replay beside NCCL, GPUS ranks
+cudalarge     | 400 | CUDA collectives 64 MiB-1 GiB: bus bandwidth beside NCCL, GPUS ranks, median of ITERS (5), OPS (every op)
 cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
 cudatwoshot   | 300 | the two-shot Lamport all_reduce's threshold: 512 KiB, 2 and 8 MiB (or SWEEP_ARGS) all_reduce graph replay beside NCCL at MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES 0 and 4194304, GPUS ranks
 cudabcast     | 300 | broadcast's plan: 256 KiB-4 MiB (or SWEEP_ARGS) graph replay beside NCCL at MOELINK_CUDA_ONESHOT_BYTES 262144 (forwarded above it) and 4194304 (one exchange up to it), GPUS ranks
@@ -141,6 +142,10 @@ bench_cuda() { python3 examples/bench/collectives.py --device cuda --iters "${IT
 stage_cudabench() { bench_cuda --gpus "${GPUS:-2}" --min-bytes 8192 --max-bytes $((1 << 30)) --out "$OUT/cuda${GPUS:-2}.png"; }
 stage_cudasmall() { bench_cuda --gpus "${GPUS:-2}" --issue --graph --min-bytes 8192 --max-bytes 262144 --out "$OUT/cudasmall${GPUS:-2}.png"; }
 stage_cudamid() { bench_cuda --gpus "${GPUS:-2}" --graph --min-bytes 262144 --max-bytes $((32 << 20)) --out "$OUT/cudamid${GPUS:-2}.png"; }
+stage_cudalarge() {
+  ITERS="${ITERS:-5}" bench_cuda --gpus "${GPUS:-2}" --min-bytes $((64 << 20)) --max-bytes $((1 << 30)) ${OPS:+--ops "$OPS"} \
+    --out "$OUT/cudalarge${GPUS:-2}.png"
+}
 # Graph replay beside NCCL with setting $1 at each later value; plot $OUT/$2<value>.png. SWEEP_ARGS:
 # the benchmark's size and op arguments (default 8-256 KiB, every op).
 graph_sweep() {

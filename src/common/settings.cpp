@@ -75,8 +75,7 @@ const std::vector<Setting> kSettings = {
            "per group size (`moelink.cuda_tuning(n)`): 64 at every size"),
     flag("MOELINK_CUDA_SPLIT", "collectives", true,
          "`0`: each block of the exchange kernel pushes and then consumes in turn in ops of several rounds too "
-         "(`MOELINK_CUDA_BLOCKS` SMs in all, lower bandwidth; a forwarded broadcast splits all the same); the same on "
-         "every rank"),
+         "(`MOELINK_CUDA_BLOCKS` SMs in all, lower bandwidth); the same on every rank"),
     number("MOELINK_CUDA_ROUND_BYTES", "collectives", 0, 64 * kKiB, 1ull << 32,
            "staging bytes per (source, destination) pair and round (a multiple of 16); the staging area is 2 x "
            "ranks x this",

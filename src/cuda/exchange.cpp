@@ -409,7 +409,7 @@ uint64_t exchangeRoundBytes(const Exchange& x, const ExchangeTuning& t) {
 }
 
 bool exchangeSplits(const Exchange& x, const ExchangeTuning& t) {
-  return x.mode == ExchangeMode::kForward || (t.split && longestPair(x) > exchangeRoundBytes(x, t));
+  return x.mode != ExchangeMode::kForward && t.split && longestPair(x) > exchangeRoundBytes(x, t);
 }
 
 int exchangeBlocksWithWork(const Exchange& x, const ExchangeTuning& t) {

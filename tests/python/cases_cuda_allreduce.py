@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import moelink
 
-from cuda_support import capture, dev, reduce_ref, same, setting, valid, value
+from cuda_support import all_reduce_view, dev, graph_all_reduces, reduce_ref, same, setting, valid, value
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8, torch.int32,
           torch.int64, torch.bool, torch.complex64, torch.complex128)
@@ -35,7 +35,6 @@ def two_shot_staged(rank, world):
     if world <= 2:
         assert tuning["one_shot_bytes"] is None, tuning  # 2 ranks: one exchange at every size
         return
-    d = dev(rank)
     lamport_two = tuning["lamport_two_shot_bytes"]
     half = tuning["round_bytes"] // 32 * 16  # bytes per pair and round of the two-shot exchange
     # float32 elements: blocks of one round, then one element more (the blocks are 16-byte aligned)
@@ -50,37 +49,10 @@ def two_shot_staged(rank, world):
             if not valid(dtype, op) or (dtype.is_complex and op not in ("SUM", "AVG")):
                 continue
             _check(rank, world, n * 4 // es, dtype, op, salt=3)
-    # a view 4 bytes into a larger buffer: only its elements change
-    n = (4 << 20) // 4 + 3
-    buf = torch.full((n + 8,), -1.0, device=d)
-    view = buf[1:1 + n]
-    view.copy_(value(rank, n, torch.float32, d, salt=13))
-    dist.all_reduce(view)
-    same(view, reduce_ref([value(r, n, torch.float32, d, salt=13) for r in range(world)], "SUM", world),
-         "all_reduce of a view")
-    same(buf[:1], torch.full((1,), -1.0, device=d), "before the view")
-    same(buf[1 + n:], torch.full((7,), -1.0, device=d), "after the view")
+    all_reduce_view(rank, world, (4 << 20) // 4 + 3, 1, salt=13)  # 4 bytes in: no 16-byte vectors
     # in a graph beside a Lamport op, replayed with new inputs (and the op numbers of the replays)
-    x = torch.zeros(one_round + 1, device=d)
-    y = torch.zeros(1000, device=d)
-    dist.all_reduce(x)
-
-    def ops():
-        dist.all_reduce(x)
-        dist.all_reduce(y, op=dist.ReduceOp.MAX)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-
-    graph = capture(ops)
-    for it in range(3):
-        x.copy_(value(rank, x.numel(), torch.float32, d, salt=it))
-        y.copy_(value(rank, y.numel(), torch.float32, d, salt=20 + it))
-        graph.replay()
-        torch.cuda.synchronize()
-        sums = reduce_ref([value(r, x.numel(), torch.float32, d, salt=it) for r in range(world)], "SUM", world)
-        same(x, sums, f"graph two-shot all_reduce {it}")  # MAX over equal sums
-        same(y, reduce_ref([value(r, y.numel(), torch.float32, d, salt=20 + it) for r in range(world)], "MAX",
-                           world), f"graph Lamport all_reduce MAX {it}")
-    del buf, view, x, y, graph
+    graph_all_reduces(rank, world, [one_round + 1, 1000], [(0, "SUM"), (1, "MAX"), (0, "MAX")],
+                      "two-shot staged all_reduce")
     for name, val, sizes in (("MOELINK_CUDA_ROUND_BYTES", "65536", ((4 << 20) // 4 + 1, (3 << 20) // 4 + 77)),
                              ("MOELINK_CUDA_SPLIT", "0", (two_rounds + 1, one_round + 1)),
                              ("MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "0",

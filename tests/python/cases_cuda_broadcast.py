@@ -11,17 +11,18 @@ from cuda_support import dev, same, setting, value
 
 def broadcast_forwarded(rank, world):
     """Broadcast above the one-shot size (groups of more than 2: the root sends each rank its
-    block, which that rank passes on to the others as it lands, in one launch) from every root: at
-    the one-shot boundary +-1 element, odd sizes (a last block shorter than the others, bytes that
-    are no multiple of 16), blocks of more than one staging round (+-1 element around it), and
-    with MOELINK_CUDA_SPLIT=0 (a forwarding launch splits its blocks all the same)."""
+    block, which that rank passes on to the others in the stores that place it, in one launch) from
+    every root: at the one-shot boundary +-1 element, odd sizes (a last block shorter than the
+    others, bytes that are no multiple of 16), blocks of more than one staging round (+-1 element
+    around it) and of three rounds and a little (a round that reuses the first one's staging half),
+    and with MOELINK_CUDA_SPLIT=0."""
     d = dev(rank)
     tuning = moelink.cuda_tuning(world)
     one_shot = tuning["one_shot_bytes"] or 1 << 20  # None (2 ranks): one exchange always
     rounds = tuning["round_bytes"] * max(world - 1, 1)  # every block one full round
     cases = [(torch.float32, one_shot // 4 + k) for k in (-1, 0, 1)]
     cases += [(torch.uint8, one_shot + 20), (torch.float32, (4 << 20) // 4 + 3), (torch.bfloat16, 3 * one_shot + 7)]
-    cases += [(torch.float32, rounds // 4 + k) for k in (-1, 1)]
+    cases += [(torch.float32, rounds // 4 + k) for k in (-1, 1)] + [(torch.float32, 3 * rounds // 4 + 5)]
     for dtype, n in cases:
         for root in range(world):
             xs = [value(r, n, dtype, d, salt=root) for r in range(world)]

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import moelink
 
-from cuda_support import capture, dev, reduce_ref, same, setting, valid, value
+from cuda_support import all_reduce_view, dev, graph_all_reduces, reduce_ref, same, setting, valid, value
 
 
 def lamport_two_shot(rank, world):
@@ -34,35 +34,9 @@ def lamport_two_shot(rank, world):
                 x = xs[rank].clone()
                 dist.all_reduce(x, op=getattr(dist.ReduceOp, op))
                 same(x, reduce_ref(xs, op, world), f"all_reduce {dtype} {op} n={n}")
-    # a view into a larger buffer: only its elements change
-    n = one // 4 + 1001
-    buf = torch.full((n + 64,), -1.0, device=d)
-    view = buf[32:32 + n]
-    view.copy_(value(rank, n, torch.float32, d, salt=13))
-    dist.all_reduce(view)
-    same(view, reduce_ref([value(r, n, torch.float32, d, salt=13) for r in range(world)], "SUM", world),
-         "all_reduce of a view")
-    same(buf[:32], torch.full((32,), -1.0, device=d), "before the view")
-    same(buf[32 + n:], torch.full((32,), -1.0, device=d), "after the view")
+    all_reduce_view(rank, world, one // 4 + 1001, 32, salt=13)  # only the view's elements change
     # in a graph, replayed with new inputs (and the op numbers of the replays)
-    x = torch.zeros(two // 4, device=d)
-    y = torch.zeros(one // 4 + 1, device=d)
-    dist.all_reduce(x)
-
-    def ops():
-        dist.all_reduce(x)
-        dist.all_reduce(y, op=dist.ReduceOp.MAX)
-
-    graph = capture(ops)
-    for it in range(3):
-        x.copy_(value(rank, x.numel(), torch.float32, d, salt=it))
-        y.copy_(value(rank, y.numel(), torch.float32, d, salt=20 + it))
-        graph.replay()
-        torch.cuda.synchronize()
-        same(x, reduce_ref([value(r, x.numel(), torch.float32, d, salt=it) for r in range(world)], "SUM", world),
-             f"graph two-shot all_reduce {it}")
-        same(y, reduce_ref([value(r, y.numel(), torch.float32, d, salt=20 + it) for r in range(world)], "MAX",
-                           world), f"graph two-shot all_reduce MAX {it}")
+    graph_all_reduces(rank, world, [two // 4, one // 4 + 1], [(0, "SUM"), (1, "MAX")], "two-shot Lamport all_reduce")
 
 
 def two_shot_disagreement(rank, world):

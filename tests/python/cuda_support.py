@@ -96,3 +96,41 @@ def setting(name, value):
             del os.environ[name]
         else:
             os.environ[name] = old
+
+
+def all_reduce_view(rank, world, n, offset, salt):
+    """all_reduce (SUM) of an n-element float32 view `offset` elements into a larger buffer: the
+    view holds the sum, the elements around it keep their value."""
+    import torch.distributed as dist
+
+    d = dev(rank)
+    buf = torch.full((n + offset + 32,), -1.0, device=d)
+    view = buf[offset:offset + n]
+    view.copy_(value(rank, n, torch.float32, d, salt=salt))
+    dist.all_reduce(view)
+    same(view, reduce_ref([value(r, n, torch.float32, d, salt=salt) for r in range(world)], "SUM", world),
+         f"all_reduce of a view at {offset}")
+    same(buf[:offset], torch.full((offset,), -1.0, device=d), "before the view")
+    same(buf[offset + n:], torch.full((32,), -1.0, device=d), "after the view")
+
+
+def graph_all_reduces(rank, world, numels, ops, what, replays=3):
+    """float32 tensors of `numels` elements, the all_reduces `ops` ((tensor index, op name), in
+    order) captured in one CUDA graph and replayed with new inputs, each replay checked against
+    the same ops applied to every rank's inputs here."""
+    import torch.distributed as dist
+
+    d = dev(rank)
+    xs = [torch.zeros(n, device=d) for n in numels]
+    dist.all_reduce(xs[0])  # the group's first op runs outside the capture
+    graph = capture(lambda: [dist.all_reduce(xs[i], op=getattr(dist.ReduceOp, op)) for i, op in ops])
+    for it in range(replays):
+        want = [[value(r, n, torch.float32, d, salt=10 * it + i) for r in range(world)] for i, n in enumerate(numels)]
+        for i, x in enumerate(xs):
+            x.copy_(want[i][rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, op in ops:
+            want[i] = [reduce_ref(want[i], op, world)] * world
+        for i, x in enumerate(xs):
+            same(x, want[i][0], f"{what}: replay {it}, tensor {i}")

@@ -123,8 +123,8 @@ def test_cuda_sms_follow_the_plan(monkeypatch):
     """The SMs the in-host kernels hold, from the plan and tuning of each op: a few blocks for
     small ops (the Lamport kernel: one per 4 KiB of the longest pair up to 64 KiB, per 8 KiB above,
     plus its header block), up
-    to 64 per role, pushing and consuming roles from the second round on (and in a forwarded
-    broadcast at every size)."""
+    to 64 per role, pushing and consuming roles from the second round on (never in a forwarded
+    broadcast: its root pushes, the others consume)."""
     import moelink
 
     for name in ("MOELINK_CUDA_LAMPORT_BYTES", "MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES", "MOELINK_CUDA_BLOCKS",
@@ -134,13 +134,15 @@ def test_cuda_sms_follow_the_plan(monkeypatch):
     assert moelink.cuda_sms("all_reduce", 4, 256 << 10) == 33
     assert moelink.cuda_sms("all_gather", 4, 256 << 10) == 17
     assert moelink.cuda_sms("all_reduce", 4, 2 << 20) == 65  # the two-shot Lamport kernel
-    assert moelink.cuda_sms("all_reduce", 4, 4 << 20) == 64  # the staged halves
+    assert moelink.cuda_sms("all_reduce", 4, 4 << 20) == 64  # the two-shot staged exchange, one round
+    assert moelink.cuda_sms("all_reduce", 4, 32 << 20) == 128  # two rounds of 4 MiB blocks
     assert moelink.cuda_sms("all_to_all", 8, 1 << 30) == 128
+    assert moelink.cuda_sms("broadcast", 4, 1 << 30) == 64
     monkeypatch.setenv("MOELINK_CUDA_BLOCKS", "16")
-    assert moelink.cuda_sms("broadcast", 4, 1 << 30) == 32
+    assert moelink.cuda_sms("broadcast", 4, 1 << 30) == 16
+    assert moelink.cuda_sms("all_reduce", 4, 1 << 30) == 32
     monkeypatch.setenv("MOELINK_CUDA_SPLIT", "0")
     assert moelink.cuda_sms("all_reduce", 4, 1 << 30) == 16
-    assert moelink.cuda_sms("broadcast", 4, 1 << 30) == 32  # a forwarded broadcast splits all the same
     with pytest.raises(ValueError, match="op must be"):
         moelink.cuda_sms("gather", 4, 1 << 20)
     with pytest.raises(ValueError, match="hold 1..8 ranks"):

@@ -70,7 +70,8 @@ constexpr int kLamportNarrowThreads = 256;
 // the reduce-scatter half's pairs and reduction, then this rank's reduced block to every peer and
 // theirs into place; never on the staged kernel.
 // kForward: a copy in which every rank but Exchange::forward_from passes on what that rank sends
-// it, piece by piece as the pieces land (exchangeBroadcastForward); the staged kernel only.
+// it, piece by piece, in the same stores that place it (exchangeBroadcastForward); the staged
+// kernel only.
 // kReduceGatherStaged: the same two halves as kReduceGather in one launch of the staged kernel
 // (exchangeAllreduceTwoShotStaged): a consuming block that has reduced its piece of this rank's
 // block writes it into every peer's staging area as it stores it, and copies the peers' reduced
@@ -121,8 +122,7 @@ std::vector<std::pair<uint64_t, uint64_t>> allreduceBlocks(int n, uint64_t count
 // Broadcast above the one-shot size in groups of more than 2 (broadcastForwards), in one launch
 // of the staged kernel, in place: the buffer cut into n - 1 blocks, one per rank but the root
 // (allreduceBlocks over them in rank order); the root sends each rank its block, and each rank
-// passes every piece of it on to the others but the root as soon as the piece has landed
-// (ExchangeMode::kForward). The root sends the buffer once and every other rank receives it once,
+// passes every piece of it on to the others but the root as it places it (ExchangeMode::kForward). The root sends the buffer once and every other rank receives it once,
 // and from the first pieces on the root's NVLink ports and the others' carry it at once (a
 // scatter and then an all-gather would have the root send its own block n - 1 times more, and
 // keep every link but the root's idle while it scatters).
@@ -186,7 +186,7 @@ struct ExchangeTuning {
   // MOELINK_CUDA_SPLIT: pushing to the peers and consuming what they sent run on separate
   // blocks (`blocks` of each), so that the next round's NVLink writes overlap this round's
   // copy or reduction (ops of more than one round, exchangeSplits); 0: every block does both
-  // in turn (but in a forwarding broadcast, which always splits).
+  // in turn.
   bool split = true;
   // MOELINK_CUDA_LAMPORT_BYTES: exchanges whose pairs are all at most this long take the
   // Lamport protocol (0: never).
@@ -287,16 +287,16 @@ uint64_t exchangeRoundBytes(const Exchange& x, const ExchangeTuning& t);
 // Whether this rank runs `x` on separate pushing and consuming blocks: with
 // ExchangeTuning::split, when `x` has more than one round (exchangeRoundBytes). Within a round
 // the consumers wait for every pusher, so an op of one round gains nothing from them and would
-// only pay that wait. A
-// kForward exchange always splits: its pushing blocks pass on what its consuming blocks place.
-// A rank-local choice: ranks pair their blocks by index whatever their roles.
+// only pay that wait. A kForward exchange never splits: its root only pushes, and every other
+// rank only consumes (passing its pieces on from the consuming block). A rank-local choice: ranks
+// pair their blocks by index whatever their roles.
 bool exchangeSplits(const Exchange& x, const ExchangeTuning& t);
 // Whether some range of the output that `x` writes at `out` (every received pair, or the
 // reduction's bytes) overlaps input that this rank pushes to a peer from `in` (an in-place
 // op whose pieces meet): then a rank that splits its blocks into roles must not consume a
 // round before its pushing blocks have read it. Addresses only; nothing is dereferenced.
-// False for kForward: the range it passes on is read only after it has landed, and no other
-// pair writes it. False for kReduceGatherStaged: its reduction writes its own block, which it
+// False for kForward: what it passes on is the piece it places, and no other pair writes its
+// place. False for kReduceGatherStaged: its reduction writes its own block, which it
 // pushes to no peer, and a peer's reduced piece lands on the input this rank pushed to that
 // peer only after the peer has reduced it, having received it.
 bool exchangeOutputMeetsInput(const Exchange& x, int me, const void* in, const void* out);

@@ -12,9 +12,9 @@
 // only its namesake blocks on other ranks, so blocks run their rounds independently and
 // NVLink pushes of one block overlap the local consumption of another; with separate roles
 // (exchangeSplits) the pushing and consuming blocks of one rank wait for each other only
-// where the op writes input it also pushes (ExchangeLaunch::guard_input), or, in a forwarded
-// broadcast (ExchangeMode::kForward), where a pushing block passes on the piece its namesake
-// consuming block has just placed.
+// where the op writes input it also pushes (ExchangeLaunch::guard_input). In a forwarded
+// broadcast (ExchangeMode::kForward) the root only pushes, and every other rank's consuming
+// block places its piece from the root and passes it on to the others in the same stores.
 //
 // A two-shot all_reduce (ExchangeMode::kReduceGatherStaged) runs its all-gather half on the
 // consuming blocks: the block that reduces piece b of this rank's block stores the result into
@@ -86,24 +86,54 @@ __device__ __forceinline__ char* gatherSlot(const ExchangeLaunch& a, char* stagi
   return dataSlot(staging, a.layout, a.size, half, src) + a.round;
 }
 
-// Block-wide copy; 16-byte vectors when everything is aligned.
-__device__ void copyBytes(char* dst, const char* src, uint64_t len) {
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | len) & 15) == 0) {
+// Block-wide copy of `len` bytes from `src` to every dsts[k] (k < ndst: a place, and the peers'
+// slots a piece goes on to); 16-byte vectors when everything is aligned.
+__device__ void copyBytes(char* const* dsts, int ndst, const char* src, uint64_t len) {
+  uintptr_t align = reinterpret_cast<uintptr_t>(src) | len;
+  for (int k = 0; k < ndst; ++k) align |= reinterpret_cast<uintptr_t>(dsts[k]);
+  if ((align & 15) == 0) {
     const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
     const uint64_t n = len / 16;
     uint64_t i = threadIdx.x;
     for (; i + 3 * blockDim.x < n; i += 4 * blockDim.x) {
       int4 v0 = s[i], v1 = s[i + blockDim.x], v2 = s[i + 2 * blockDim.x], v3 = s[i + 3 * blockDim.x];
-      d[i] = v0;
-      d[i + blockDim.x] = v1;
-      d[i + 2 * blockDim.x] = v2;
-      d[i + 3 * blockDim.x] = v3;
+#pragma unroll
+      for (int k = 0; k < kExchangeMaxRanks; ++k) {
+        if (k >= ndst) break;
+        int4* d = reinterpret_cast<int4*>(dsts[k]);
+        d[i] = v0;
+        d[i + blockDim.x] = v1;
+        d[i + 2 * blockDim.x] = v2;
+        d[i + 3 * blockDim.x] = v3;
+      }
     }
-    for (; i < n; i += blockDim.x) d[i] = s[i];
+    for (; i < n; i += blockDim.x) {
+      const int4 v = s[i];
+      for (int k = 0; k < ndst; ++k) reinterpret_cast<int4*>(dsts[k])[i] = v;
+    }
   } else {
-    for (uint64_t i = threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];
+    for (uint64_t i = threadIdx.x; i < len; i += blockDim.x) {
+      const char v = src[i];
+      for (int k = 0; k < ndst; ++k) dsts[k][i] = v;
+    }
   }
+}
+__device__ __forceinline__ void copyBytes(char* dst, const char* src, uint64_t len) { copyBytes(&dst, 1, src, len); }
+
+// Before a block writes [lo, hi) of round r >= 2 into peer p's slot of this half: the consuming
+// blocks of p that read round r-2 there (their acknowledgements in `acks` of this rank's area:
+// ExchangeLayout::acks or gather_acks) have finished. Round r-2 was a full round, cut as `round`
+// (in full rounds the namesake alone). Threads [0, blocks) wait; a failure is recorded, and the
+// caller's blockFailed() learns of it.
+__device__ void awaitAcks(const Ctx& c, uint64_t acks, int half, int p, int r, uint64_t round, uint64_t lo,
+                          uint64_t hi) {
+  const ExchangeLaunch& a = *c.a;
+  if (r < 2 || threadIdx.x >= static_cast<unsigned>(a.blocks)) return;
+  uint64_t plo, phi;
+  exchangePiece(round, threadIdx.x, a.blocks, &plo, &phi);
+  if (plo < phi && plo < hi && lo < phi &&
+      !waitAtLeast(c, slotOf(a.staging[a.rank], acks, half, p, threadIdx.x), tagOf(c.seq, r - 2), p))
+    atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
 }
 
 // Every outs[k] (k < nouts: the place, and the peers' slots it goes to as well) = op over the n
@@ -247,15 +277,11 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
   const int me = a.rank, n = a.size, G = a.blocks;
   const ExchangeLayout& L = a.layout;
   const uint64_t R = a.round;
-  char* mine = a.staging[me];
   const int half = exchangeHalf(c.seq, r);
   const uint64_t tag = tagOf(c.seq, r);
-  // kForward: this rank passes on piece b of round r of what forward_from sends it, read where
-  // it lands, once this rank's consuming block b has placed it (the same piece: every pair
-  // passed on is that pair's length). The root reads its input.
+  // kForward: a rank but the root passes its pieces on from its consuming blocks (takeCopies).
   const bool forward = a.mode == static_cast<uint8_t>(ExchangeMode::kForward);
-  const bool passes_on = forward && me != a.forward_from;
-  bool landed = !passes_on;
+  if (forward && me != a.forward_from) return true;
   // The peers' flags go up together, after one barrier behind all of the block's pieces (each
   // release then waits for those writes at once, not for one peer's after another's), but in a
   // forwarded broadcast each as soon as its piece is written: a peer passes its piece on once it
@@ -281,25 +307,11 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
     uint64_t len = exchangeRoundLen(a.send_bytes[p], r, R), lo, hi;
     exchangePiece(len, b, G, &lo, &hi);
     if (lo >= hi) continue;
-    if (r >= 2) {  // the consumer blocks that read round r-2 of this half where this piece
-                   // goes have finished (round r-2 was a full round, cut as R)
-      uint64_t plo, phi;
-      if (threadIdx.x < G) {
-        exchangePiece(R, threadIdx.x, G, &plo, &phi);
-        if (plo < phi && plo < hi && lo < phi &&
-            !waitAtLeast(c, ackSlot(mine, L, half, p, threadIdx.x), tagOf(c.seq, r - 2), p))
-          atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
-      }
+    if (r >= 2) {
+      awaitAcks(c, L.acks, half, p, r, R, lo, hi);
       if (blockFailed(c)) return false;
     }
-    if (!landed) {
-      if (threadIdx.x == 0 && !waitAtLeast(c, flagSlot(mine, L, half, me, b), tag, a.forward_from))
-        atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
-      if (blockFailed(c)) return false;
-      landed = true;
-    }
-    const char* src = passes_on ? a.out + a.recv_off[a.forward_from] : a.in + a.send_off[p];
-    copyBytes(dataSlot(a.staging[p], L, n, half, me) + lo, src + r * R + lo, hi - lo);
+    copyBytes(dataSlot(a.staging[p], L, n, half, me) + lo, a.in + a.send_off[p] + r * R + lo, hi - lo);
     // The barrier orders every thread's writes before the releases, which are cumulative: the
     // peer that acquires the flag sees the whole piece.
     if (!forward) {
@@ -370,17 +382,9 @@ __device__ bool reducePiece(const Ctx& c, int r, int b) {
     srcs[q] = dataSlot(mine, L, n, half, q) + lo;
     if (gather) outs[q < me ? q + 1 : q] = gatherSlot(a, a.staging[q], half, me) + lo;
   }
-  if (gather && r >= 2 && threadIdx.x < G) {
-    // Each peer's consuming blocks that copied round r-2 of this half out of the gather slot where
-    // this piece goes have finished (round r-2 was a full round, cut as R: in full rounds the
-    // namesake alone).
-    uint64_t plo, phi;
-    exchangePiece(R, threadIdx.x, G, &plo, &phi);
+  if (gather)  // each peer's consuming blocks have copied round r-2 out of where this piece goes
     for (int p = 0; p < n; ++p)
-      if (p != me && plo < phi && plo < hi && lo < phi &&
-          !waitAtLeast(c, slotOf(mine, L.gather_acks, half, p, threadIdx.x), tagOf(c.seq, r - 2), p))
-        atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
-  }
+      if (p != me) awaitAcks(c, L.gather_acks, half, p, r, R, lo, hi);
   if (threadIdx.x == 0) {
     srcs[me] = a.in + a.send_off[me] + r * R + lo;
     outs[0] = a.out + (gather ? a.send_off[me] : 0) + r * R + lo;
@@ -428,7 +432,10 @@ __device__ bool takeGathered(const Ctx& c, int r, int b) {
 
 // Consuming block b's pieces of round r of a copy: this rank's own block straight into place,
 // then what the peers sent: Lamport lines (round 0), then the staged pieces in the order they
-// arrive, each acknowledged in its sender's memory. False when the launch failed.
+// arrive, each acknowledged in its sender's memory. In a forwarded broadcast (kForward) the piece
+// from the root goes on to the other ranks in the same stores that place it (into their slots of
+// this rank, after their acknowledgements of round r-2 there), and their flags go up together.
+// False when the launch failed.
 __device__ bool takeCopies(const Ctx& c, int r, int b) {
   const ExchangeLaunch& a = *c.a;
   const int me = a.rank, n = a.size, G = a.blocks;
@@ -458,20 +465,32 @@ __device__ bool takeCopies(const Ctx& c, int r, int b) {
     exchangePiece(ql, b, G, &qlo, &qhi);
     if (qlo < qhi) pending |= 1u << q;
   }
+  __shared__ char* dsts[kExchangeMaxRanks];  // [0] the place, then the slots a piece goes on to
   while (pending) {
     const int q = nextArrival(c, L.flags, half, b, tag, pending);
     if (q < 0) atomicMax(&c.counter->failed, static_cast<unsigned>(c.seq));
     if (blockFailed(c)) return false;
     uint64_t ql = exchangeRoundLen(a.recv_bytes[q], r, R), qlo, qhi;
     exchangePiece(ql, b, G, &qlo, &qhi);
-    copyBytes(a.out + a.recv_off[q] + r * R + qlo, dataSlot(mine, L, n, half, q) + qlo, qhi - qlo);
+    // The ranks this piece goes on to: every pair this rank sends is the root's pair again, cut
+    // alike (kForward).
+    unsigned on = 0;
+    int ndst = 1;
+    if (q == a.forward_from)
+      for (int p = 0; p < n; ++p)
+        if (p != me && a.send_bytes[p]) {
+          awaitAcks(c, L.acks, half, p, r, R, qlo, qhi);
+          on |= 1u << p;
+          if (threadIdx.x == 0) dsts[ndst] = dataSlot(a.staging[p], L, n, half, me) + qlo;
+          ++ndst;
+        }
+    if (threadIdx.x == 0) dsts[0] = a.out + a.recv_off[q] + r * R + qlo;
+    if (blockFailed(c)) return false;
+    copyBytes(dsts, ndst, dataSlot(mine, L, n, half, q) + qlo, qhi - qlo);
     __syncthreads();
-    if (threadIdx.x == 0) {
-      // kForward: the piece to pass on has landed; this rank's pushing block b reads it (the
-      // slot guard_input would use, which a kForward launch does not).
-      if (q == a.forward_from) device::stReleaseSys64(flagSlot(mine, L, half, me, b), tag);
-      device::stReleaseSys64(ackSlot(a.staging[q], L, half, me, b), tag);
-    }
+    if (threadIdx.x == 0) device::stReleaseSys64(ackSlot(a.staging[q], L, half, me, b), tag);
+    if (threadIdx.x < n && (on >> threadIdx.x & 1))
+      device::stReleaseSys64(flagSlot(a.staging[threadIdx.x], L, half, me, b), tag);
     pending &= ~(1u << q);
   }
   return true;

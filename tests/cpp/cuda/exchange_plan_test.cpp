@@ -141,9 +141,9 @@ void modelTwoShotLamport(const std::vector<Exchange>& xs, const std::vector<Byte
 }
 
 // The forwarding broadcast (ExchangeMode::kForward), as exchange.cu moves it: the root's pairs
-// land first (each rank's consuming block b places piece b of round r of the root's pair before
-// its pushing block b passes that piece on), then every rank passes on what landed, read from
-// `io` where it landed. In place, as the kernel runs it.
+// land first (each rank's consuming block b places piece b of round r of the root's pair, and
+// passes the same piece on in the same stores), then every rank passes on what landed, the same
+// bytes as `io` holds where it landed. In place, as the kernel runs it.
 void modelForward(const std::vector<Exchange>& xs, std::vector<Bytes>& io, const ExchangeTuning& t) {
   const int n = static_cast<int>(xs.size());
   ASSERT_GT(n, 2);
@@ -153,7 +153,7 @@ void modelForward(const std::vector<Exchange>& xs, std::vector<Bytes>& io, const
     const Exchange& x = xs[p];
     ASSERT_EQ(x.mode, ExchangeMode::kForward);
     ASSERT_EQ(x.forward_from, root);
-    EXPECT_TRUE(exchangeSplits(x, t)) << "rank " << p;  // pushing blocks pass on what consuming ones place
+    EXPECT_FALSE(exchangeSplits(x, t)) << "rank " << p;  // the root pushes, the others consume and pass on
     EXPECT_FALSE(exchangeLamport(x, t));
     EXPECT_EQ(exchangeLamportPairs(x, t), 0u);  // every piece passed on is a staged piece
     Exchange a = x, b = x;  // copies of the two kinds of pairs

@@ -101,11 +101,14 @@ TEST(ExchangePlanBroadcast, ForwardsAboveTheOneShotSizeInGroupsOfMoreThanTwo) {
   EXPECT_THROW(exchangeBroadcastForward(2, 0, 1 << 20, 0), moelink::Error);  // 2 ranks: one exchange
   EXPECT_THROW(exchangeBroadcastForward(4, 0, 1 << 20, 4), moelink::Error);
   EXPECT_THROW(restrictExchange(exchangeBroadcastForward(4, 0, 1 << 20, 1), {0, 1, 2}), moelink::Error);
-  // always on separate pushing and consuming blocks, MOELINK_CUDA_SPLIT=0 or not, one round or not
-  t.split = false;
-  EXPECT_TRUE(exchangeSplits(exchangeBroadcastForward(4, 0, 1 << 20, 1), t));
-  EXPECT_EQ(exchangeSms(exchangeBroadcastForward(4, 0, 1 << 20, 1), t),
-            2 * exchangeBlocksWithWork(exchangeBroadcastForward(4, 0, 1 << 20, 1), t));
+  // never on separate pushing and consuming blocks, one round or more: the root only pushes, the
+  // others only consume (and pass on what they place)
+  for (uint64_t bytes : {uint64_t{1} << 20, uint64_t{1} << 30}) {
+    const Exchange root = exchangeBroadcastForward(4, 1, bytes, 1), other = exchangeBroadcastForward(4, 0, bytes, 1);
+    EXPECT_FALSE(exchangeSplits(root, t));
+    EXPECT_FALSE(exchangeSplits(other, t));
+    EXPECT_EQ(exchangeSms(other, t), exchangeBlocksWithWork(other, t));
+  }
 }
 
 TEST(ExchangePiece, RolesWaitForEachOtherOnlyWhereTheOutputMeetsPushedInput) {
@@ -167,9 +170,10 @@ TEST(ExchangePiece, SmsACollectiveHolds) {
   EXPECT_EQ(collectiveSms(OpKind::kAlltoall, 4, 4 << 20, t), 64);
   // More than one round: pushing and consuming blocks.
   EXPECT_EQ(collectiveSms(OpKind::kAllreduce, 4, 1ull << 30, t), 128);
-  EXPECT_EQ(collectiveSms(OpKind::kBroadcast, 4, 1ull << 30, t), 128);
-  // A forwarded broadcast splits at every size: 2 MiB in blocks of 699056 bytes, 43 pieces of 16 KiB.
-  EXPECT_EQ(collectiveSms(OpKind::kBroadcast, 4, 2 << 20, t), 2 * 43);
+  // A forwarded broadcast never: its root pushes, the others consume (2 MiB in blocks of 699056
+  // bytes, 43 pieces of 16 KiB).
+  EXPECT_EQ(collectiveSms(OpKind::kBroadcast, 4, 1ull << 30, t), 64);
+  EXPECT_EQ(collectiveSms(OpKind::kBroadcast, 4, 2 << 20, t), 43);
   EXPECT_EQ(collectiveSms(OpKind::kBroadcast, 4, 1 << 20, t), 64);  // one exchange: 1 MiB pairs
   // 2 ranks: one exchange at every size.
   const ExchangeTuning t2 = ExchangeTuning::fromEnv(2);
