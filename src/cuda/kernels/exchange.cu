@@ -283,11 +283,12 @@ __device__ bool pushRound(const Ctx& c, int r, int b) {
   const bool forward = a.mode == static_cast<uint8_t>(ExchangeMode::kForward);
   if (forward && me != a.forward_from) return true;
   // The peers' flags go up together, after one barrier behind all of the block's pieces (each
-  // release then waits for those writes at once, not for one peer's after another's), but in a
-  // forwarded broadcast each as soon as its piece is written: a peer passes its piece on once it
-  // has it. (4x H200, 4 ranks, graph replay: all_reduce, all_gather, reduce_scatter and all_to_all
-  // at 4 MiB 9-17 % faster together, broadcast 1 MiB 17 %; a forwarded broadcast of 16-32 MiB
-  // 3-8 % slower; docs/PERF.md.)
+  // release then waits for those writes at once, not for one peer's after another's), but the
+  // root of a forwarded broadcast raises each as soon as its piece is written: a rank passes its
+  // piece on once it has it. (4x H200, 4 ranks, graph replay: all_gather, reduce_scatter and
+  // all_to_all at 4 MiB 9-17 % faster together, broadcast 1 MiB 17 %; a forwarded broadcast of
+  // 16-32 MiB 3-8 % slower, measured when every rank passed pieces on from pushing blocks;
+  // docs/PERF.md.)
   unsigned pushed = 0;  // bit p: a staged piece of this round went to p, its flag not yet raised
   // Each block visits the peers in its own rotation (block b starts b % (n-1) peers after this
   // rank): at any moment the blocks of a rank write to every peer at once, and the ranks' blocks
