@@ -247,7 +247,7 @@ const ExchangeDefaults& exchangeDefaults(int n) {
        "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
       // 4 ranks: Lamport ahead at every size it carries; 64 blocks and 8 MiB rounds the best of
       // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; more exchanges above 1 MiB (all_reduce's
-      // staged halves, broadcast's forwarding); 256-thread Lamport blocks ahead of 512 and 128 for
+      // two-shot exchanges, broadcast's forwarding); 256-thread Lamport blocks ahead of 512 and 128 for
       // pairs up to 64 KiB, no better above (the 2-rank row takes the same, unswept).
       {4, kLamportMaxBytes, 2 << 20, 1 << 20, 64, 8 << 20, 64 << 10, 512, "4x H200 (nvidia-h100-x4)"},
       // 5-8 ranks: no machine of this size has been lent. Each rank writes n - 1 lines per

@@ -13,7 +13,7 @@ def lamport_two_shot(rank, world):
     """all_reduce above the one-shot Lamport exchange and up to the two-shot Lamport kernel's limit
     (groups of more than 2; `cuda_tuning(world)["lamport_two_shot_bytes"]`): one element either side
     of both thresholds, a size whose blocks differ in length, dtypes of 1, 2, 4 and 8 bytes and every
-    reduce op a dtype takes, back to back with the staged halves above; in place and into a CUDA
+    reduce op a dtype takes, back to back with the staged two-shot above; in place and into a CUDA
     graph replayed with new inputs."""
     tuning = moelink.cuda_tuning(world)
     one, two = tuning["lamport_bytes"], tuning["lamport_two_shot_bytes"]

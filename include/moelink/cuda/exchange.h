@@ -210,7 +210,7 @@ struct ExchangeTuning {
 // same tuning (one that decides otherwise fails the op on every rank: the exchanges' modes differ).
 bool broadcastForwards(int n, uint64_t bytes, const ExchangeTuning& t);
 // Whether an all_reduce of `count` elements of `t` over `n` ranks takes the two-shot Lamport kernel
-// (exchangeAllreduceTwoShot) rather than one exchange or the staged halves: groups of more than
+// (exchangeAllreduceTwoShot) rather than one exchange or the two-shot staged one: groups of more than
 // 2, above t.lamport_bytes (never where that is 0), at most t.lamport_two_shot_bytes, every block within
 // kLamportTwoShotBlockBytes, elements of at most 8 bytes. Every rank decides alike from the same
 // tuning (a rank that decides otherwise fails the op on every rank: the exchanges' modes differ).
