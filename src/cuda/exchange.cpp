@@ -119,7 +119,7 @@ Exchange exchangeBroadcastForward(int n, int me, uint64_t bytes, int root) {
       std::tie(x.send_off[q], x.send_bytes[q]) = of(q);
       continue;
     }
-    std::tie(x.send_off[q], x.send_bytes[q]) = of(me);  // passed on from where it lands
+    std::tie(x.send_off[q], x.send_bytes[q]) = of(me);  // passed on as it lands
     std::tie(x.recv_off[q], x.recv_bytes[q]) = of(q);
   }
   if (me != root) std::tie(x.recv_off[root], x.recv_bytes[root]) = of(me);

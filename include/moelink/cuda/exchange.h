@@ -98,7 +98,8 @@ struct Exchange {
   // out + send_off[q].
   uint64_t reduce_bytes = 0;
   // kForward: the rank (index into the vectors above) whose pair this rank passes on. Every pair
-  // this rank sends is that pair again (the same bytes), read from where it lands in `out`.
+  // this rank sends is that pair again (the same bytes, send_off its place in `out`); the kernel
+  // passes each piece on from the staging slot it arrives in, as it places it.
   int forward_from = -1;
 };
 
