@@ -48,6 +48,7 @@ cudamid       | 400 | CUDA collectives 256 KiB-32 MiB: latency and graph replay 
 cudalarge     | 400 | CUDA collectives 64 MiB-1 GiB: bus bandwidth beside NCCL, GPUS ranks, median of ITERS (5), OPS (every op)
 cudasweep     | 600 | the Lamport threshold's sweep: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_LAMPORT_BYTES 0 and 262144, GPUS ranks
 cudatwoshot   | 300 | the two-shot Lamport all_reduce's threshold: 512 KiB, 2 and 8 MiB (or SWEEP_ARGS) all_reduce graph replay beside NCCL at MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES 0 and 4194304, GPUS ranks
+cudaoneshot   | 400 | all_reduce's one exchange against the two-shot staged one: 1-32 MiB graph replay and 64 MiB-1 GiB bus bandwidth beside NCCL at MOELINK_CUDA_ONESHOT_BYTES 1099511627776 (one exchange) and 0 (two-shot above the Lamport sizes), GPUS ranks
 cudabcast     | 300 | broadcast's plan: 256 KiB-4 MiB (or SWEEP_ARGS) graph replay beside NCCL at MOELINK_CUDA_ONESHOT_BYTES 262144 (forwarded above it) and 4194304 (one exchange up to it), GPUS ranks
 cudapdl       | 400 | the Lamport kernel's launch: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_PDL 0 and 1, GPUS ranks
 cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, tcp between them) beside NCCL on its socket transport, 4 MiB-256 MiB, GPUS ranks, MOELINK_TCP_STREAMS 1 and the default
@@ -161,6 +162,17 @@ stage_cudasweep() { graph_sweep MOELINK_CUDA_LAMPORT_BYTES "sweep${GPUS:-2}-lamp
 stage_cudabcast() {
   SWEEP_ARGS="${SWEEP_ARGS:---ops broadcast --min-bytes 262144 --max-bytes $((4 << 20))}" \
     graph_sweep MOELINK_CUDA_ONESHOT_BYTES "sweep${GPUS:-2}-bcast" 262144 4194304
+}
+stage_cudaoneshot() {
+  local v
+  for v in 1099511627776 0; do
+    echo "== MOELINK_CUDA_ONESHOT_BYTES=$v"
+    ( export MOELINK_CUDA_ONESHOT_BYTES=$v
+      bench_cuda --gpus "${GPUS:-2}" --graph --ops all_reduce --min-bytes $((1 << 20)) --max-bytes $((32 << 20)) \
+        --out "$OUT/oneshot${GPUS:-2}-mid-$v.png"
+      ITERS="${ITERS:-5}" bench_cuda --gpus "${GPUS:-2}" --ops all_reduce --min-bytes $((64 << 20)) --max-bytes $((1 << 30)) \
+        --out "$OUT/oneshot${GPUS:-2}-large-$v.png" )
+  done
 }
 stage_cudapdl() { graph_sweep MOELINK_CUDA_PDL "pdl${GPUS:-2}-" 0 1; }
 stage_cudatwoshot() {

@@ -81,11 +81,11 @@ const std::vector<Setting> kSettings = {
            "ranks x this",
            "per group size (`moelink.cuda_tuning(n)`): 8388608 at every size"),
     number("MOELINK_CUDA_ONESHOT_BYTES", "collectives", 0, 0, UINT64_MAX,
-           "groups of more than 2: up to this size allreduce and broadcast are one exchange, above it allreduce is "
-           "a reduce-scatter + all-gather in one launch (each rank's reduced pieces go on to the peers as they are "
-           "reduced) and broadcast is forwarded (the root sends each rank its block, which that rank passes on to "
-           "the others as it lands)",
-           "per group size (`moelink.cuda_tuning(n)`): 1048576 (groups of 2: one exchange at every size)"),
+           "up to this size allreduce and broadcast are one exchange, above it allreduce is a reduce-scatter + "
+           "all-gather in one launch (each rank's reduced pieces go on to the peers as they are reduced) and, in "
+           "groups of more than 2, broadcast is forwarded (the root sends each rank its block, which that rank "
+           "passes on to the others as it lands)",
+           "per group size (`moelink.cuda_tuning(n)`): 1048576 (groups of 2: 4194304)"),
     flag("MOELINK_CUDA_PDL", "collectives", true,
          "`0`: the Lamport kernel is launched plainly instead of as a programmatic dependent (which lets the next "
          "op's blocks onto the GPU, waiting, before the op ahead of it has ended)"),

@@ -241,9 +241,12 @@ const ExchangeDefaults& exchangeDefaults(int n) {
   // docs/PERF.md, "Defaults by group size", has the sweeps behind the measured rows.
   static const ExchangeDefaults kRows[] = {
       // 2 ranks: the Lamport protocol is ahead of the staged one at every size it can carry;
-      // one exchange at every size (a reduce-scatter + all-gather moves the same bytes twice;
-      // a broadcast has no rank to forward through).
-      {2, kLamportMaxBytes, 0, UINT64_MAX, 64, 8 << 20, 64 << 10, 512,
+      // all_reduce is one exchange up to 4 MiB and the two-shot staged one above (each rank
+      // sends as many bytes either way; the two-shot reduces half of them and does not hold its
+      // pushing blocks behind the reductions in place: even at 4 MiB, 13 / 8 % ahead at 16 / 32
+      // MiB in a graph, 2-3 % at 256 MiB-1 GiB, 4 % behind at 64 MiB); a broadcast has no rank to
+      // forward through (one exchange).
+      {2, kLamportMaxBytes, 0, 4 << 20, 64, 8 << 20, 64 << 10, 512,
        "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
       // 4 ranks: Lamport ahead at every size it carries; 64 blocks and 8 MiB rounds the best of
       // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; more exchanges above 1 MiB (all_reduce's

@@ -22,19 +22,15 @@ def _check(rank, world, n, dtype, op, group=None, salt=0, what=""):
 
 
 def two_shot_staged(rank, world):
-    """all_reduce above both one-shot sizes (groups of more than 2: each rank reduces its block of
-    the buffer and sends each piece on to every peer as it is reduced, in one launch of the staged
-    kernel): one element above the two-shot Lamport limit, blocks of exactly one round (half a
-    staging round) and one element more (two rounds, separate pushing and consuming blocks), blocks
-    of two rounds and one element (a third, short round that reuses the first one's staging half),
+    """all_reduce above both one-shot sizes (each rank reduces its block of the buffer and sends
+    each piece on to every peer as it is reduced, in one launch of the staged kernel): one element
+    above the one-shot size and the two-shot Lamport limit, blocks of exactly one round (half a staging round) and one element more (two
+    rounds, separate pushing and consuming blocks), blocks of two rounds and one element (a third, short round that reuses the first one's staging half),
     every dtype and reduce op, a view at an offset of 4 bytes (no 16-byte vectors), a CUDA graph
     replayed with new inputs, many short rounds (MOELINK_CUDA_ROUND_BYTES=65536), blocks that do
     both roles (MOELINK_CUDA_SPLIT=0), and the staged two-shot from the one-shot size up
     (MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES=0)."""
     tuning = moelink.cuda_tuning(world)
-    if world <= 2:
-        assert tuning["one_shot_bytes"] is None, tuning  # 2 ranks: one exchange at every size
-        return
     lamport_two = tuning["lamport_two_shot_bytes"]
     half = tuning["round_bytes"] // 32 * 16  # bytes per pair and round of the two-shot exchange
     # float32 elements: blocks of one round, then one element more (the blocks are 16-byte aligned)
@@ -70,8 +66,6 @@ def two_shot_staged_disagreement(rank, world):
     """Ranks with different MOELINK_CUDA_ONESHOT_BYTES run one all_reduce as different plans (one
     exchange, the two-shot staged one): it fails on every rank with the header check's words, and
     the group is usable after."""
-    if world <= 2:
-        return
     d = dev(rank)
     with setting("MOELINK_CUDA_ONESHOT_BYTES", str(64 << 20) if rank == 0 else str(1 << 20)):
         g = dist.new_group()

@@ -18,7 +18,7 @@ def broadcast_forwarded(rank, world):
     and with MOELINK_CUDA_SPLIT=0."""
     d = dev(rank)
     tuning = moelink.cuda_tuning(world)
-    one_shot = tuning["one_shot_bytes"] or 1 << 20  # None (2 ranks): one exchange always
+    one_shot = tuning["one_shot_bytes"] or 1 << 20  # None: one exchange at every size (2 ranks: always)
     rounds = tuning["round_bytes"] * max(world - 1, 1)  # every block one full round
     cases = [(torch.float32, one_shot // 4 + k) for k in (-1, 0, 1)]
     cases += [(torch.uint8, one_shot + 20), (torch.float32, (4 << 20) // 4 + 3), (torch.bfloat16, 3 * one_shot + 7)]

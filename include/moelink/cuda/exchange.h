@@ -162,7 +162,7 @@ struct ExchangeDefaults {
   int up_to = 0;                // groups of at most this many ranks
   uint64_t lamport_bytes = 0;   // MOELINK_CUDA_LAMPORT_BYTES
   uint64_t lamport_two_shot_bytes = 0;  // MOELINK_CUDA_LAMPORT_TWO_SHOT_BYTES
-  uint64_t one_shot_bytes = 0;  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2 take one exchange at every size)
+  uint64_t one_shot_bytes = 0;  // MOELINK_CUDA_ONESHOT_BYTES
   int blocks = 0;               // MOELINK_CUDA_BLOCKS
   uint64_t round_bytes = 0;     // MOELINK_CUDA_ROUND_BYTES
   // The Lamport kernel's blocks (lamportThreadsFor): kLamportNarrowThreads where the longest
@@ -179,10 +179,10 @@ const ExchangeDefaults& exchangeDefaults(int n);
 struct ExchangeTuning {
   uint64_t round_bytes = 8 << 20;   // per (source, destination) pair and round
   int blocks = 64;                  // MOELINK_CUDA_BLOCKS (per role: the kernel holds 2 x blocks SMs when split)
-  // MOELINK_CUDA_ONESHOT_BYTES (groups of 2: always): allreduce and broadcast up to it take one
-  // exchange that moves the whole buffer to every peer; above it allreduce is two-shot
-  // (allreduceTwoShotLamport, else exchangeAllreduceTwoShotStaged), broadcast forwards
-  // (broadcastForwards).
+  // MOELINK_CUDA_ONESHOT_BYTES: allreduce and broadcast up to it take one exchange that moves
+  // the whole buffer to every peer; above it allreduce is two-shot (allreduceTwoShotLamport, else
+  // exchangeAllreduceTwoShotStaged), broadcast forwards in groups of more than 2
+  // (broadcastForwards; a group of 2 has no rank to forward through: one exchange).
   uint64_t one_shot_bytes = 1 << 20;
   // MOELINK_CUDA_SPLIT: pushing to the peers and consuming what they sent run on separate
   // blocks (`blocks` of each), so that the next round's NVLink writes overlap this round's
@@ -204,7 +204,7 @@ struct ExchangeTuning {
   // Reads MOELINK_CUDA_* over exchangeDefaults(n) for a group of `n` ranks; throws
   // moelink::Error on a bad value.
   static ExchangeTuning fromEnv(int n = 2);
-  bool oneShot(int n, uint64_t bytes) const { return n <= 2 || bytes <= one_shot_bytes; }
+  bool oneShot(int n, uint64_t bytes) const { return n <= 1 || bytes <= one_shot_bytes; }
 };
 // Whether a broadcast of `bytes` over `n` ranks takes exchangeBroadcastForward rather than one
 // exchange: groups of more than 2, above t.one_shot_bytes. Every rank decides alike from the

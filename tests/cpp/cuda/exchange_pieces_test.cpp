@@ -311,7 +311,7 @@ std::vector<uint64_t> floatBlocks(int n, uint64_t count) {
 
 TEST(ExchangePieces, TwoShotStagedReadsEveryPieceOnceAndNeverOverwritesUnreadBytes) {
   const uint64_t round = 64 << 10;
-  for (int n : {3, 4, 5})
+  for (int n : {2, 3, 4, 5})
     for (int blocks : {1, 3, 8})
       for (bool split : {true, false}) {
         // allreduceBlocks: blocks of one round, several full rounds, a short last round, a few

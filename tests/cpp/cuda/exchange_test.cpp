@@ -398,10 +398,13 @@ TEST(ExchangeTuning, ReadsAndChecksTheEnvironment) {
   EXPECT_TRUE(t.split);
   EXPECT_EQ(t.blocks, 8);
   EXPECT_EQ(t.round_bytes, 1048576u);
-  EXPECT_TRUE(t.oneShot(2, 1ull << 30));
   EXPECT_FALSE(t.oneShot(4, 2ull << 20));
-  setenv("MOELINK_CUDA_ONESHOT_BYTES", "4194304", 1);
-  EXPECT_TRUE(ExchangeTuning::fromEnv(4).oneShot(4, 4ull << 20));
+  EXPECT_TRUE(ExchangeTuning::fromEnv(2).oneShot(2, 4ull << 20));  // the 2-rank row
+  EXPECT_FALSE(ExchangeTuning::fromEnv(2).oneShot(2, (4ull << 20) + 1));
+  setenv("MOELINK_CUDA_ONESHOT_BYTES", "8388608", 1);
+  EXPECT_TRUE(ExchangeTuning::fromEnv(4).oneShot(4, 8ull << 20));
+  EXPECT_TRUE(ExchangeTuning::fromEnv(2).oneShot(2, 8ull << 20));  // a set variable holds for 2 ranks too
+  EXPECT_FALSE(ExchangeTuning::fromEnv(2).oneShot(2, (8ull << 20) + 1));
   unsetenv("MOELINK_CUDA_ONESHOT_BYTES");
   unsetenv("MOELINK_CUDA_BLOCKS");
   unsetenv("MOELINK_CUDA_ROUND_BYTES");
