@@ -38,7 +38,7 @@ std::string describeTimeout(const char* what, uint64_t seq, milliseconds timeout
 
 WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
   WorkerOptions o;
-  o.chunk_bytes = settings::number("MOELINK_CHUNK_BYTES");
+  o.chunk_bytes = settings::numberIfSet("MOELINK_CHUNK_BYTES").value_or(0);
   o.depth = static_cast<int>(settings::number("MOELINK_MAILBOX_DEPTH"));
   o.allreduce_small_bytes = settings::number("MOELINK_ALLREDUCE_SMALL_BYTES");
   o.pull_min_bytes = settings::number("MOELINK_PULL_MIN_BYTES");
@@ -52,10 +52,11 @@ WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
 CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
                                    transfer::MetadataStore& store, WorkerOptions options)
     : engine_(engine), opts_(options), rank_(engine.rank()), world_(engine.worldSize()), store_(store) {
-  coll_ = std::make_unique<Mailbox>(engine_, kCollectiveSegment, opts_.chunk_bytes, opts_.depth);
-  p2p_ = std::make_unique<Mailbox>(engine_, kP2PSegment, opts_.chunk_bytes, opts_.depth);
-  membership_ = std::make_unique<Membership>(engine_, MembershipOptions::fromEnv(opts_.raise_on_peer_failure));
   const int initial = opts_.initial_size > 0 ? std::min(opts_.initial_size, world_) : world_;
+  const uint64_t chunk = chunkBytes(initial);
+  coll_ = std::make_unique<Mailbox>(engine_, kCollectiveSegment, chunk, opts_.depth);
+  p2p_ = std::make_unique<Mailbox>(engine_, kP2PSegment, chunk, opts_.depth);
+  membership_ = std::make_unique<Membership>(engine_, MembershipOptions::fromEnv(opts_.raise_on_peer_failure));
   active_.assign(world_, 0);
   std::fill(active_.begin(), active_.begin() + initial, 1);
   seen_incarnation_.assign(world_, 0);  // the newest process readmitted per rank (0: none yet)
@@ -66,6 +67,7 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
     MOELINK_CHECK(rank_ < initial, "rank ", rank_, " is reserved (the group starts with ranks 0..", initial - 1,
                   "): join it with is_extension=True");
     transfer::storeBarrier(store, "worker/allocated", initial, opts_.timeout, transfer::kRefusedKey);
+    checkChunkBytes(initial);
     coll_->open(active_);
     p2p_->open(active_);
     membership_->open(active_);
@@ -105,6 +107,45 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
   spin_ = static_cast<int>(settings::numberIfSet("MOELINK_WORKER_SPIN").value_or(ncpu >= local_ranks ? 256 : 0));
   thread_ = std::thread([this] { loop(); });
+}
+
+namespace {
+constexpr uint64_t kChunkBytes = 512 << 10;     // slots between ranks of one host (shared memory)
+constexpr uint64_t kTcpChunkBytes = 2 << 20;    // slots of a group that uses tcp (docs/PERF.md)
+const char* const kGroupChunkKey = "worker/chunk_bytes";
+}  // namespace
+
+uint64_t CollectiveWorker::chunkBytes(int initial) {
+  if (opts_.extension) {
+    // The group's segments are laid out already: a joining process takes their slot size.
+    const std::string text = store_.get(kGroupChunkKey, opts_.timeout);
+    const uint64_t group = transfer::parseCount(text, "the group's mailbox slot size");
+    MOELINK_CHECK(opts_.chunk_bytes == 0 || (opts_.chunk_bytes + 63) / 64 * 64 == group, "MOELINK_CHUNK_BYTES is ",
+                  opts_.chunk_bytes, " in this process, but the group it joins uses slots of ", group,
+                  " bytes (set it alike on every rank, or on none)");
+    return group;
+  }
+  uint64_t chunk = opts_.chunk_bytes;
+  if (chunk == 0) {
+    // Every rank sees the same transport mode and host ids: they decide alike.
+    bool tcp = engine_.transportMode() == "tcp";
+    for (int p = 0; p < initial && !tcp; ++p) tcp = engine_.hostIdOf(p) != engine_.hostId();
+    chunk = tcp ? kTcpChunkBytes : kChunkBytes;
+  }
+  store_.set(str("worker/chunk/", rank_), std::to_string(chunk));
+  return chunk;
+}
+
+void CollectiveWorker::checkChunkBytes(int initial) {
+  const uint64_t mine = coll_->chunkBytes();
+  for (int p = 0; p < initial; ++p) {
+    if (p == rank_) continue;
+    const std::string key = str("worker/chunk/", p);
+    const uint64_t theirs = (transfer::parseCount(store_.get(key, opts_.timeout), key) + 63) / 64 * 64;
+    MOELINK_CHECK(theirs == mine, "rank ", p, " uses mailbox slots of ", theirs, " bytes and this rank ", mine,
+                  " (MOELINK_CHUNK_BYTES must be the same on every rank, or unset on all)");
+  }
+  store_.set(kGroupChunkKey, std::to_string(mine));
 }
 
 CollectiveWorker::~CollectiveWorker() {

@@ -49,7 +49,9 @@ const std::vector<Setting> kSettings = {
     number("MOELINK_TCP_STRIPE_BYTES", "collectives", 256 * kKiB, 1, UINT64_MAX,
            "tcp writes of at least this size are cut into parts (of at least 64 KiB), one per connection"),
     number("MOELINK_CHUNK_BYTES", "collectives", 512 * kKiB, 64, 1ull << 30,
-           "mailbox slot size: large ops move in pieces of this size"),
+           "mailbox slot size: large ops move in pieces of this size; the same on every rank (a group whose ranks "
+           "differ fails to form, and a process that joins a group takes the group's)",
+           "`524288` in groups on one host, `2097152` in groups that use tcp (forced, or spanning hosts)"),
     number("MOELINK_MAILBOX_DEPTH", "collectives", 4, 1, 64, "slots per peer pair (how far a sender may run ahead)"),
     flag("MOELINK_SHM_PULL", "collectives", true,
          "`0`: same-host ranks never read each other's memory directly (every payload goes through the "

@@ -241,8 +241,11 @@ void HostPipeline::reduceScatter(const Call& c, const char* in, char* out, uint6
          std::move(marks));
   const cudaStream_t s = c.stream;
   const uint64_t block = count * e;  // a rank's block of the input
+  // The peers' rows only: this rank's own row is reduced straight from `in`.
   auto pack = [&](const HostPiece& pc) {
-    copy2DAsync(inHost(pc.slot), row, in + pc.off * e, block, pc.len * e, static_cast<uint64_t>(size_),
+    const uint64_t me = static_cast<uint64_t>(rank_), after = static_cast<uint64_t>(size_) - me - 1;
+    copy2DAsync(inHost(pc.slot), row, in + pc.off * e, block, pc.len * e, me, cudaMemcpyDeviceToHost, s);
+    copy2DAsync(inHost(pc.slot) + (me + 1) * row, row, in + (me + 1) * block + pc.off * e, block, pc.len * e, after,
                 cudaMemcpyDeviceToHost, s);
     raiseReady(s, pc.first);
   };

@@ -341,13 +341,18 @@ TransferEngine::~TransferEngine() {
   for (auto& [id, seg] : segments_) releaseOwned(seg);
 }
 
+namespace {
+// An owned segment's mapping in tcp mode: whole pages, at least one.
+uint64_t mappedBytes(uint64_t length) { return (length ? length + 4095 : 4096) / 4096 * 4096; }
+}  // namespace
+
 void TransferEngine::releaseOwned(OwnedSegment& seg) {
   if (!seg.owned) return;
   if (seg.shared) {
     shm::SharedRegion r{seg.addr, seg.length, seg.shm_name};
     shm::destroyRegion(r, /*unlink=*/!seg.shm_name.empty());
   } else {
-    std::free(seg.addr);
+    munmap(seg.addr, mappedBytes(seg.length));
   }
   seg.owned = false;
 }
@@ -360,11 +365,11 @@ void* TransferEngine::allocateSegment(SegmentId id, uint64_t length) {
   s.owned = true;
   if (mode_ == "tcp") {
     // Page-aligned and zeroed, as shared-memory segments are (the layouts in them assume
-    // cache-line alignment).
-    const uint64_t bytes = (length ? length + 4095 : 4096) / 4096 * 4096;
-    s.addr = std::aligned_alloc(4096, bytes);
-    MOELINK_CHECK(s.addr, "out of memory allocating segment ", id, " of ", length, " bytes");
-    std::memset(s.addr, 0, bytes);
+    // cache-line alignment); anonymous pages, so that slots never written (tcp receives large
+    // payloads straight to where they land) take no memory.
+    void* addr = mmap(nullptr, mappedBytes(length), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    MOELINK_CHECK(addr != MAP_FAILED, "out of memory allocating segment ", id, " of ", length, " bytes");
+    s.addr = addr;
   } else {
     auto r = shm::createRegion(opts_.rank, id, length);
     s.addr = r.addr;

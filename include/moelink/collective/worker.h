@@ -53,7 +53,11 @@
 namespace moelink::collective {
 
 struct WorkerOptions {
-  uint64_t chunk_bytes = 512 << 10;          // MOELINK_CHUNK_BYTES
+  // MOELINK_CHUNK_BYTES: the mailbox slot's payload, the same on every rank; 0 (unset): by the
+  // group, kChunkBytes where its first ranks share a host and shared memory, kTcpChunkBytes where
+  // they use tcp (forced, or on several hosts). A process that joins a running group takes the
+  // group's, which its own setting must then equal.
+  uint64_t chunk_bytes = 512 << 10;
   int depth = 4;                             // MOELINK_MAILBOX_DEPTH
   uint64_t allreduce_small_bytes = 64 << 10; // MOELINK_ALLREDUCE_SMALL_BYTES
   // Pieces of at least this size go to same-host peers that can read this process's memory
@@ -157,6 +161,12 @@ class CollectiveWorker {
   ExpectedPiece expectedPiece(const Collective& op, int peer, uint64_t bytes) const;
   // Membership (worker_membership.cpp).
   void waitAdmission();
+  // The mailbox slot size of this process (WorkerOptions::chunk_bytes): published in the store for
+  // the others to compare with (checkChunkBytes), or the group's for a process that joins it.
+  uint64_t chunkBytes(int initial);
+  // Fails the group's creation, on every rank, where the first ranks' slot sizes differ (each
+  // rank's layout of its peers' segments would differ).
+  void checkChunkBytes(int initial);
   bool pollMembership();  // true when something changed
   void applyChange(const MembershipChange& c);
   void notifyChange();  // runs the onChange listeners

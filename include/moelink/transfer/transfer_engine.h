@@ -187,7 +187,7 @@ class TransferEngine {
     uint64_t length = 0;
     std::string shm_name;  // cleared once unlinked
     bool owned = false;
-    bool shared = false;  // mapped from POSIX shm (else calloc'd or caller-owned)
+    bool shared = false;  // mapped from POSIX shm (else anonymous pages, or caller-owned)
   };
   static void releaseOwned(OwnedSegment& seg);
   // Takes this process's rank: a new incarnation of it, unless a live process holds it.
