@@ -108,7 +108,7 @@ const std::vector<Setting> kSettings = {
            "many bytes run in pieces through a pinned ring (GPU copies, the wire and GPU reductions overlap); "
            "smaller ones stage the whole tensor at once (in a CUDA graph every such op takes the pieces; all_to_all "
            "takes them at every size); the same on every rank"),
-    number("MOELINK_HOST_PIECE_BYTES", "collectives", 8 * kMiB, 64 * kKiB, 1ull << 30,
+    number("MOELINK_HOST_PIECE_BYTES", "collectives", 16 * kMiB, 64 * kKiB, 1ull << 30,
            "CUDA collectives between hosts: a piece's bytes on this rank's side (the ring holds "
            "`MOELINK_HOST_PIECES` of them twice); the same on every rank"),
     number("MOELINK_HOST_PIECES", "collectives", 4, 2, 64,

@@ -49,7 +49,7 @@
 namespace moelink::cuda {
 
 struct HostPipelineTuning {
-  uint64_t slot_bytes = 8 << 20;   // MOELINK_HOST_PIECE_BYTES: a piece's bytes on this rank's side
+  uint64_t slot_bytes = 16 << 20;  // MOELINK_HOST_PIECE_BYTES: a piece's bytes on this rank's side
   int depth = 4;                   // MOELINK_HOST_PIECES: pieces in flight (slots)
   uint64_t min_bytes = 1 << 20;    // MOELINK_HOST_PIPELINE_BYTES: smaller eager ops take the one-shot route
   static HostPipelineTuning fromEnv();
