@@ -1,6 +1,8 @@
 """Bad input: every case checks that the op raises a clear error on the ranks concerned,
 within the timeout, and that the group works correctly afterwards."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,20 @@ def sizes_differ_across_ranks(rank, world):
     x = torch.ones(1024 if rank == 0 else 2048)
     with pytest.raises(RuntimeError, match=r"allreduce #\d+: rank \d+ sent \d+ bytes, this rank expects \d+"):
         dist.all_reduce(x)
+    _group_still_works(world)
+
+
+def chunk_bytes_differ_across_ranks(rank, world):
+    """Ranks whose mailbox slots differ (MOELINK_CHUNK_BYTES) cannot lay out each other's
+    segments alike: the new group fails to form on every rank with both sizes named, and the
+    groups that exist go on."""
+    os.environ["MOELINK_CHUNK_BYTES"] = str(65536 if rank == 0 else 131072)
+    try:
+        with pytest.raises(RuntimeError, match=r"uses mailbox slots of \d+ bytes and this rank \d+ "
+                                               r"\(MOELINK_CHUNK_BYTES must be the same on every rank"):
+            dist.new_group()
+    finally:
+        del os.environ["MOELINK_CHUNK_BYTES"]
     _group_still_works(world)
 
 
