@@ -296,8 +296,9 @@ def cuda_tuning(world: int) -> dict:
     "defaults_measured_on"}``. ``one_shot_bytes`` None: allreduce and broadcast are one exchange at
     every size; above ``one_shot_bytes`` a broadcast over more than 2 ranks is forwarded (the root
     sends each rank its block, which that rank passes on to the others as it lands, in one
-    launch), and an all_reduce that the two-shot Lamport kernel does not take is a reduce-scatter and an all-gather
-    in one launch (each rank's reduced pieces go on to the peers as they are reduced);
+    launch), and an all_reduce that the two-shot Lamport kernel does not take is a reduce-scatter
+    and an all-gather in one launch (each rank's reduced pieces go on to the peers as they are
+    reduced);
     ``defaults_measured_on`` None: no machine of this size has measured the row (groups of 5-8
     ranks so far). Raises ValueError for a setting that does not fit
     or a size outside 1-8."""

@@ -57,7 +57,7 @@ struct WorkerOptions {
   // group, kChunkBytes where its first ranks share a host and shared memory, kTcpChunkBytes where
   // they use tcp (forced, or on several hosts). A process that joins a running group takes the
   // group's, which its own setting must then equal.
-  uint64_t chunk_bytes = 512 << 10;
+  uint64_t chunk_bytes = 0;
   int depth = 4;                             // MOELINK_MAILBOX_DEPTH
   uint64_t allreduce_small_bytes = 64 << 10; // MOELINK_ALLREDUCE_SMALL_BYTES
   // Pieces of at least this size go to same-host peers that can read this process's memory
