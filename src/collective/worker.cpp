@@ -125,6 +125,9 @@ uint64_t CollectiveWorker::chunkBytes(int initial) {
                   " bytes (set it alike on every rank, or on none)");
     return group;
   }
+  // Every first rank's engine has published its record (its host id) once all are here; a rank
+  // that the group refused (another world size) ends the wait at once, as the later barriers do.
+  transfer::storeBarrier(store_, "worker/engines", initial, opts_.timeout, transfer::kRefusedKey);
   uint64_t chunk = opts_.chunk_bytes;
   if (chunk == 0) {
     // Every rank sees the same transport mode and host ids: they decide alike.
