@@ -15,7 +15,7 @@ Mailbox::Mailbox(transfer::TransferEngine& engine, transfer::SegmentId id, uint6
       id_(id),
       rank_(engine.rank()),
       world_(engine.worldSize()),
-      chunk_((chunk_bytes + 63) / 64 * 64),
+      chunk_(slotChunk(chunk_bytes)),
       depth_(static_cast<uint64_t>(depth)),
       ring_(depth_ + 1) {
   MOELINK_CHECK(depth >= 1, "mailbox depth must be >= 1");

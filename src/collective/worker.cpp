@@ -120,7 +120,11 @@ uint64_t CollectiveWorker::chunkBytes(int initial) {
     // The group's segments are laid out already: a joining process takes their slot size.
     const std::string text = store_.get(kGroupChunkKey, opts_.timeout);
     const uint64_t group = transfer::parseCount(text, "the group's mailbox slot size");
-    MOELINK_CHECK(opts_.chunk_bytes == 0 || (opts_.chunk_bytes + 63) / 64 * 64 == group, "MOELINK_CHUNK_BYTES is ",
+    // The record sizes this process's segments: only a size that a group makes (a whole number of
+    // cache lines within MOELINK_CHUNK_BYTES' range) is taken.
+    MOELINK_CHECK(group >= 64 && group <= (1ull << 30) && group == Mailbox::slotChunk(group),
+                  "the group's mailbox slot size in the store, ", group, " bytes, is not one a group makes");
+    MOELINK_CHECK(opts_.chunk_bytes == 0 || Mailbox::slotChunk(opts_.chunk_bytes) == group, "MOELINK_CHUNK_BYTES is ",
                   opts_.chunk_bytes, " in this process, but the group it joins uses slots of ", group,
                   " bytes (set it alike on every rank, or on none)");
     return group;
@@ -144,8 +148,9 @@ void CollectiveWorker::checkChunkBytes(int initial) {
   for (int p = 0; p < initial; ++p) {
     if (p == rank_) continue;
     const std::string key = str("worker/chunk/", p);
-    const uint64_t theirs = (transfer::parseCount(store_.get(key, opts_.timeout), key) + 63) / 64 * 64;
-    MOELINK_CHECK(theirs == mine, "rank ", p, " uses mailbox slots of ", theirs, " bytes and this rank ", mine,
+    const uint64_t theirs = transfer::parseCount(store_.get(key, opts_.timeout), key);  // compared only
+    MOELINK_CHECK(Mailbox::slotChunk(theirs) == mine, "rank ", p, " uses mailbox slots of ", Mailbox::slotChunk(theirs),
+                  " bytes and this rank ", mine,
                   " (MOELINK_CHUNK_BYTES must be the same on every rank, or unset on all)");
   }
   store_.set(kGroupChunkKey, std::to_string(mine));

@@ -111,3 +111,21 @@ TEST(WorkerChunk, AJoiningProcessWhoseSettingDiffersFromTheGroupsIsRefused) {
             std::string::npos)
       << error;
 }
+
+TEST(WorkerChunk, AJoiningProcessTakesOnlyASlotSizeThatAGroupMakes) {
+  // The group's record sizes the joiner's segments: a size no group makes is refused, not allocated.
+  for (const char* forged : {"100", "0", "2199023255552"}) {
+    auto store = std::make_shared<transfer::InProcessStore>();
+    auto founder = std::make_unique<transfer::TransferEngine>(store, engineOptions(0, 2, "tcp", false));
+    auto worker = std::make_unique<collective::CollectiveWorker>(*founder, *store, workerOptions(0, 1, false));
+    store->set("worker/chunk_bytes", forged);
+    auto joiner = std::make_unique<transfer::TransferEngine>(store, engineOptions(1, 2, "tcp", true));
+    std::string error;
+    try {
+      collective::CollectiveWorker w(*joiner, *store, workerOptions(0, 0, true));
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    EXPECT_NE(error.find("is not one a group makes"), std::string::npos) << forged << ": " << error;
+  }
+}

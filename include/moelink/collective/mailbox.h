@@ -82,6 +82,9 @@ class Mailbox {
   void dropPeer(int peer);
 
   uint64_t chunkBytes() const { return chunk_; }
+  // The payload bytes of a slot made for `chunk_bytes` (whole cache lines): what chunkBytes()
+  // returns, and what ranks compare to agree on their layout.
+  static uint64_t slotChunk(uint64_t chunk_bytes) { return (chunk_bytes + 63) / 64 * 64; }
   uint64_t depth() const { return depth_; }
   const std::string& transportTo(int peer) const { return transports_[peer]; }
 
