@@ -37,6 +37,14 @@ void setCombineReceive(kernels::CombineArgs& a, const at::Tensor& topk_idx, cons
   a.out = out.data_ptr();
 }
 
+// The kernels move rows in 16-byte vectors: a view that starts between two such addresses
+// (a misaligned access would end the process's CUDA context) is refused before any launch.
+void checkAligned(const at::Tensor& t, const char* what) {
+  const auto off = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16;
+  TORCH_CHECK_VALUE(off == 0, what, " must start at a 16-byte aligned address (a view at an offset of ", off,
+                    " bytes from one; pass a copy)");
+}
+
 }  // namespace
 
 std::string LowLatencyBuffer::transportOf(int rank) const {
@@ -96,6 +104,7 @@ DispatchOutputs LowLatencyBuffer::dispatch(const at::Tensor& x, const at::Tensor
                     "moelink dispatch: x must be a contiguous [tokens, ", L.hidden, "] tensor, got ", x.sizes());
   TORCH_CHECK_VALUE(x.size(0) <= L.max_tokens, "moelink dispatch: ", x.size(0),
                     " tokens exceed num_max_dispatch_tokens_per_rank=", L.max_tokens);
+  checkAligned(x, "moelink dispatch: x");
   TORCH_CHECK_TYPE(topk_idx.scalar_type() == at::kLong, "moelink dispatch: topk_idx must be int64");
   TORCH_CHECK_VALUE(topk_idx.is_cuda() && topk_idx.device() == x.device() && topk_idx.dim() == 2 &&
                         topk_idx.size(0) == x.size(0) && topk_idx.is_contiguous(),
@@ -154,6 +163,7 @@ at::Tensor LowLatencyBuffer::combine(const at::Tensor& x, const at::Tensor& topk
                         x.size(0) == L.num_local_experts && x.size(1) == rows && x.size(2) == L.hidden,
                     "moelink combine: x must be a contiguous [", L.num_local_experts, ", ", rows, ", ", L.hidden,
                     "] tensor on cuda:", device_, ", got ", x.sizes());
+  checkAligned(x, "moelink combine: x");
   TORCH_CHECK_VALUE(topk_idx.dim() == 2 && topk_idx.scalar_type() == at::kLong && topk_idx.is_contiguous() &&
                         topk_idx.is_cuda() && topk_idx.device().index() == device_ &&
                         topk_idx.size(0) <= L.max_tokens && topk_idx.size(1) >= 1 && topk_idx.size(1) <= kMaxTopk,
@@ -175,6 +185,7 @@ at::Tensor LowLatencyBuffer::combine(const at::Tensor& x, const at::Tensor& topk
                         result.device().index() == device_,
                     "moelink combine: out must be a contiguous bfloat16 [", topk_idx.size(0), ", ", L.hidden,
                     "] tensor on cuda:", device_);
+  checkAligned(result, "moelink combine: out");
   kernels::CombineArgs a;
   a.c = common(static_cast<int>(h.half), timeout_us, active,
                kernels::kSendPhase | (launch_recv ? kernels::kRecvPhase : 0));

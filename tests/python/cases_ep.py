@@ -225,9 +225,19 @@ def bad_input_raises(rank, world):
         buf.low_latency_dispatch(x, idx, MAX_TOKENS, 128)
     with pytest.raises(ValueError, match="multiple of 128"):
         moelink.Buffer(None, MAX_TOKENS, 2000, NUM_EXPERTS)
+    def shifted(t):  # the same values, contiguous, 2 bytes past a 16-byte boundary
+        s = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)[1:1 + t.numel()].view_as(t)
+        return s.copy_(t)
+
+    with pytest.raises(ValueError, match="x must start at a 16-byte aligned address"):
+        buf.low_latency_dispatch(shifted(x), idx, MAX_TOKENS, NUM_EXPERTS)
     recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, NUM_EXPERTS, use_fp8=False)
     with pytest.raises(ValueError, match="the dispatch's"):
         buf.low_latency_combine(recv, idx[:4].contiguous(), w[:4].contiguous(), handle)
+    with pytest.raises(ValueError, match="x must start at a 16-byte aligned address"):
+        buf.low_latency_combine(shifted(recv), idx, w, handle)
+    with pytest.raises(ValueError, match="out must start at a 16-byte aligned address"):
+        buf.low_latency_combine(recv, idx, w, handle, out=shifted(torch.empty_like(x)))
     buf.low_latency_combine(recv, idx, w, handle)  # the refused call launched nothing; the round completes
     check_round(buf, rank, world, 8, 2048, 4, False)  # still works
 

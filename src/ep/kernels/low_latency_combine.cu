@@ -15,6 +15,10 @@
 // Receive phase: a block per token waits for the flags of its first entry at each rank its
 // dispatch reached (and resets them), then every thread adds up one 16-byte column.
 //
+// (Measured, EP4 on 4x H200, 128 tokens: a bulk L2 prefetch of every row this rank holds,
+// issued by each block while the routes travel, delayed the routes' arrival from 5.8 to 19 us
+// and made the combine 2.3x slower.)
+//
 // The payload crossing the links is one row per (token, destination rank): with top-8 of
 // 256 experts on 4 ranks about 3.6 rows per token instead of 8. The partial sums are
 // rounded to bf16 once before the token's rank adds them (in fp32).

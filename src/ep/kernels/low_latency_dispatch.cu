@@ -12,6 +12,9 @@
 // completes an expert's counter sends its count. Receive phase: a block per local expert
 // waits for every source's count and lays the expert out; it and up to three more blocks
 // (where the grid has them) copy the rows the slots name into the packed outputs.
+// (Measured, EP4 on 4x H200, 128 tokens: bulk L2 prefetches of each block's token rows during
+// the count staged the first token 0.8 us earlier but left the call's time as it was, 28.1-28.8
+// against 28.5 us: the sends and the counts' crossing set it, not the loads.)
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
