@@ -225,6 +225,7 @@ def bad_input_raises(rank, world):
         buf.low_latency_dispatch(x, idx, MAX_TOKENS, 128)
     with pytest.raises(ValueError, match="multiple of 128"):
         moelink.Buffer(None, MAX_TOKENS, 2000, NUM_EXPERTS)
+
     def shifted(t):  # the same values, contiguous, 2 bytes past a 16-byte boundary
         s = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)[1:1 + t.numel()].view_as(t)
         return s.copy_(t)
