@@ -91,19 +91,26 @@ COMBINE_POINTS = ["start", "sends done", "flags seen", "tokens done", "routes in
 def trace_breakdown(buf, fn, names, flush, barrier, iters=30):
     """Per-phase timestamps from inside the kernel (%globaltimer, one block = one sample):
     for each phase, the min / median / max over blocks of its time since the earliest block
-    started, each the median over `iters` calls."""
+    started, each the median over `iters` calls; and the medians of the call's event time (as
+    `timed` measures it) and of the kernel's span on this GPU (earliest block start to the
+    latest timestamp), whose difference is what the events see outside the kernel."""
     trace = torch.zeros(buf._impl.num_sms() * 8, dtype=torch.int64, device="cuda")
     buf._impl.set_trace(trace)
-    per_call = []
+    per_call, events, spans = [], [], []
     for _ in range(iters):
         trace.zero_()
         flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(2_000_000)
         barrier()
+        start.record()
         fn()
+        end.record()
         torch.cuda.synchronize()
+        events.append(start.elapsed_time(end) * 1e3)
         t = trace.view(-1, 8).cpu()
         t0 = int(t[:, 0][t[:, 0] > 0].min())
+        spans.append((int(t.max()) - t0) / 1e3)
         stats = []
         for i in range(len(names)):
             col = t[:, i][t[:, i] > 0]
@@ -111,7 +118,8 @@ def trace_breakdown(buf, fn, names, flush, barrier, iters=30):
             stats.append((float(col.min()), float(col.median()), float(col.max())) if len(col) else (0, 0, 0))
         per_call.append(stats)
     buf._impl.set_trace(None)
-    return [tuple(statistics.median(c[i][j] for c in per_call) for j in range(3)) for i in range(len(names))]
+    phases = [tuple(statistics.median(c[i][j] for c in per_call) for j in range(3)) for i in range(len(names))]
+    return phases, statistics.median(events), statistics.median(spans)
 
 
 def anchor_times(dispatch, combine, flush, barrier, iters, end_to_end=False):
@@ -283,14 +291,23 @@ def worker(rank, world, port, tokens_list, iters, trace, mooncake, deepep, q):
             t_hook[3] += timed(lambda: state["ch"][2](), flush, 1, 0, barrier)
         t_disp, t_comb, t_call = t_disp[10:], t_comb[10:], t_call[10:]
         if trace:
-            bd = trace_breakdown(buf, dispatch, DISPATCH_POINTS, flush, barrier)
-            bc = trace_breakdown(buf, combine, COMBINE_POINTS, flush, barrier)
+            bd, ev_d, span_d = trace_breakdown(buf, dispatch, DISPATCH_POINTS, flush, barrier)
+            bc, ev_c, span_c = trace_breakdown(buf, combine, COMBINE_POINTS, flush, barrier)
+            mine = torch.tensor([ev_d, span_d, ev_c, span_c], device="cuda", dtype=torch.float64)
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine, group=nccl)
             if rank == 0:
                 print(f"# rank 0, {tokens} tokens: phase times in the kernel (us since the first block started; "
                       f"min / median / max over blocks)")
                 for title, names, b in (("dispatch", DISPATCH_POINTS, bd), ("combine", COMBINE_POINTS, bc)):
                     for name, (lo, med, hi) in zip(names, b):
                         print(f"  {title:9}{name:18}{lo:8.1f}{med:8.1f}{hi:8.1f}")
+                print(f"# {tokens} tokens, each rank (median of its calls, us): the call's event time and the kernel's "
+                      "span on its GPU (first block start to last timestamp)")
+                print(f"{'rank':>6}{'dispatch event':>16}{'span':>8}{'combine event':>15}{'span':>8}")
+                for r, v in enumerate(every):
+                    e_d, s_d, e_c, s_c = v.tolist()
+                    print(f"{r:>6}{e_d:16.1f}{s_d:8.1f}{e_c:15.1f}{s_c:8.1f}")
         t_hook = [t[10:] for t in t_hook]
         dist.barrier()
         # The all_to_all pipeline syncs with the host (split sizes), so it is timed end to end.
@@ -326,7 +343,8 @@ def main():
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default="ep.png")
-    ap.add_argument("--trace", action="store_true", help="also print per-phase times from inside the kernels")
+    ap.add_argument("--trace", action="store_true", help="also print per-phase times from inside the kernels, and "
+                    "each rank's event time beside its kernel's span")
     ap.add_argument("--mooncake", action="store_true",
                     help="also Mooncake's EP buffer on the same inputs (its wheel: pip install "
                          "mooncake-transfer-engine-cuda13; its kernels compile at the first call)")
