@@ -122,7 +122,8 @@ uint64_t CollectiveWorker::chunkBytes(int initial) {
     const uint64_t group = transfer::parseCount(text, "the group's mailbox slot size");
     // The record sizes this process's segments: only a size that a group makes (a whole number of
     // cache lines within MOELINK_CHUNK_BYTES' range) is taken.
-    MOELINK_CHECK(group >= 64 && group <= (1ull << 30) && group == Mailbox::slotChunk(group),
+    const settings::Setting& range = settings::find("MOELINK_CHUNK_BYTES");
+    MOELINK_CHECK(group >= range.min && group <= range.max && group == Mailbox::slotChunk(group),
                   "the group's mailbox slot size in the store, ", group, " bytes, is not one a group makes");
     MOELINK_CHECK(opts_.chunk_bytes == 0 || Mailbox::slotChunk(opts_.chunk_bytes) == group, "MOELINK_CHUNK_BYTES is ",
                   opts_.chunk_bytes, " in this process, but the group it joins uses slots of ", group,

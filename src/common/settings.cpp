@@ -149,12 +149,6 @@ const std::vector<Setting> kSettings = {
          "`1`: the emulated NIC reports every queue pair's work at teardown, not only failures"),
 };
 
-const Setting& find(const char* name) {
-  for (const Setting& s : kSettings)
-    if (std::strcmp(s.name, name) == 0) return s;
-  MOELINK_THROW("no setting named ", name, " is declared (src/common/settings.cpp)");
-}
-
 const char* raw(const char* name) {
   const char* v = std::getenv(name);
   return v && *v ? v : nullptr;
@@ -178,6 +172,12 @@ uint64_t parseNumber(const Setting& s, const char* v) {
 }
 
 }  // namespace
+
+const Setting& find(const char* name) {
+  for (const Setting& s : kSettings)
+    if (std::strcmp(s.name, name) == 0) return s;
+  MOELINK_THROW("no setting named ", name, " is declared (src/common/settings.cpp)");
+}
 
 const std::vector<Setting>& all() { return kSettings; }
 

@@ -64,6 +64,18 @@ std::vector<Made> makeGroup(const std::shared_ptr<transfer::InProcessStore>& sto
   return made;
 }
 
+// Rank 1 of a tcp group of up to 2 whose rank 0 is running, joining (extension) with `chunk` as
+// its own setting: the joiner's error ("" when it joined).
+std::string joinError(const std::shared_ptr<transfer::InProcessStore>& store, uint64_t chunk) {
+  auto joiner = std::make_unique<transfer::TransferEngine>(store, engineOptions(1, 2, "tcp", true));
+  try {
+    collective::CollectiveWorker w(*joiner, *store, workerOptions(chunk, 0, true));
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace
 
 TEST(WorkerChunk, UnsetTheGroupChoosesByItsTransport) {
@@ -100,13 +112,7 @@ TEST(WorkerChunk, AJoiningProcessWhoseSettingDiffersFromTheGroupsIsRefused) {
   auto founder = std::make_unique<transfer::TransferEngine>(store, engineOptions(0, 2, "tcp", false));
   auto worker = std::make_unique<collective::CollectiveWorker>(*founder, *store, workerOptions(0, 1, false));
   EXPECT_EQ(worker->context().chunk, 2u << 20);
-  auto joiner = std::make_unique<transfer::TransferEngine>(store, engineOptions(1, 2, "tcp", true));
-  std::string error;
-  try {
-    collective::CollectiveWorker w(*joiner, *store, workerOptions(4096, 0, true));
-  } catch (const Error& e) {
-    error = e.what();
-  }
+  const std::string error = joinError(store, 4096);
   EXPECT_NE(error.find("MOELINK_CHUNK_BYTES is 4096 in this process, but the group it joins uses slots of 2097152"),
             std::string::npos)
       << error;
@@ -119,13 +125,7 @@ TEST(WorkerChunk, AJoiningProcessTakesOnlyASlotSizeThatAGroupMakes) {
     auto founder = std::make_unique<transfer::TransferEngine>(store, engineOptions(0, 2, "tcp", false));
     auto worker = std::make_unique<collective::CollectiveWorker>(*founder, *store, workerOptions(0, 1, false));
     store->set("worker/chunk_bytes", forged);
-    auto joiner = std::make_unique<transfer::TransferEngine>(store, engineOptions(1, 2, "tcp", true));
-    std::string error;
-    try {
-      collective::CollectiveWorker w(*joiner, *store, workerOptions(0, 0, true));
-    } catch (const Error& e) {
-      error = e.what();
-    }
+    const std::string error = joinError(store, 0);
     EXPECT_NE(error.find("is not one a group makes"), std::string::npos) << forged << ": " << error;
   }
 }

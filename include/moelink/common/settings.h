@@ -28,6 +28,8 @@ struct Setting {
 };
 
 const std::vector<Setting>& all();
+// The declared setting of that name (its default and range); throws for an undeclared name.
+const Setting& find(const char* name);
 
 // The value of a number or flag setting (its default when unset or empty).
 uint64_t number(const char* name);
