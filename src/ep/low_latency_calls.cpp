@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "cuda_check.h"
+#include "tensor_checks.h"
 #include "moelink/common/error.h"
 #include "moelink/ep/proxy.h"
 
@@ -35,14 +36,6 @@ void setCombineReceive(kernels::CombineArgs& a, const at::Tensor& topk_idx, cons
   a.num_tokens = static_cast<int>(topk_idx.size(0));
   a.num_topk = static_cast<int>(topk_idx.size(1));
   a.out = out.data_ptr();
-}
-
-// The kernels move rows in 16-byte vectors: a view that starts between two such addresses
-// (a misaligned access would end the process's CUDA context) is refused before any launch.
-void checkAligned(const at::Tensor& t, const char* what) {
-  const auto off = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16;
-  TORCH_CHECK_VALUE(off == 0, what, " must start at a 16-byte aligned address (a view at an offset of ", off,
-                    " bytes from one; pass a copy)");
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include "moelink/common/error.h"
 #include "moelink/common/settings.h"
+#include "tensor_checks.h"
 
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -25,13 +26,6 @@ void checkCuda(const at::Tensor& t, const char* name, int device) {
   TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device, "moelink normal mode: ", name,
                     " must be a CUDA tensor on device ", device, ", got ", t.device());
   TORCH_CHECK_VALUE(t.is_contiguous(), "moelink normal mode: ", name, " must be contiguous");
-}
-
-// The kernels move rows 16 bytes at a time (and with bulk copies, which need 16-byte alignment).
-void checkAligned(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "moelink normal mode: ", name,
-                    " must start at a 16-byte aligned address (a view at an offset of ",
-                    reinterpret_cast<uintptr_t>(t.data_ptr()) % 16, " bytes from one; pass a copy)");
 }
 
 const char* errorWhat(int code) {
@@ -223,7 +217,7 @@ void NormalBuffer::checkDispatchInputs(const at::Tensor& x, const std::optional<
   const int64_t T = x.size(0);
   const int64_t x_bytes = x.size(1) * x.element_size();
   TORCH_CHECK_VALUE(x.dim() == 2 && x_bytes % 16 == 0, "moelink normal mode: x rows must be a multiple of 16 bytes");
-  checkAligned(x, "x");
+  checkAligned(x, "moelink normal mode: x");
   TORCH_CHECK_VALUE(is_token_in_rank.scalar_type() == at::kBool && is_token_in_rank.dim() == 2 &&
                         is_token_in_rank.size(0) == T && is_token_in_rank.size(1) == size_,
                     "moelink normal mode: is_token_in_rank must be bool [", T, ", ", size_, "]");
@@ -369,7 +363,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::cachedDispatch(
   checkCuda(x, "x", device_);
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) * x.element_size() % 16 == 0,
                     "moelink normal mode: x rows must be a multiple of 16 bytes");
-  checkAligned(x, "x");
+  checkAligned(x, "moelink normal mode: x");
   for (const at::Tensor* t : {&is_token_in_rank, &rank_prefix, &channel_prefix, &recv_channel_prefix})
     checkCuda(*t, "a handle tensor", device_);
   TORCH_CHECK_VALUE(is_token_in_rank.size(0) == x.size(0), "moelink normal mode: x has ", x.size(0),
@@ -440,7 +434,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::combine(
                     "moelink normal mode: combine's x must be bf16 [", num_recv, ", hidden]");
   TORCH_CHECK_VALUE(x.size(1) % 8 == 0, "moelink normal mode: combine's x rows must be a multiple of 16 bytes (hidden ",
                     x.size(1), " is not a multiple of 8)");
-  checkAligned(x, "combine's x");
+  checkAligned(x, "moelink normal mode: combine's x");
   for (const at::Tensor* t : {&rank_prefix, &recv_channel_prefix, &send_head}) checkCuda(*t, "a handle tensor", device_);
   TORCH_CHECK_VALUE(recv_channel_prefix.size(1) == shape.channels + 1, "moelink normal mode: the handle was made with ",
                     recv_channel_prefix.size(1) - 1, " channels, this config has ", shape.channels,
@@ -453,7 +447,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> NormalBuffer::combine(
       checkCuda(**b, "bias", device_);
       TORCH_CHECK_VALUE((*b)->scalar_type() == at::kBFloat16 && (*b)->size(0) == T && (*b)->size(1) == x.size(1),
                         "moelink normal mode: bias must be bf16 [", T, ", ", x.size(1), "]");
-      checkAligned(**b, "bias");
+      checkAligned(**b, "moelink normal mode: bias");
     }
   auto L = layoutFor(shape, x.size(1) * 2, 0, K);
   auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
