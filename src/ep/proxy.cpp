@@ -58,12 +58,14 @@ EpProxy::EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int s
             "cudaHostAlloc(ring)");
   std::memset(static_cast<void*>(entries_host_), 0, ring_bytes);
   head_host_ = reinterpret_cast<uint64_t*>(entries_host_ + capacity_);
-  cudaCheck(cudaMalloc(reinterpret_cast<void**>(&tail_dev_), sizeof *tail_dev_), "cudaMalloc(ring tail)");
-  cudaCheck(cudaMemset(tail_dev_, 0, sizeof *tail_dev_), "cudaMemset(ring tail)");
+  // Two words: the tail, then the GPU's copy of the head (ProxyRing::head_seen).
+  cudaCheck(cudaMalloc(reinterpret_cast<void**>(&tail_dev_), 2 * sizeof *tail_dev_), "cudaMalloc(ring tail)");
+  cudaCheck(cudaMemset(tail_dev_, 0, 2 * sizeof *tail_dev_), "cudaMemset(ring tail)");
   cudaCheck(cudaHostGetDevicePointer(&p, entries_host_, 0), "cudaHostGetDevicePointer(ring)");
   ring_.entries = static_cast<kernels::ProxyEntry*>(p);
   ring_.head = reinterpret_cast<const uint64_t*>(ring_.entries + capacity_);
   ring_.tail = tail_dev_;
+  ring_.head_seen = tail_dev_ + 1;
   ring_.capacity = capacity_;
   ring_.outbox = outbox_dev_;
   if (!joining)
@@ -113,36 +115,45 @@ std::string EpProxy::transportTo(int peer) const { return engine_->transportOf(p
 
 void EpProxy::run() {
   uint64_t head = 0;
+  std::vector<kernels::ProxyEntry> batch_entries;
   std::vector<transfer::TransferRequest> reqs;
   std::vector<uint64_t> signals(kMaxBatch);
+  batch_entries.reserve(kMaxBatch);
   reqs.reserve(kMaxBatch);
+  const ProxyLimits limits{peers_, outbox_bytes_};
   auto idle_since = std::chrono::steady_clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
+    batch_entries.clear();
     reqs.clear();
     size_t n = 0;
     while (n < kMaxBatch) {
       kernels::ProxyEntry& e = entries_host_[(head + n) % capacity_];
       if (__atomic_load_n(&e.seq, __ATOMIC_ACQUIRE) != head + n + 1) break;
-      transfer::TransferRequest r;
-      r.op = transfer::Opcode::kWrite;
-      r.peer = e.peer;
-      r.segment = kInboxSegment;
-      r.offset = e.remote;
-      r.length = e.length;
-      const bool known = std::find(peers_.begin(), peers_.end(), e.peer) != peers_.end();
-      if (e.kind == kernels::kProxyData && known && e.local <= outbox_bytes_ && e.length <= outbox_bytes_ - e.local) {
-        r.local = outbox_host_ + e.local;
-      } else if (e.kind == kernels::kProxySignal && known && e.length == 8) {
-        signals[n] = e.local;
-        r.local = &signals[n];
-      } else {
-        LOG(ERROR) << "moelink EP proxy (rank " << rank_ << "): dropping a malformed request (kind " << e.kind
-                   << ", peer " << e.peer << ", length " << e.length << ")";
-        ++n;
-        continue;
-      }
-      reqs.push_back(r);
+      batch_entries.push_back(e);
       ++n;
+    }
+    if (n > 0) {
+      const ProxyPlan plan = planProxyBatch(batch_entries.data(), n, limits);
+      for (size_t i : plan.dropped) {
+        const kernels::ProxyEntry& e = batch_entries[i];
+        LOG(ERROR) << "moelink EP proxy (rank " << rank_ << "): dropping a malformed request (kind " << e.kind
+                   << ", peer " << e.peer << ", remote " << e.remote << ", length " << e.length << ")";
+      }
+      for (const ProxyWrite& w : plan.writes) {
+        transfer::TransferRequest r;
+        r.op = transfer::Opcode::kWrite;
+        r.peer = w.peer;
+        r.segment = kInboxSegment;
+        r.offset = w.remote;
+        r.length = w.length;
+        if (w.signal) {
+          signals[reqs.size()] = w.local;
+          r.local = &signals[reqs.size()];
+        } else {
+          r.local = outbox_host_ + w.local;
+        }
+        reqs.push_back(r);
+      }
     }
     if (n == 0) {
       // Spin while traffic is recent (the GPU waits on us), then back off to short sleeps.

@@ -23,6 +23,7 @@
 
 #include "moelink/ep/ibgda/queue.h"
 #include "moelink/ep/layout.h"
+#include "moelink/ep/proxy_ring.h"
 
 namespace moelink::ep::kernels {
 
@@ -63,27 +64,6 @@ struct PeerRoute {
   // and the key of the peer's buffer.
   ibgda::QueuePair* qp = nullptr;
   uint32_t lkey = 0, rkey = 0;
-};
-
-// One request for the CPU proxy, in host-mapped memory. `seq` is written last (ticket + 1).
-struct alignas(16) ProxyEntry {
-  uint64_t seq;
-  int32_t kind;  // kProxyData or kProxySignal
-  int32_t peer;
-  uint64_t local;   // data: offset in the outbox; signal: the 8-byte value
-  uint64_t remote;  // offset in the peer's inbox segment
-  uint64_t length;  // data bytes (signals: 8)
-  uint64_t pad;
-};
-constexpr int kProxyData = 1;
-constexpr int kProxySignal = 2;
-
-struct ProxyRing {
-  ProxyEntry* entries = nullptr;         // host-mapped, `capacity` entries
-  const uint64_t* head = nullptr;        // host-mapped: entries the proxy has consumed
-  unsigned long long* tail = nullptr;    // device: tickets handed out
-  uint64_t capacity = 0;
-  const char* outbox = nullptr;          // device address of the outbox (data offsets are from here)
 };
 
 struct Common {

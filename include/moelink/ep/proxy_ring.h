@@ -1,0 +1,77 @@
+// The ring between the EP kernels and the CPU proxy (plain C++: no CUDA, no torch): the
+// requests the GPU posts, and how the proxy turns one batch of them into transfer-engine
+// writes (planProxyBatch).
+//
+// The GPU posts a request per message to a proxy peer: a data request per row or slot-entry
+// range it wrote into the outbox, a signal request (an 8-byte count or flag, applied as a
+// release store) after the data it covers. The proxy takes what has been posted as one
+// batch. No request of a batch can depend on the delivery of another request of the same
+// batch (the GPU posted all of them before the proxy applied any), so within a batch the
+// proxy may reorder data requests and merge them, as long as every signal still follows
+// every data request posted before it: planProxyBatch sends all of the batch's data first,
+// rows of consecutive tokens to one peer as one write (their outbox and inbox ranges continue
+// each other), then the signals in ring order. Fewer, larger writes cost the proxy and the
+// engine less per byte, and reach the size at which tcp stripes a write over its streams.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace moelink::ep::kernels {
+
+// One request for the CPU proxy, in host-mapped memory. `seq` is written last (ticket + 1).
+struct alignas(16) ProxyEntry {
+  uint64_t seq;
+  int32_t kind;  // kProxyData or kProxySignal
+  int32_t peer;
+  uint64_t local;   // data: offset in the outbox; signal: the 8-byte value
+  uint64_t remote;  // offset in the peer's inbox segment
+  uint64_t length;  // data bytes (signals: 8)
+  uint64_t pad;
+};
+constexpr int kProxyData = 1;
+constexpr int kProxySignal = 2;
+
+struct ProxyRing {
+  ProxyEntry* entries = nullptr;            // host-mapped, `capacity` entries
+  const uint64_t* head = nullptr;           // host-mapped: entries the proxy has consumed
+  unsigned long long* tail = nullptr;       // device: tickets handed out
+  unsigned long long* head_seen = nullptr;  // device: the highest `head` a post has read
+  uint64_t capacity = 0;
+  const char* outbox = nullptr;  // device address of the outbox (data offsets are from here)
+};
+
+}  // namespace moelink::ep::kernels
+
+namespace moelink::ep {
+
+// One write the proxy hands to the engine.
+struct ProxyWrite {
+  int peer = -1;
+  bool signal = false;
+  uint64_t local = 0;   // data: offset in the outbox; signal: the 8-byte value
+  uint64_t remote = 0;  // offset in the peer's inbox
+  uint64_t length = 0;
+};
+
+struct ProxyLimits {
+  std::vector<int> peers;     // the proxy peers; a request to any other rank is malformed
+  uint64_t outbox_bytes = 0;  // a data request's outbox range must lie inside the outbox
+  // (the inbox range is the engine's to check: peers' inboxes differ in size)
+};
+
+struct ProxyPlan {
+  std::vector<ProxyWrite> writes;  // data first, then signals
+  std::vector<size_t> dropped;     // indices of malformed entries (not sent)
+};
+
+// The writes that carry entries [0, n) of one batch, given in ring order. Data entries to one
+// peer are sorted by their inbox offset (stable) and merged where both ranges continue the
+// previous entry's; signals keep their order behind all the data. Where two data entries of
+// the batch overlap in a peer's inbox (the kernels never post that: a byte is rewritten two
+// rounds later, after its receiver consumed it), nothing is reordered or merged: the writes
+// are the entries in ring order.
+ProxyPlan planProxyBatch(const kernels::ProxyEntry* entries, size_t n, const ProxyLimits& limits);
+
+}  // namespace moelink::ep
