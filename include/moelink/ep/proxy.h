@@ -18,16 +18,14 @@
 // next one to create a region). Layouts (per buffer half) are in low_latency_buffer.cpp. No torch here.
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "moelink/ep/low_latency_kernels.h"
+#include "moelink/ep/proxy_carrier.h"
 
 namespace moelink::transfer {
 class TransferEngine;
@@ -63,8 +61,6 @@ class EpProxy {
   std::string transportTo(int peer) const;
 
  private:
-  void run();
-
   int rank_;
   std::vector<int> peers_;
   std::unique_ptr<transfer::TransferEngine> engine_;
@@ -79,9 +75,7 @@ class EpProxy {
   uint64_t capacity_ = 0;
   kernels::ProxyRing ring_;
   std::chrono::milliseconds timeout_;
-  std::atomic<bool> stop_{false};
-  std::mutex io_mu_;  // held by the proxy thread while it carries a batch, and by reopen()
-  std::thread thread_;
+  std::unique_ptr<ProxyCarrier> carrier_;  // the proxy thread (none without proxy peers)
 };
 
 }  // namespace moelink::ep

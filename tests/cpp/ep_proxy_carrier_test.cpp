@@ -1,0 +1,156 @@
+// ProxyCarrier without a GPU: a thread posts what the EP kernels post (rows of tokens in a
+// shuffled order into the outbox, counts after some of them) into a small ring, and the peer,
+// a second engine over shm or tcp, checks that every signal it sees finds the data posted
+// before it in its inbox, round after round, with the ring wrapping and filling up.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "moelink/ep/proxy_carrier.h"
+#include "moelink/transfer/transfer_engine.h"
+#include "test_support.h"
+
+namespace moelink::ep {
+namespace {
+
+using namespace std::chrono;
+using kernels::ProxyEntry;
+
+constexpr transfer::SegmentId kInbox = 0xE9000042u;
+constexpr uint64_t kRow = 3000;     // bytes per row: not a multiple of 8 or 16
+constexpr uint64_t kTokens = 96;
+constexpr uint64_t kSignalsAt = kTokens * kRow;
+constexpr uint64_t kMaxSignals = kTokens;
+constexpr uint64_t kCapacity = 64;  // fewer entries than one round posts: the ring wraps and fills
+constexpr int kRounds = 12;
+
+uint8_t rowByte(int round, uint64_t token, uint64_t i) {
+  return static_cast<uint8_t>((round * 37 + token * 11 + i * 7 + 1) & 0xff);
+}
+
+// The order in which round r posts its tokens (both ends compute it).
+std::vector<uint64_t> postOrder(int round) {
+  std::vector<uint64_t> order(kTokens);
+  for (uint64_t t = 0; t < kTokens; ++t) order[t] = t;
+  std::mt19937 rng(round);
+  std::shuffle(order.begin(), order.end(), rng);
+  return order;
+}
+
+// A signal after every 7th token of the order: (round + 1) << 32 | tokens posted before it.
+uint64_t signalValue(int round, uint64_t posted) { return (static_cast<uint64_t>(round) + 1) << 32 | posted; }
+
+class ProxyCarrierTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
+  const std::string transport = GetParam();
+  auto store = std::make_shared<transfer::InProcessStore>();
+  // Rounds the receiver has checked (the poster then may overwrite them); kGaveUp when it
+  // found a signal without its rows, or none, so that the poster stops too (no hang).
+  constexpr int kGaveUp = 1 << 20;
+  std::atomic<int> checked{0};
+  testing::runRanks(2, [&](int rank) {
+    transfer::EngineOptions o;
+    o.rank = rank;
+    o.world_size = 2;
+    o.transport = transport;
+    o.timeout = seconds(60);
+    transfer::TransferEngine engine(store, o);
+    if (rank == 1) {  // the receiver: checks each signal against the rows posted before it
+      auto* inbox = static_cast<volatile uint8_t*>(engine.allocateSegment(kInbox, kSignalsAt + 8 * kMaxSignals));
+      transfer::storeBarrier(*store, "inbox", 2, seconds(60));
+      auto checkRound = [&](int round) {
+        const auto order = postOrder(round);
+        uint64_t posted = 0;
+        for (uint64_t k = 0; posted < kTokens; ++k) {
+          posted = std::min<uint64_t>(kTokens, (k + 1) * 7);
+          const uint64_t want = signalValue(round, posted);
+          auto* slot = reinterpret_cast<uint64_t*>(const_cast<uint8_t*>(inbox) + kSignalsAt + 8 * k);
+          const auto deadline = steady_clock::now() + seconds(30);
+          while (__atomic_load_n(slot, __ATOMIC_ACQUIRE) != want) {
+            if (steady_clock::now() > deadline) {
+              ADD_FAILURE() << "round " << round << ": signal " << k << " never came";
+              return false;
+            }
+          }
+          for (uint64_t j = 0; j < posted; ++j)
+            for (uint64_t i = 0; i < kRow; i += 97)
+              if (inbox[order[j] * kRow + i] != rowByte(round, order[j], i)) {
+                ADD_FAILURE() << "round " << round << ", signal " << k << " seen before token " << order[j]
+                              << "'s row (posted before it) was there";
+                return false;
+              }
+        }
+        return true;
+      };
+      for (int round = 0; round < kRounds; ++round) {
+        if (!checkRound(round)) {
+          checked.store(kGaveUp, std::memory_order_release);
+          break;
+        }
+        checked.store(round + 1, std::memory_order_release);
+      }
+      transfer::storeBarrier(*store, "done", 2, seconds(60));
+      return;
+    }
+    // The poster: a ring, its head and an outbox in plain memory, as EpProxy has them mapped.
+    std::vector<ProxyEntry> ring(kCapacity);
+    std::memset(static_cast<void*>(ring.data()), 0, ring.size() * sizeof(ProxyEntry));
+    uint64_t head = 0;
+    std::vector<char> outbox(kTokens * kRow);
+    transfer::storeBarrier(*store, "inbox", 2, seconds(60));
+    engine.openSegment(1, kInbox);
+    ProxyCarrier carrier(engine, {.rank = 0,
+                                  .peers = {1},
+                                  .inbox = kInbox,
+                                  .entries = ring.data(),
+                                  .head = &head,
+                                  .capacity = kCapacity,
+                                  .outbox = outbox.data(),
+                                  .outbox_bytes = outbox.size(),
+                                  .timeout = seconds(30)});
+    uint64_t ticket = 0;
+    auto post = [&](int kind, uint64_t local, uint64_t remote, uint64_t length) {
+      const auto deadline = steady_clock::now() + seconds(30);
+      while (ticket - __atomic_load_n(&head, __ATOMIC_ACQUIRE) >= kCapacity) {
+        if (steady_clock::now() > deadline) throw std::runtime_error("the carrier does not drain the ring");
+      }
+      ProxyEntry& e = ring[ticket % kCapacity];
+      e.kind = kind;
+      e.peer = 1;
+      e.local = local;
+      e.remote = remote;
+      e.length = length;
+      __atomic_store_n(&e.seq, ticket + 1, __ATOMIC_RELEASE);
+      ++ticket;
+    };
+    for (int round = 0; round < kRounds && checked.load() != kGaveUp; ++round) {
+      while (checked.load(std::memory_order_acquire) < round) std::this_thread::yield();
+      if (checked.load() == kGaveUp) break;
+      const auto order = postOrder(round);
+      for (uint64_t j = 0; j < kTokens; ++j) {
+        const uint64_t t = order[j];
+        for (uint64_t i = 0; i < kRow; ++i) outbox[t * kRow + i] = static_cast<char>(rowByte(round, t, i));
+        post(kernels::kProxyData, t * kRow, t * kRow, kRow);
+        if ((j + 1) % 7 == 0 || j + 1 == kTokens)
+          post(kernels::kProxySignal, signalValue(round, j + 1), kSignalsAt + 8 * (j / 7), 8);
+      }
+    }
+    EXPECT_TRUE(carrier.settle(ticket));  // everything posted is carried out
+    EXPECT_EQ(__atomic_load_n(&head, __ATOMIC_ACQUIRE), ticket);
+    transfer::storeBarrier(*store, "done", 2, seconds(60));
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, ProxyCarrierTest, ::testing::Values("shm", "tcp"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace moelink::ep
