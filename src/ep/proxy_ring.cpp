@@ -1,6 +1,7 @@
 #include "moelink/ep/proxy_ring.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace moelink::ep {
 
@@ -9,7 +10,9 @@ namespace {
 bool wellFormed(const kernels::ProxyEntry& e, const ProxyLimits& l) {
   if (std::find(l.peers.begin(), l.peers.end(), e.peer) == l.peers.end()) return false;
   if (e.kind == kernels::kProxySignal) return e.length == 8;
-  return e.kind == kernels::kProxyData && e.local <= l.outbox_bytes && e.length <= l.outbox_bytes - e.local;
+  // (remote + length must not wrap: merging adds lengths to remote offsets)
+  return e.kind == kernels::kProxyData && e.local <= l.outbox_bytes && e.length <= l.outbox_bytes - e.local &&
+         e.remote <= UINT64_MAX - e.length;
 }
 
 ProxyWrite writeOf(const kernels::ProxyEntry& e) {

@@ -68,9 +68,10 @@ TEST(ProxyRing, MalformedEntriesAreDroppedAndNamed) {
                                data(2, (1 << 20) - 8, 64, 64),        // past the outbox's end
                                ProxyEntry{0, 3, 2, 0, 0, 8, 0},       // unknown kind
                                ProxyEntry{0, kProxySignal, 2, 1, 8, 4, 0},  // a signal is 8 bytes
+                               data(2, 64, UINT64_MAX - 10, 64),     // an inbox range that wraps
                                signal(3, 1, 0)};
   const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits);
-  EXPECT_EQ(p.dropped, (std::vector<size_t>{1, 2, 3, 4}));
+  EXPECT_EQ(p.dropped, (std::vector<size_t>{1, 2, 3, 4, 5}));
   ASSERT_EQ(p.writes.size(), 2u);
   EXPECT_EQ(p.writes[0].peer, 2);
   EXPECT_FALSE(p.writes[0].signal);

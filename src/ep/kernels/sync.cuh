@@ -211,7 +211,9 @@ __device__ __forceinline__ void proxyPost(const ProxyRing& ring, int kind, int p
     unsigned long long head;
     while (ticket - (head = ldAcquireSys64(ring.head)) >= ring.capacity) {  // full: the proxy drains it
     }
-    atomicMax(ring.head_seen, head);
+    // A release, so that a post that reads this copy (an acquire) is ordered after the
+    // proxy's consumption of the entries the copy frees, as if it had read the host's head.
+    asm volatile("red.release.gpu.global.max.u64 [%0], %1;" ::"l"(ring.head_seen), "l"(head) : "memory");
   }
   ProxyEntry* e = ring.entries + ticket % ring.capacity;
   e->kind = kind;
