@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "moelink/common/error.h"
+#include "moelink/common/settings.h"
 #include "moelink/transfer/transfer_engine.h"
 
 namespace moelink::ep {
@@ -69,7 +70,9 @@ EpProxy::EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int s
                                                                             .capacity = capacity_,
                                                                             .outbox = outbox_host_,
                                                                             .outbox_bytes = outbox_bytes_,
-                                                                            .timeout = timeout_});
+                                                                            .timeout = timeout_,
+                                                                            .threads = static_cast<int>(settings::number(
+                                                                                "MOELINK_EP_PROXY_THREADS"))});
 }
 
 bool EpProxy::settle() {

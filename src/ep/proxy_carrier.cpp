@@ -1,7 +1,9 @@
 #include "moelink/ep/proxy_carrier.h"
 
 #include <glog/logging.h>
+#include <sys/prctl.h>
 
+#include <algorithm>
 #include <string>
 
 #include "moelink/transfer/transfer_engine.h"
@@ -11,6 +13,9 @@ namespace moelink::ep {
 namespace {
 
 constexpr size_t kMaxBatch = 512;
+// How long the threads spin after their last work before they sleep (the GPU waits on them
+// while traffic is recent).
+constexpr auto kSpinFor = std::chrono::milliseconds(2);
 
 inline void cpuRelax() {
 #if defined(__x86_64__)
@@ -18,15 +23,35 @@ inline void cpuRelax() {
 #endif
 }
 
+// A spinning thread's turn: a pause, and every 64th time a yield, so that spinning threads
+// on a host with fewer free cores than threads let the others run.
+inline void spinTurn(unsigned& spins) {
+  if (++spins % 64 == 0)
+    std::this_thread::yield();
+  else
+    cpuRelax();
+}
+
 }  // namespace
 
 ProxyCarrier::ProxyCarrier(transfer::TransferEngine& engine, Config config) : engine_(engine), c_(std::move(config)) {
+  const size_t threads = static_cast<size_t>(std::max(1, c_.threads));
+  parts_.resize(threads);
+  part_batches_.resize(threads);
+  for (size_t i = 1; i < threads; ++i) helpers_.emplace_back([this, i] { help(i); });
   thread_ = std::thread([this] { run(); });
 }
 
 ProxyCarrier::~ProxyCarrier() {
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
+  // Only now: a helper must not leave while the carrier may still hand it a part.
+  {
+    std::lock_guard<std::mutex> g(wake_mu_);
+    quit_helpers_.store(true);
+  }
+  wake_.notify_all();
+  for (std::thread& t : helpers_) t.join();
 }
 
 bool ProxyCarrier::settle(uint64_t tail) const {
@@ -38,13 +63,125 @@ bool ProxyCarrier::settle(uint64_t tail) const {
   return true;
 }
 
+void ProxyCarrier::help(size_t part) {
+  uint64_t seen = 0;
+  unsigned spins = 0;
+  auto idle_since = std::chrono::steady_clock::now();
+  while (true) {
+    const uint64_t round = round_.load(std::memory_order_acquire);
+    if (round == seen) {
+      if (quit_helpers_.load(std::memory_order_acquire)) return;
+      if (std::chrono::steady_clock::now() - idle_since < kSpinFor) {
+        spinTurn(spins);
+      } else {
+        std::unique_lock<std::mutex> g(wake_mu_);
+        wake_.wait(g, [&] { return round_.load(std::memory_order_acquire) != seen || quit_helpers_.load(); });
+      }
+      continue;
+    }
+    seen = round;
+    try {
+      part_batches_[part] = parts_[part].empty() ? nullptr : engine_.submit(parts_[part]);
+    } catch (const std::exception& e) {  // (not expected: the engine reports failures in the batch)
+      LOG_EVERY_N(ERROR, 100) << "moelink EP proxy (rank " << c_.rank << "): submitting failed: " << e.what();
+      part_batches_[part] = nullptr;
+    }
+    busy_.fetch_sub(1, std::memory_order_acq_rel);
+    idle_since = std::chrono::steady_clock::now();
+  }
+}
+
+transfer::TransferRequest ProxyCarrier::request(const ProxyWrite& w, uint64_t skip, uint64_t length) {
+  transfer::TransferRequest r;
+  r.op = transfer::Opcode::kWrite;
+  r.peer = w.peer;
+  r.segment = c_.inbox;
+  r.offset = w.remote + skip;
+  r.length = length;
+  r.local = const_cast<char*>(c_.outbox) + w.local + skip;
+  return r;
+}
+
+bool ProxyCarrier::copiesHere(int peer) const {
+  try {
+    const std::string via = engine_.transportOf(peer, c_.inbox);
+    return via == "shm" || via == "local";
+  } catch (const std::exception&) {
+    return false;  // not opened: the engine fails the request, from whichever thread
+  }
+}
+
+void ProxyCarrier::carryData(const ProxyWave& wave, std::vector<transfer::BatchPtr>& pending) {
+  if (wave.data.empty()) return;
+  // Writes over a transport that copies in the submitting thread (shared memory) are split
+  // over the threads; the others (tcp: its own threads carry them) go in one submission.
+  std::vector<std::pair<int, bool>> peers;  // the wave's peers: whether the submitter copies
+  std::vector<transfer::TransferRequest> whole;
+  uint64_t split_bytes = 0;
+  auto copies = [&](int peer) {
+    for (const auto& p : peers)
+      if (p.first == peer) return p.second;
+    peers.emplace_back(peer, copiesHere(peer));
+    return peers.back().second;
+  };
+  for (const ProxyWrite& w : wave.data) {
+    if (copies(w.peer))
+      split_bytes += w.length;
+    else
+      whole.push_back(request(w, 0, w.length));
+  }
+  if (!whole.empty()) pending.push_back(engine_.submit(whole));
+  if (split_bytes == 0) return;
+  const uint64_t threads = std::max<uint64_t>(
+      1, std::min<uint64_t>(parts_.size(), split_bytes / std::max<uint64_t>(1, c_.part_bytes)));
+  const uint64_t per = (split_bytes + threads - 1) / threads;
+  for (auto& p : parts_) p.clear();
+  // Consecutive pieces of the wave's writes, `per` bytes to a part (the last takes the rest).
+  size_t part = 0;
+  uint64_t room = per;
+  for (const ProxyWrite& w : wave.data) {
+    if (!copies(w.peer)) continue;
+    uint64_t done = 0;
+    while (done < w.length) {
+      if (room == 0 && part + 1 < threads) {
+        ++part;
+        room = per;
+      }
+      const uint64_t n = part + 1 < threads ? std::min(room, w.length - done) : w.length - done;
+      parts_[part].push_back(request(w, done, n));
+      done += n;
+      room -= std::min(room, n);
+    }
+  }
+  if (threads > 1) {
+    // Every helper takes the round (those beyond `threads` find their part empty).
+    busy_.store(static_cast<int>(parts_.size()) - 1, std::memory_order_relaxed);
+    round_.fetch_add(1, std::memory_order_acq_rel);
+    {
+      std::lock_guard<std::mutex> g(wake_mu_);
+    }
+    wake_.notify_all();
+  }
+  pending.push_back(engine_.submit(parts_[0]));
+  if (threads > 1) {
+    unsigned spins = 0;
+    while (busy_.load(std::memory_order_acquire) > 0) spinTurn(spins);
+    for (size_t i = 1; i < parts_.size(); ++i)
+      if (part_batches_[i]) pending.push_back(std::move(part_batches_[i]));
+  }
+}
+
 void ProxyCarrier::run() {
+  // Its idle sleeps are 20 us: with the default timer slack (50 us) each lasted ~70 us, which a
+  // GPU waiting on the first request after a pause paid.
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   uint64_t head = __atomic_load_n(c_.head, __ATOMIC_ACQUIRE);
   std::vector<kernels::ProxyEntry> entries;
-  std::vector<transfer::TransferRequest> reqs;
-  std::vector<uint64_t> signals(kMaxBatch);
+  std::vector<transfer::TransferRequest> signals;
+  std::vector<uint64_t> values(kMaxBatch);
+  std::vector<transfer::BatchPtr> pending;
   entries.reserve(kMaxBatch);
-  reqs.reserve(kMaxBatch);
+  signals.reserve(kMaxBatch);
   const ProxyLimits limits{c_.peers, c_.outbox_bytes};
   auto idle_since = std::chrono::steady_clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
@@ -57,41 +194,46 @@ void ProxyCarrier::run() {
     }
     if (entries.empty()) {
       // Spin while traffic is recent (the GPU waits on us), then back off to short sleeps.
-      if (std::chrono::steady_clock::now() - idle_since < std::chrono::milliseconds(2)) {
+      if (std::chrono::steady_clock::now() - idle_since < kSpinFor) {
         cpuRelax();
       } else {
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
       continue;
     }
-    const ProxyPlan plan = planProxyBatch(entries.data(), entries.size(), limits);
+    const ProxyPlan plan = planProxyBatch(entries.data(), entries.size(), limits, c_.wave_bytes);
     for (size_t i : plan.dropped) {
       const kernels::ProxyEntry& e = entries[i];
       LOG(ERROR) << "moelink EP proxy (rank " << c_.rank << "): dropping a malformed request (kind " << e.kind
                  << ", peer " << e.peer << ", remote " << e.remote << ", length " << e.length << ")";
     }
-    reqs.clear();
-    for (const ProxyWrite& w : plan.writes) {
-      transfer::TransferRequest r;
-      r.op = transfer::Opcode::kWrite;
-      r.peer = w.peer;
-      r.segment = c_.inbox;
-      r.offset = w.remote;
-      r.length = w.length;
-      if (w.signal) {
-        signals[reqs.size()] = w.local;  // lives until the engine has applied it (the wait below)
-        r.local = &signals[reqs.size()];
-      } else {
-        r.local = const_cast<char*>(c_.outbox) + w.local;
-      }
-      reqs.push_back(r);
-    }
-    if (!reqs.empty()) {
+    {
       std::lock_guard<std::mutex> g(io_mu_);
-      auto batch = engine_.submit(reqs);
-      if (!batch->wait(c_.timeout) || batch->failed()) {
-        LOG_EVERY_N(ERROR, 100) << "moelink EP proxy (rank " << c_.rank << "): transfer failed: "
-                                << (batch->failed() ? batch->error() : std::string("timed out"));
+      pending.clear();
+      size_t next_value = 0;  // signal values live until the engine has applied them (the waits below)
+      for (const ProxyWave& wave : plan.waves) {
+        carryData(wave, pending);
+        if (wave.signals.empty()) continue;
+        signals.clear();
+        for (const ProxyWrite& w : wave.signals) {
+          values[next_value] = w.local;
+          transfer::TransferRequest r;
+          r.op = transfer::Opcode::kWrite;
+          r.peer = w.peer;
+          r.segment = c_.inbox;
+          r.offset = w.remote;
+          r.length = w.length;
+          r.local = &values[next_value++];
+          signals.push_back(r);
+        }
+        pending.push_back(engine_.submit(signals));
+      }
+      for (const transfer::BatchPtr& batch : pending) {
+        if (!batch->wait(c_.timeout) || batch->failed()) {
+          LOG_EVERY_N(ERROR, 100) << "moelink EP proxy (rank " << c_.rank << "): transfer failed: "
+                                  << (batch->failed() ? batch->error() : std::string("timed out"));
+          break;
+        }
       }
     }
     head += entries.size();

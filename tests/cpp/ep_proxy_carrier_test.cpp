@@ -1,7 +1,8 @@
 // ProxyCarrier without a GPU: a thread posts what the EP kernels post (rows of tokens in a
 // shuffled order into the outbox, counts after some of them) into a small ring, and the peer,
 // a second engine over shm or tcp, checks that every signal it sees finds the data posted
-// before it in its inbox, round after round, with the ring wrapping and filling up.
+// before it in its inbox, round after round, with the ring wrapping and filling up; carried
+// by one thread, and by four with rows split between them.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moelink/ep/proxy_carrier.h"
@@ -47,10 +49,12 @@ std::vector<uint64_t> postOrder(int round) {
 // A signal after every 7th token of the order: (round + 1) << 32 | tokens posted before it.
 uint64_t signalValue(int round, uint64_t posted) { return (static_cast<uint64_t>(round) + 1) << 32 | posted; }
 
-class ProxyCarrierTest : public ::testing::TestWithParam<std::string> {};
+// (transport, carrying threads): with several threads, waves of a few rows split over them.
+class ProxyCarrierTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
-  const std::string transport = GetParam();
+  const std::string transport = std::get<0>(GetParam());
+  const int threads = std::get<1>(GetParam());
   auto store = std::make_shared<transfer::InProcessStore>();
   // Rounds the receiver has checked (the poster then may overwrite them); kGaveUp when it
   // found a signal without its rows, or none, so that the poster stops too (no hang).
@@ -115,7 +119,10 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
                                   .capacity = kCapacity,
                                   .outbox = outbox.data(),
                                   .outbox_bytes = outbox.size(),
-                                  .timeout = seconds(30)});
+                                  .timeout = seconds(30),
+                                  .threads = threads,
+                                  .wave_bytes = threads > 1 ? 4 * kRow : kProxyWaveBytes,
+                                  .part_bytes = kRow / 2});
     uint64_t ticket = 0;
     auto post = [&](int kind, uint64_t local, uint64_t remote, uint64_t length) {
       const auto deadline = steady_clock::now() + seconds(30);
@@ -149,8 +156,11 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, ProxyCarrierTest, ::testing::Values("shm", "tcp"),
-                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+INSTANTIATE_TEST_SUITE_P(Transports, ProxyCarrierTest,
+                         ::testing::Combine(::testing::Values("shm", "tcp"), ::testing::Values(1, 4)),
+                         [](const ::testing::TestParamInfo<std::tuple<std::string, int>>& i) {
+                           return std::get<0>(i.param) + "_" + std::to_string(std::get<1>(i.param)) + "threads";
+                         });
 
 }  // namespace
 }  // namespace moelink::ep

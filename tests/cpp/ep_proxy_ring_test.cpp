@@ -23,6 +23,16 @@ ProxyEntry signal(int peer, uint64_t value, uint64_t remote) {
 
 const ProxyLimits kLimits{{2, 3}, 1 << 20};
 
+// The plan's writes in the order the carrier submits them: each wave's data, then its signals.
+std::vector<ProxyWrite> flatten(const ProxyPlan& p) {
+  std::vector<ProxyWrite> out;
+  for (const ProxyWave& w : p.waves) {
+    out.insert(out.end(), w.data.begin(), w.data.end());
+    out.insert(out.end(), w.signals.begin(), w.signals.end());
+  }
+  return out;
+}
+
 TEST(ProxyRing, RowsOfConsecutiveTokensBecomeOneWriteAndSignalsFollowAllData) {
   // Rows of 100 bytes, token t at outbox 1000 + 100 t and inbox 5000 + 100 t, posted out of
   // order by the blocks; token 4 does not go to the peer; a count between them.
@@ -31,18 +41,20 @@ TEST(ProxyRing, RowsOfConsecutiveTokensBecomeOneWriteAndSignalsFollowAllData) {
                                signal(2, 9, 72)};
   const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits);
   EXPECT_TRUE(p.dropped.empty());
-  ASSERT_EQ(p.writes.size(), 4u);
-  EXPECT_FALSE(p.writes[0].signal);
-  EXPECT_EQ(p.writes[0].local, 1000u);
-  EXPECT_EQ(p.writes[0].remote, 5000u);
-  EXPECT_EQ(p.writes[0].length, 400u);  // tokens 0-3
-  EXPECT_EQ(p.writes[1].remote, 5500u);  // token 5: a gap before it
-  EXPECT_EQ(p.writes[1].length, 100u);
-  EXPECT_TRUE(p.writes[2].signal);
-  EXPECT_EQ(p.writes[2].local, 7u);  // the signals in ring order
-  EXPECT_EQ(p.writes[2].remote, 64u);
-  EXPECT_TRUE(p.writes[3].signal);
-  EXPECT_EQ(p.writes[3].local, 9u);
+  ASSERT_EQ(p.waves.size(), 1u);  // less data than a wave
+  const std::vector<ProxyWrite> writes = flatten(p);
+  ASSERT_EQ(writes.size(), 4u);
+  EXPECT_FALSE(writes[0].signal);
+  EXPECT_EQ(writes[0].local, 1000u);
+  EXPECT_EQ(writes[0].remote, 5000u);
+  EXPECT_EQ(writes[0].length, 400u);  // tokens 0-3
+  EXPECT_EQ(writes[1].remote, 5500u);  // token 5: a gap before it
+  EXPECT_EQ(writes[1].length, 100u);
+  EXPECT_TRUE(writes[2].signal);
+  EXPECT_EQ(writes[2].local, 7u);  // the signals in ring order
+  EXPECT_EQ(writes[2].remote, 64u);
+  EXPECT_TRUE(writes[3].signal);
+  EXPECT_EQ(writes[3].local, 9u);
 }
 
 TEST(ProxyRing, NoMergeAcrossPeersOrOutboxGaps) {
@@ -51,15 +63,16 @@ TEST(ProxyRing, NoMergeAcrossPeersOrOutboxGaps) {
   std::vector<ProxyEntry> e = {data(2, 0, 100, 50), data(2, 500, 150, 50), data(3, 50, 200, 50),
                                data(3, 0, 150, 50)};
   const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits);
-  ASSERT_EQ(p.writes.size(), 3u);
-  EXPECT_EQ(p.writes[0].peer, 2);
-  EXPECT_EQ(p.writes[0].length, 50u);
-  EXPECT_EQ(p.writes[1].peer, 2);
-  EXPECT_EQ(p.writes[1].local, 500u);
-  EXPECT_EQ(p.writes[2].peer, 3);
-  EXPECT_EQ(p.writes[2].local, 0u);
-  EXPECT_EQ(p.writes[2].remote, 150u);
-  EXPECT_EQ(p.writes[2].length, 100u);
+  const std::vector<ProxyWrite> writes = flatten(p);
+  ASSERT_EQ(writes.size(), 3u);
+  EXPECT_EQ(writes[0].peer, 2);
+  EXPECT_EQ(writes[0].length, 50u);
+  EXPECT_EQ(writes[1].peer, 2);
+  EXPECT_EQ(writes[1].local, 500u);
+  EXPECT_EQ(writes[2].peer, 3);
+  EXPECT_EQ(writes[2].local, 0u);
+  EXPECT_EQ(writes[2].remote, 150u);
+  EXPECT_EQ(writes[2].length, 100u);
 }
 
 TEST(ProxyRing, MalformedEntriesAreDroppedAndNamed) {
@@ -72,31 +85,35 @@ TEST(ProxyRing, MalformedEntriesAreDroppedAndNamed) {
                                signal(3, 1, 0)};
   const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits);
   EXPECT_EQ(p.dropped, (std::vector<size_t>{1, 2, 3, 4, 5}));
-  ASSERT_EQ(p.writes.size(), 2u);
-  EXPECT_EQ(p.writes[0].peer, 2);
-  EXPECT_FALSE(p.writes[0].signal);
-  EXPECT_EQ(p.writes[1].peer, 3);
-  EXPECT_TRUE(p.writes[1].signal);
+  const std::vector<ProxyWrite> writes = flatten(p);
+  ASSERT_EQ(writes.size(), 2u);
+  EXPECT_EQ(writes[0].peer, 2);
+  EXPECT_FALSE(writes[0].signal);
+  EXPECT_EQ(writes[1].peer, 3);
+  EXPECT_TRUE(writes[1].signal);
 }
 
 TEST(ProxyRing, OverlappingWritesKeepTheRingOrder) {
   std::vector<ProxyEntry> e = {data(2, 0, 100, 100), signal(2, 1, 0), data(2, 200, 150, 100), data(2, 400, 0, 100)};
   const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits);
-  ASSERT_EQ(p.writes.size(), e.size());
+  ASSERT_EQ(p.waves.size(), e.size());  // one entry per wave
+  const std::vector<ProxyWrite> writes = flatten(p);
+  ASSERT_EQ(writes.size(), e.size());
   for (size_t i = 0; i < e.size(); ++i) {
-    EXPECT_EQ(p.writes[i].remote, e[i].remote) << i;
-    EXPECT_EQ(p.writes[i].signal, e[i].kind == kProxySignal) << i;
+    EXPECT_EQ(writes[i].remote, e[i].remote) << i;
+    EXPECT_EQ(writes[i].signal, e[i].kind == kProxySignal) << i;
   }
 }
 
-// Random batches of what the kernels post (rows of tokens and slot ranges to two peers,
-// counts and flags): applying the plan leaves every inbox as applying the entries in ring
-// order does, each signal is applied after every data entry posted before it, and no write
-// covers a byte no entry covers.
+// Random batches of what the kernels post (rows of tokens to two peers, counts and flags),
+// planned in one wave and in waves of a few rows: applying the plan leaves every inbox as
+// applying the entries in ring order does, each signal is applied after every data entry
+// posted before it, and no write covers a byte no entry covers.
 TEST(ProxyRing, PlanDeliversWhatTheRingOrderDoes) {
   std::mt19937 rng(7);
   constexpr uint64_t kRow = 48, kTokens = 64, kRows = 0, kSignals = kTokens * kRow;
   for (int round = 0; round < 200; ++round) {
+    const uint64_t wave_bytes = round % 2 ? kProxyWaveBytes : kRow * (1 + round % 7);
     std::vector<ProxyEntry> e;
     std::vector<uint64_t> order(kTokens);
     for (uint64_t t = 0; t < kTokens; ++t) order[t] = t;
@@ -112,8 +129,9 @@ TEST(ProxyRing, PlanDeliversWhatTheRingOrderDoes) {
         }
       }
     }
-    const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits);
+    const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits, wave_bytes);
     ASSERT_TRUE(p.dropped.empty());
+    if (wave_bytes == kProxyWaveBytes) ASSERT_EQ(p.waves.size(), 1u);
     // Every byte carried, from the same outbox bytes, exactly once.
     std::vector<std::vector<int>> want(4, std::vector<int>(kSignals + 8 * 32, -1)), got = want;
     std::vector<uint64_t> want_signal(4 * 32, 0), got_signal = want_signal;
@@ -124,17 +142,26 @@ TEST(ProxyRing, PlanDeliversWhatTheRingOrderDoes) {
       }
       for (uint64_t b = 0; b < x.length; ++b) want[x.peer][x.remote + b] = static_cast<int>(x.local + b);
     }
-    bool signal_seen = false;
-    for (const ProxyWrite& w : p.writes) {
-      if (w.signal) {
-        signal_seen = true;
-        got_signal[w.peer * 32 + (w.remote - kSignals) / 8] = w.local;  // in order: the last one wins
-        continue;
+    for (const ProxyWave& wave : p.waves) {
+      uint64_t bytes = 0;
+      for (const ProxyWrite& w : wave.data) {
+        ASSERT_FALSE(w.signal);
+        bytes += w.length;
+        for (uint64_t b = 0; b < w.length; ++b) {
+          ASSERT_EQ(got[w.peer][w.remote + b], -1) << "a byte written twice";
+          got[w.peer][w.remote + b] = static_cast<int>(w.local + b);
+        }
       }
-      ASSERT_FALSE(signal_seen) << "a data write after a signal";
-      for (uint64_t b = 0; b < w.length; ++b) {
-        ASSERT_EQ(got[w.peer][w.remote + b], -1) << "a byte written twice";
-        got[w.peer][w.remote + b] = static_cast<int>(w.local + b);
+      ASSERT_EQ(bytes, wave.bytes);
+      for (const ProxyWrite& w : wave.signals) {
+        ASSERT_TRUE(w.signal);
+        got_signal[w.peer * 32 + (w.remote - kSignals) / 8] = w.local;  // in order: the last one wins
+        // Every data entry posted before this signal (its value numbers it) has landed.
+        for (const ProxyEntry& x : e) {
+          if (x.kind == kProxySignal && x.local == w.local) break;
+          if (x.kind == kProxyData)
+            ASSERT_EQ(got[x.peer][x.remote], static_cast<int>(x.local)) << "signal " << w.local << " before its data";
+        }
       }
     }
     ASSERT_EQ(got, want);
@@ -144,9 +171,36 @@ TEST(ProxyRing, PlanDeliversWhatTheRingOrderDoes) {
     for (int peer : {2, 3})
       for (uint64_t t = 0; t < kTokens; ++t)
         runs += want[peer][kRows + t * kRow] >= 0 && (t == 0 || want[peer][kRows + (t - 1) * kRow] < 0);
-    for (const ProxyWrite& w : p.writes) data_writes += !w.signal;
-    ASSERT_EQ(data_writes, runs);
+    for (const ProxyWave& wave : p.waves) data_writes += wave.data.size();
+    if (p.waves.size() == 1) ASSERT_EQ(data_writes, runs);
+    ASSERT_GE(data_writes, runs);
   }
+}
+
+// A flag posted before a long run of rows (the combine's route flag, then its rows) goes in
+// the first wave, not behind every row of the batch.
+TEST(ProxyRing, ASignalWaitsForAWaveNotForTheBatch) {
+  constexpr uint64_t kRow = 64 << 10;
+  std::vector<ProxyEntry> e = {data(2, 0, 0, 16 << 10), signal(2, 1, 8 << 20)};
+  for (uint64_t t = 0; t < 20; ++t) {
+    e.push_back(data(3, 0, 0, 0));  // empty: nothing to carry
+    e.push_back(data(2, 16384 + t * 40000, (1 << 20) + t * kRow, 40000));
+    e.push_back(signal(2, 2 + t, (8 << 20) + 8 + 8 * t));
+  }
+  const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits);
+  ASSERT_TRUE(p.dropped.empty());
+  ASSERT_GT(p.waves.size(), 2u);
+  EXPECT_EQ(p.waves[0].signals.front().local, 1u);
+  EXPECT_GE(p.waves[0].bytes, kProxyWaveBytes);
+  EXPECT_LT(p.waves[0].bytes, kProxyWaveBytes + 40000);  // it ends at the first signal after that much
+  uint64_t total = 0, signals = 0;
+  for (const ProxyWave& w : p.waves) {
+    total += w.bytes;
+    signals += w.signals.size();
+    EXPECT_FALSE(w.signals.empty());  // every wave here ends at a signal
+  }
+  EXPECT_EQ(total, (16u << 10) + 20u * 40000);
+  EXPECT_EQ(signals, 21u);
 }
 
 }  // namespace

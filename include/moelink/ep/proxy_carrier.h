@@ -1,14 +1,20 @@
-// ProxyCarrier: the CPU proxy's thread (plain C++: no CUDA, no torch). It takes what has been
-// posted into the ring (proxy_ring.h) as a batch, plans it (planProxyBatch: the data, rows of
-// consecutive tokens merged, then the signals) and hands the writes to the transfer engine,
-// into each peer's inbox segment; when the engine has carried the batch, it advances the
-// ring's head, which frees the entries for the poster. EpProxy (proxy.h) gives it a ring and
+// ProxyCarrier: the CPU proxy's threads (plain C++: no CUDA, no torch). The carrier takes what
+// has been posted into the ring (proxy_ring.h) as a batch, plans it into waves
+// (planProxyBatch: data, rows of consecutive tokens merged, then the signals that follow it)
+// and hands the writes to the transfer engine, into each peer's inbox segment; when the
+// engine has carried the batch, it advances the ring's head, which frees the entries for the
+// poster. A wave's data to peers over shared memory, where the engine copies in the
+// submitting thread, is split over `threads` threads (the carrier and its helpers) that
+// submit their parts at once (one core copies at 6-10 GB/s, docs/PERF.md); data to peers
+// over tcp, whose own threads carry it, is one submission. The wave's signals are submitted
+// once all of its data has been (the engine applies a peer's requests in submission order). EpProxy (proxy.h) gives it a ring and
 // an outbox in host memory that the GPU maps; tests give it plain memory and post from a
 // thread.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <thread>
@@ -35,10 +41,13 @@ class ProxyCarrier {
     const char* outbox = nullptr;       // data offsets are from here
     uint64_t outbox_bytes = 0;
     std::chrono::milliseconds timeout{300000};  // how long a batch may take before it is logged and passed
+    int threads = 1;                    // threads that carry a wave's data (the carrier included)
+    uint64_t wave_bytes = kProxyWaveBytes;  // planProxyBatch's
+    uint64_t part_bytes = 64 << 10;     // the least data a thread takes from a wave
   };
   // Starts the thread. The engine outlives the carrier.
   ProxyCarrier(transfer::TransferEngine& engine, Config config);
-  // Stops the thread after the batch in hand (settle() first to deliver everything posted).
+  // Stops the threads after the batch in hand (settle() first to deliver everything posted).
   ~ProxyCarrier();
   ProxyCarrier(const ProxyCarrier&) = delete;
   ProxyCarrier& operator=(const ProxyCarrier&) = delete;
@@ -51,11 +60,28 @@ class ProxyCarrier {
 
  private:
   void run();
+  void help(size_t part);
+  // Submits a wave's data, split into parts over the threads; returns once every part has
+  // been submitted (their batches are added to `pending`).
+  void carryData(const ProxyWave& wave, std::vector<transfer::BatchPtr>& pending);
+  transfer::TransferRequest request(const ProxyWrite& w, uint64_t skip, uint64_t length);
+  // Whether the engine's transport to `peer` copies in the submitting thread (shared memory).
+  bool copiesHere(int peer) const;
 
   transfer::TransferEngine& engine_;
   Config c_;
   std::atomic<bool> stop_{false};
   std::mutex io_mu_;
+  // Work for the helpers: part i + 1 of the current wave is parts_[i + 1] (part 0 is the
+  // carrier's); a new wave raises `round_`, each helper lowers `busy_` when its part is submitted.
+  std::vector<std::vector<transfer::TransferRequest>> parts_;
+  std::vector<transfer::BatchPtr> part_batches_;
+  std::atomic<uint64_t> round_{0};
+  std::atomic<int> busy_{0};
+  std::atomic<bool> quit_helpers_{false};  // set once the carrier thread has ended
+  std::mutex wake_mu_;
+  std::condition_variable wake_;
+  std::vector<std::thread> helpers_;
   std::thread thread_;
 };
 

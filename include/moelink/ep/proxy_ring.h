@@ -8,10 +8,13 @@
 // batch. No request of a batch can depend on the delivery of another request of the same
 // batch (the GPU posted all of them before the proxy applied any), so within a batch the
 // proxy may reorder data requests and merge them, as long as every signal still follows
-// every data request posted before it: planProxyBatch sends all of the batch's data first,
-// rows of consecutive tokens to one peer as one write (their outbox and inbox ranges continue
-// each other), then the signals in ring order. Fewer, larger writes cost the proxy and the
-// engine less per byte, and reach the size at which tcp stripes a write over its streams.
+// every data request posted before it. planProxyBatch cuts the batch, in ring order, into
+// waves of at least kProxyWaveBytes of data each (a wave ends at a signal): a wave's data,
+// rows of consecutive tokens to one peer merged into one write (their outbox and inbox
+// ranges continue each other), may be carried in any order and in parallel; its signals
+// follow all of it. A signal waits for at most a wave's worth of data posted after it (not
+// for the whole batch: a combine's route flag, posted before its rows, is not held behind
+// them), and a wave is large enough to split over several copying threads.
 #pragma once
 
 #include <cstddef>
@@ -61,17 +64,29 @@ struct ProxyLimits {
   // (the inbox range is the engine's to check: peers' inboxes differ in size)
 };
 
-struct ProxyPlan {
-  std::vector<ProxyWrite> writes;  // data first, then signals
-  std::vector<size_t> dropped;     // indices of malformed entries (not sent)
+// Data to carry, in any order, then signals to apply in order, after all of the data.
+struct ProxyWave {
+  std::vector<ProxyWrite> data;
+  std::vector<ProxyWrite> signals;
+  uint64_t bytes = 0;  // of the data
 };
 
-// The writes that carry entries [0, n) of one batch, given in ring order. Data entries to one
-// peer are sorted by their inbox offset (stable) and merged where both ranges continue the
-// previous entry's; signals keep their order behind all the data. Where two data entries of
-// the batch overlap in a peer's inbox (the kernels never post that: a byte is rewritten two
-// rounds later, after its receiver consumed it), nothing is reordered or merged: the writes
-// are the entries in ring order.
-ProxyPlan planProxyBatch(const kernels::ProxyEntry* entries, size_t n, const ProxyLimits& limits);
+struct ProxyPlan {
+  std::vector<ProxyWave> waves;  // carried one after the other
+  std::vector<size_t> dropped;   // indices of malformed entries (not sent)
+};
+
+// The least data a wave holds before a signal may end it.
+constexpr uint64_t kProxyWaveBytes = 256 << 10;
+
+// The waves that carry entries [0, n) of one batch, given in ring order. A wave takes the
+// entries in ring order until a signal comes after at least `wave_bytes` of its data (or the
+// batch ends); its data entries to one peer are sorted by their inbox offset (stable) and
+// merged where both ranges continue the previous entry's; its signals keep their order.
+// Where two data entries of the batch overlap in a peer's inbox (the kernels never post that:
+// a byte is rewritten two rounds later, after its receiver consumed it), nothing is
+// reordered or merged: every entry is a wave of its own, in ring order.
+ProxyPlan planProxyBatch(const kernels::ProxyEntry* entries, size_t n, const ProxyLimits& limits,
+                          uint64_t wave_bytes = kProxyWaveBytes);
 
 }  // namespace moelink::ep
