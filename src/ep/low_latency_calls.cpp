@@ -184,6 +184,8 @@ at::Tensor LowLatencyBuffer::combine(const at::Tensor& x, const at::Tensor& topk
                kernels::kSendPhase | (launch_recv ? kernels::kRecvPhase : 0));
   a.x = x.data_ptr();
   a.blocks_seen = scratch_ + kernels::combineScratchOffset(L);
+  a.gate = scratch_ + kernels::combineGateOffset(L);
+  a.relay = scratch_ + kernels::combineRelayOffset(L);
   a.layout_range = h.layout_range.data_ptr<int64_t>();
   setCombineReceive(a, topk_idx, topk_weights, result);
   kernels::combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());

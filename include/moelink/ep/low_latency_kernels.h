@@ -33,10 +33,13 @@ enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 // again): for dispatch, per global expert a slot counter, a finish counter and the expected
 // count, then (after combine's int) per local expert a ready flag: the receive blocks that
 // have yet to read the expert's layout; for combine, a counter of the blocks that have read
-// the route flags.
-inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts + 1 + l.num_local_experts; }
+// the route flags, and after the dispatch's flags the proxy gate's two counters and a relay
+// word per rank.
+inline int scratchInts(const EpLayout& l) { return 3 * l.num_experts + 3 + l.num_local_experts + l.num_ranks; }
 inline int combineScratchOffset(const EpLayout& l) { return 3 * l.num_experts; }
 inline int dispatchReadyOffset(const EpLayout& l) { return 3 * l.num_experts + 1; }
+inline int combineGateOffset(const EpLayout& l) { return 3 * l.num_experts + 1 + l.num_local_experts; }
+inline int combineRelayOffset(const EpLayout& l) { return combineGateOffset(l) + 2; }
 
 struct PeerRoute {
   // Sends to the peer.
@@ -118,6 +121,8 @@ struct CombineArgs {
   const void* x = nullptr;  // bf16 expert outputs [local, ranks*max_tokens, hidden]
   const int64_t* layout_range = nullptr;  // the dispatch's [local, ranks]
   int* blocks_seen = nullptr;  // scratch int (at combineScratchOffset()): blocks that read the route flags
+  int* gate = nullptr;         // 2 scratch ints (combineGateOffset()): blocks done sending, blocks past the gate
+  int* relay = nullptr;        // scratch ints [num_ranks] (combineRelayOffset()): proxy sources' route flags
   // receive side
   const int64_t* topk_idx = nullptr;
   const float* topk_weights = nullptr;

@@ -24,6 +24,8 @@
 // rounded to bf16 once before the token's rank adds them (in fp32).
 #include <cuda_bf16.h>
 
+#include <climits>
+
 #include "moelink/ep/low_latency_kernels.h"
 #include "launch.h"
 #include "sync.cuh"
@@ -39,6 +41,7 @@ constexpr int kTeamThreads = kThreads / kTeams;  // 8 warps
 constexpr int kRowsInFlight = 2;                 // rows loaded together per column
 constexpr int kColsPerThread = 2;                // columns (16 B) a thread works on together
 constexpr int kRouteFlagBase = kMaxTopk + 1;     // route flag = tokens * base + top-k (never 0)
+constexpr int kRelayTimedOut = INT_MIN;          // relayed for a proxy source's route flag that never came
 
 // A barrier of one team's 256 threads (named barriers 1..kTeams; 0 is __syncthreads).
 __device__ __forceinline__ void teamSync(int team) {
@@ -108,10 +111,23 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
     // Read while the routes are on their way (ordered before use by the barrier below).
     for (int i = tid; i < L.num_experts; i += kThreads) s_range[i] = __ldg(a.layout_range + i);
 
+    // A proxy source's route flag is in host memory: one block (the source's watcher) polls it
+    // and relays its value through this GPU's memory, which the other blocks poll. (With every
+    // block polling the host's flags, each of this GPU's posts to the proxy took ~120 us:
+    // 4x H200, EP4 over 2 virtual hosts.)
     for (int s = tid; s < L.num_ranks; s += kThreads) {
       int v = 0;
       if (s_active[s]) {
-        v = waitNonZero(reinterpret_cast<const int*>(a.c.routes[s].route_flag_recv), a.c.timeout_ns);
+        const int* flag = reinterpret_cast<const int*>(a.c.routes[s].route_flag_recv);
+        if (!a.c.routes[s].proxy) {
+          v = waitNonZero(flag, a.c.timeout_ns);
+        } else if (s % static_cast<int>(gridDim.x) == static_cast<int>(blockIdx.x)) {
+          v = waitNonZero(flag, a.c.timeout_ns);
+          stReleaseGpu(a.relay + s, v != 0 ? v : kRelayTimedOut);
+        } else {
+          const int r = waitNonZeroGpu(a.relay + s, a.c.timeout_ns);
+          v = r == kRelayTimedOut ? 0 : r;
+        }
         if (v == 0) atomicExch(a.c.active + s, 0);  // timed out: masked
       }
       s_hdr[s] = v;
@@ -122,7 +138,10 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
       // The last block to get here resets the flags: every block has read them by then.
       int* seen = a.blocks_seen;
       if (atomicAdd(seen, 1) == static_cast<int>(gridDim.x) - 1) {
-        for (int s = 0; s < L.num_ranks; ++s) resetSignal(reinterpret_cast<int*>(a.c.routes[s].route_flag_recv));
+        for (int s = 0; s < L.num_ranks; ++s) {
+          resetSignal(reinterpret_cast<int*>(a.c.routes[s].route_flag_recv));
+          a.relay[s] = 0;
+        }
         *seen = 0;
       }
     }
@@ -240,6 +259,23 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
   }
 
   if (!(a.c.phases & kRecvPhase)) return;
+  // With proxy peers, the receive phase (whose waits poll host memory for the proxy sources'
+  // flags) starts once every block has posted its rows: polling host memory holds the posts.
+  if ((a.c.phases & kSendPhase) && a.c.ring.entries != nullptr) {
+    __syncthreads();
+    if (tid == 0) {
+      int* done = a.gate;
+      int* past = a.gate + 1;
+      atomicAdd(done, 1);
+      while (ldAcquireGpu(done) < static_cast<int>(gridDim.x)) {
+      }
+      if (atomicAdd(past, 1) == static_cast<int>(gridDim.x) - 1) {  // the last one through resets
+        *done = 0;
+        *past = 0;
+      }
+    }
+    __syncthreads();
+  }
   __shared__ int s_dest[kMaxTopk];  // the entry's rank, -1 where the dispatch sent nothing
   __shared__ int s_valid[kMaxTopk];
   __shared__ const char* s_rows[kMaxTopk];

@@ -196,6 +196,16 @@ __device__ __forceinline__ int waitNonZero(const int* p, int64_t timeout_ns) {
   return v;
 }
 
+// The same for a word in this GPU's memory that other blocks of the kernel write.
+__device__ __forceinline__ int waitNonZeroGpu(const int* p, int64_t timeout_ns) {
+  uint64_t start = timeout_ns > 0 ? globalTimerNs() : 0;
+  int v;
+  while ((v = ldAcquireGpu(p)) == 0) {
+    if (timeout_ns > 0 && static_cast<int64_t>(globalTimerNs() - start) > timeout_ns) return 0;
+  }
+  return v;
+}
+
 // Posts one request to the CPU proxy. Everything the request covers must have been written
 // by this thread or ordered before this call by a barrier: the release store of `seq` makes
 // it visible to the proxy first.
