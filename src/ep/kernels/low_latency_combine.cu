@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
           v = waitNonZero(flag, a.c.timeout_ns);
           stReleaseGpu(a.relay + s, v != 0 ? v : kRelayTimedOut);
         } else {
-          const int r = waitNonZeroGpu(a.relay + s, a.c.timeout_ns);
+          const int r = waitNonZero<true>(a.relay + s, a.c.timeout_ns);
           v = r == kRelayTimedOut ? 0 : r;
         }
         if (v == 0) atomicExch(a.c.active + s, 0);  // timed out: masked

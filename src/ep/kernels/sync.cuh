@@ -183,24 +183,16 @@ __device__ __forceinline__ bool leadsRow(const int* s_dest, int k) {
 }
 
 // Spins until *p != 0 (returns it) or the timeout passes (returns 0). Each spin is an
-// acquire: relaxed spins with one acquire after them made the waits on a proxy source's
-// inbox (host memory that the proxy or its engine writes meanwhile) slower, not faster, on
-// 4x H200 (EP4 over 2 virtual hosts, 128 tokens: combine 1001-1129 -> 1449 us over shm,
-// dispatch + combine 4133 -> 5501 us over tcp).
+// acquire, at system scope (a peer's or the proxy's signal) or, kGpu, at GPU scope (a word
+// that other blocks of the kernel write). Relaxed spins with one acquire after them made the
+// waits on a proxy source's inbox (host memory that the proxy or its engine writes meanwhile)
+// slower, not faster, on 4x H200 (EP4 over 2 virtual hosts, 128 tokens: combine 1001-1129 ->
+// 1449 us over shm, dispatch + combine 4133 -> 5501 us over tcp).
+template <bool kGpu = false>
 __device__ __forceinline__ int waitNonZero(const int* p, int64_t timeout_ns) {
   uint64_t start = timeout_ns > 0 ? globalTimerNs() : 0;
   int v;
-  while ((v = ldAcquireSys(p)) == 0) {
-    if (timeout_ns > 0 && static_cast<int64_t>(globalTimerNs() - start) > timeout_ns) return 0;
-  }
-  return v;
-}
-
-// The same for a word in this GPU's memory that other blocks of the kernel write.
-__device__ __forceinline__ int waitNonZeroGpu(const int* p, int64_t timeout_ns) {
-  uint64_t start = timeout_ns > 0 ? globalTimerNs() : 0;
-  int v;
-  while ((v = ldAcquireGpu(p)) == 0) {
+  while ((v = kGpu ? ldAcquireGpu(p) : ldAcquireSys(p)) == 0) {
     if (timeout_ns > 0 && static_cast<int64_t>(globalTimerNs() - start) > timeout_ns) return 0;
   }
   return v;
