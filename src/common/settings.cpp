@@ -134,8 +134,9 @@ const std::vector<Setting> kSettings = {
            "(`MOELINK_RANKS_PER_HOST`)",
            "unset"),
     number("MOELINK_EP_PROXY_THREADS", "ep", 4, 1, 64,
-           "threads of each rank's CPU proxy that carry a batch's data to proxy peers (the proxy thread included; "
-           "each spins while traffic is recent)"),
+           "threads of each rank's CPU proxy that carry a batch's data to proxy peers over shared memory (the proxy "
+           "thread included; each spins while traffic is recent)",
+           "one per 16 cores the process may run on, 1 to 4"),
     flag("MOELINK_EP_TMA", "ep", true,
          "`0`: the low-latency dispatch and the normal-mode combine's sender write token rows with warp stores "
          "instead of bulk copies (TMA)"),

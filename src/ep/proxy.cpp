@@ -1,6 +1,7 @@
 #include "moelink/ep/proxy.h"
 
 #include <cuda_runtime_api.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cstring>
@@ -15,6 +16,15 @@ namespace {
 
 constexpr transfer::SegmentId kInboxSegment = 0xE9000001u;
 constexpr uint64_t kRingCapacity = 1u << 16;
+
+// MOELINK_EP_PROXY_THREADS, else one per 16 cores this process may run on (1 to 4): spinning
+// threads on a host with few cores steal the peers' and the GPU launchers' time.
+int proxyThreads() {
+  if (auto v = settings::numberIfSet("MOELINK_EP_PROXY_THREADS")) return static_cast<int>(*v);
+  cpu_set_t cpus;
+  const int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  return std::clamp(ncpu / 16, 1, 4);
+}
 
 void cudaCheck(cudaError_t e, const char* what) {
   if (e != cudaSuccess) MOELINK_THROW("moelink EP proxy: ", what, " failed: ", cudaGetErrorString(e));
@@ -71,8 +81,7 @@ EpProxy::EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int s
                                                                             .outbox = outbox_host_,
                                                                             .outbox_bytes = outbox_bytes_,
                                                                             .timeout = timeout_,
-                                                                            .threads = static_cast<int>(settings::number(
-                                                                                "MOELINK_EP_PROXY_THREADS"))});
+                                                                            .threads = proxyThreads()});
 }
 
 bool EpProxy::settle() {

@@ -5,7 +5,7 @@
 // engine has carried the batch, it advances the ring's head, which frees the entries for the
 // poster. A wave's data to peers over shared memory, where the engine copies in the
 // submitting thread, is split over `threads` threads (the carrier and its helpers) that
-// submit their parts at once (one core copies at 6-10 GB/s, docs/PERF.md); data to peers
+// submit their parts at once (one core copies a few GB/s); data to peers
 // over tcp, whose own threads carry it, is one submission. The wave's signals are submitted
 // once all of its data has been (the engine applies a peer's requests in submission order). EpProxy (proxy.h) gives it a ring and
 // an outbox in host memory that the GPU maps; tests give it plain memory and post from a
