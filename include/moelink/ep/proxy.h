@@ -4,12 +4,13 @@
 //
 // The GPU kernels write a proxy peer's messages into this rank's outbox (pinned host
 // memory mapped into the GPU) and post requests into a ring in mapped host memory (see
-// proxy_ring.h). A proxy thread takes what has been posted as a batch and carries it as
-// transfer-engine WRITEs into the peers' inbox segments: data from the outbox (rows of
-// consecutive tokens merged into one write, planProxyBatch), then the batch's 8-byte signals
-// (counts and flags) in ring order. The engine applies each peer's requests in order and an
-// 8-byte write as one release store, so the receiving GPU, which reads its inbox through a
-// mapping, sees a signal only after the data posted before it.
+// proxy_ring.h). The proxy's threads (proxy_carrier.h) take what has been posted as a batch
+// and carry it in waves (planProxyBatch) as transfer-engine WRITEs into the peers' inbox
+// segments: a wave's data from the outbox (rows of consecutive tokens merged into one write),
+// then its 8-byte signals (counts and flags) in ring order. The engine applies each peer's
+// requests in submission order and an 8-byte write as one release store, so the receiving
+// GPU, which reads its inbox through a mapping, sees a signal only after the data posted
+// before it.
 //
 // The inbox is a transfer-engine segment (POSIX shm when the peers share a host, so that
 // their proxies write it with a memcpy; reachable over tcp otherwise), registered with

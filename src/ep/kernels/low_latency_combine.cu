@@ -128,7 +128,11 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
           const int r = waitNonZero<true>(a.relay + s, a.c.timeout_ns);
           v = r == kRelayTimedOut ? 0 : r;
         }
-        if (v == 0) atomicExch(a.c.active + s, 0);  // timed out: masked
+        // NOTES: a peer wrote this flag: its token count sizes the reads of the peer's route
+        // entries and the rows sent back; past this buffer's max_tokens (or negative) they would
+        // run past their regions, so such a source is masked as one that timed out.
+        if (v < 0 || v / kRouteFlagBase > L.max_tokens) v = 0;
+        if (v == 0) atomicExch(a.c.active + s, 0);  // timed out (or a bad flag): masked
       }
       s_hdr[s] = v;
     }
