@@ -2,6 +2,7 @@
 #include "moelink/cuda/host_pieces.h"
 
 #include <algorithm>
+#include <memory>
 
 #include "moelink/common/error.h"
 
@@ -96,6 +97,20 @@ std::function<bool()> readyGate(const PieceRing& ring, PieceMark m) {
   return [word, ticket] { return static_cast<int32_t>(__atomic_load_n(word, __ATOMIC_ACQUIRE) - ticket) >= 0; };
 }
 
+AlgoContext amongRanks(const AlgoContext& c, const std::vector<int>& among, std::string* missing) {
+  AlgoContext sub = c;
+  sub.world = c.world ? c.world : static_cast<int>(c.ranks.size());
+  sub.ranks.clear();
+  for (int r : among) {
+    if (std::binary_search(c.ranks.begin(), c.ranks.end(), r))
+      sub.ranks.push_back(r);
+    else if (missing->empty())
+      *missing = moelink::str("rank ", r, " left the group, and this rank's two-level op exchanges with it (the op "
+                              "fails; the next ones run over the ranks left, every rank on the wire)");
+  }
+  return sub;
+}
+
 OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
                        uint64_t count, DType t, ReduceOp rop, int world, int rank) {
   const uint64_t e = collective::elementSize(t), vec = vecOf(e);
@@ -151,6 +166,39 @@ OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std:
     if (p + 1 < ps.size()) scatterOf(ps[p + 1]);
     gatherOf(ps[p]);
   }
+  return op;
+}
+
+OpSpec railAllreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
+                           uint64_t count, DType t, ReduceOp rop, int world, int rank, const RailStep& step) {
+  // A rank of the rail or of the host that left fails the op at its first gate, as a failed
+  // check does: the op has been set up with the ranks left, who get this rank's abort (a
+  // failure while building would leave them waiting for its messages until their deadline).
+  std::string missing;
+  const AlgoContext rail = amongRanks(ctx, step.rail, &missing), local = amongRanks(ctx, step.local, &missing);
+  OpSpec op = allreducePieces(rail, ring, ps, count, t, rop, world, rank);
+  op.op_bytes = step.op_bytes | collective::kOpBytesInPieces;
+  // No piece goes before every rank's header has come and passed the check (so that a rank
+  // that fails here has first told every rank what it runs).
+  auto announced = std::make_shared<bool>(false);
+  for (collective::Step& st : op.steps)
+    st.gate = [gate = std::move(st.gate), check = step.check, missing, announced] {
+      if (!*announced || (gate && !gate())) return false;
+      const std::string why = !missing.empty() ? missing : check ? check() : "";
+      if (!why.empty()) throw moelink::Error(why);  // fails the op (the worker's progress catches it)
+      return true;
+    };
+  // First, the op's header to every active rank (sent as the op starts).
+  for (collective::Step& st : op.steps)
+    if (st.send_after == collective::Step::SendAfter::kAfterStep) ++st.after;
+  collective::Step hello = std::move(collective::barrierOp(ctx).steps.front());
+  hello.consume = [announced](const std::vector<const char*>&) { *announced = true; };
+  op.steps.insert(op.steps.begin(), std::move(hello));
+  // Last, the host's barrier.
+  collective::Step st = std::move(collective::barrierOp(local).steps.front());
+  st.send_after = collective::Step::SendAfter::kAfterStep;
+  st.after = op.steps.size() - 1;  // the last piece's hand-back
+  op.steps.push_back(std::move(st));
   return op;
 }
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 
 #include <glog/logging.h>
 
@@ -188,7 +189,8 @@ void HostPipeline::launchReduce(cudaStream_t s, char* out, int slot, const char*
 
 // ---- the ops ----
 
-void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, ReduceOp rop) {
+void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, ReduceOp rop,
+                             const RailStep* rail) {
   const uint64_t e = collective::elementSize(t);
   const int depth = tuning_.depth;
   const std::vector<HostPiece> ps = cutPieces(count, allreducePieceElems(e, tuning_.slot_bytes), depth, true,
@@ -199,8 +201,10 @@ void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, 
     marks.push_back(pc.second);
   }
   submit(c, OpKind::kAllreduce,
-         [r = ring(), ps, count, t, rop, world = size_, rank = rank_](const AlgoContext& ctx) {
-           return allreducePieces(ctx, r, ps, count, t, rop, world, rank);
+         [r = ring(), ps, count, t, rop, world = size_, rank = rank_,
+          step = rail ? std::make_optional(*rail) : std::nullopt](const AlgoContext& ctx) {
+           return step ? railAllreducePieces(ctx, r, ps, count, t, rop, world, rank, *step)
+                       : allreducePieces(ctx, r, ps, count, t, rop, world, rank);
          },
          std::move(marks));
   const cudaStream_t s = c.stream;

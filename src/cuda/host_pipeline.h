@@ -73,8 +73,10 @@ class HostPipeline {
     bool captured = false;  // the stream is capturing: the worker gets the op at each replay
     Done done;              // eager ops only; a replay's failure is logged
   };
-  // In place on `buf` (count elements).
-  void allreduce(const Call& c, char* buf, uint64_t count, collective::DType t, collective::ReduceOp op);
+  // In place on `buf` (count elements). With `rail`, the cross-host step of a two-level
+  // all_reduce (railAllreducePieces).
+  void allreduce(const Call& c, char* buf, uint64_t count, collective::DType t, collective::ReduceOp op,
+                 const RailStep* rail = nullptr);
   // `in`: one block of `count` elements per rank; `out`: this rank's reduced block.
   void reduceScatter(const Call& c, const char* in, char* out, uint64_t count, collective::DType t,
                      collective::ReduceOp op);

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "moelink/collective/algorithms.h"
@@ -75,6 +76,22 @@ std::vector<HostPiece> cutPieces(uint64_t total, uint64_t per, int depth, bool t
 // Whether the ready word of `m` has reached its ticket (wrap-safe).
 std::function<bool()> readyGate(const PieceRing& ring, PieceMark m);
 
+// The context of an op among the active ranks of `among` (ascending ranks of the group, this
+// one included); `missing`: "" when every one is active, else why the op cannot complete (it
+// must fail, not leave that rank's data out of a reduction).
+collective::AlgoContext amongRanks(const collective::AlgoContext& c, const std::vector<int>& among,
+                                   std::string* missing);
+
+// The cross-host step of a two-level all_reduce (src/cuda/unit.h, TwoLevel): who takes part,
+// and what this rank's in-host step left behind.
+struct RailStep {
+  std::vector<int> rail;   // the ranks at this rank's position on every host (ascending)
+  std::vector<int> local;  // this host's ranks (ascending)
+  uint64_t op_bytes = 0;   // the whole all_reduce's bytes (what the ranks compare in the headers)
+  // "" when this rank's in-host step succeeded, else why not; asked before each piece goes.
+  std::function<std::string()> check;
+};
+
 // The collective the worker runs for each op, built when the op starts (from the ranks active
 // then; `rank` is this rank, `world` the group's size): one gated piece after another
 // (collective::appendGatedPiece). all_reduce: per piece a reduce-scatter by active rank into
@@ -88,6 +105,19 @@ std::function<bool()> readyGate(const PieceRing& ring, PieceMark m);
 collective::OpSpec allreducePieces(const collective::AlgoContext& c, const PieceRing& ring,
                                    const std::vector<HostPiece>& pieces, uint64_t count, collective::DType t,
                                    collective::ReduceOp op, int world, int rank);
+// allreducePieces among `step.rail` (amongRanks), each piece held until step.check() is ""
+// (otherwise the op fails here before this rank sends that piece, and its peers with it: also
+// when a rank of the rail or of the host is not active), then a barrier among `step.local`
+// whose messages go once this rank's last piece is consumed: the op succeeds on a rank only
+// when its cross-host step succeeded on every rank of its host (a rank whose step failed sends
+// its host's ranks an abort instead), so that no rank gathers a host peer's block that did not
+// get its other hosts' part. Before the pieces every active rank sends every other one an
+// empty message whose header carries the whole op (step.op_bytes, dtype, reduce op): ranks that
+// disagree about it find out from each other, each with the header check's words, as on the
+// flat route.
+collective::OpSpec railAllreducePieces(const collective::AlgoContext& c, const PieceRing& ring,
+                                       const std::vector<HostPiece>& pieces, uint64_t count, collective::DType t,
+                                       collective::ReduceOp op, int world, int rank, const RailStep& step);
 collective::OpSpec reduceScatterPieces(const collective::AlgoContext& c, const PieceRing& ring,
                                        const std::vector<HostPiece>& pieces, uint64_t count, uint64_t per,
                                        collective::DType t, collective::ReduceOp op, int world, int rank);

@@ -111,6 +111,16 @@ std::future<std::string> submit(Rank& r, Ring& ring, std::function<OpSpec(const 
   return f;
 }
 
+// The marks the worker's op raises, in ticket order (with `two`, both of each piece's).
+std::vector<PieceMark> marksOf(const std::vector<HostPiece>& ps, bool two) {
+  std::vector<PieceMark> ms;
+  for (const auto& pc : ps) {
+    ms.push_back(pc.first);
+    if (two) ms.push_back(pc.second);
+  }
+  return ms;
+}
+
 template <typename T>
 T input(int rank, uint64_t i) {
   return static_cast<T>((i * 7 + static_cast<uint64_t>(rank) * 13) % 23) - static_cast<T>(5);
@@ -139,14 +149,6 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
     }
     Ring ring(world);
     auto mark = [&](int word) { return ring.mark(word); };
-    auto marksOf = [](const std::vector<HostPiece>& ps, bool two) {
-      std::vector<PieceMark> ms;
-      for (const auto& pc : ps) {
-        ms.push_back(pc.first);
-        if (two) ms.push_back(pc.second);
-      }
-      return ms;
-    };
     const uint64_t per_ar = allreducePieceElems(4, kSlotBytes);
     for (uint64_t count : std::vector<uint64_t>{0, 1, per_ar - 1, per_ar, per_ar + 1, 5 * per_ar + 3}) {
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
@@ -382,11 +384,7 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
     const uint64_t count = 3000, per = rank == 0 ? 1024 : 512;
     std::vector<float> buf(count, static_cast<float>(rank + 1));
     auto ps = cutPieces(count, per, kDepth, true, [&](int word) { return ring.mark(word); });
-    std::vector<PieceMark> marks;
-    for (const auto& pc : ps) {
-      marks.push_back(pc.first);
-      marks.push_back(pc.second);
-    }
+    const std::vector<PieceMark> marks = marksOf(ps, true);
     PieceRing view = ring.view();
     auto done = submit(r, ring, [=](const AlgoContext& c) {
       return allreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, 2, rank);
@@ -404,6 +402,84 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
     EXPECT_NE(err.find("allreduce #1: rank " + std::to_string(1 - rank) + " sent a "), std::string::npos) << err;
     EXPECT_NE(err.find("-byte piece, this rank expects"), std::string::npos) << err;
     expectGroupGoesOn(r, rank);  // the same cut on both ranks now
+  });
+}
+
+// The cross-host step of the two-level all_reduce (unit.h, TwoLevel): 4 ranks as 2 hosts
+// ({0, 1} and {2, 3}) of 2, each rank's all_reduce among its rail only ({0, 2} and {1, 3}), both
+// rails at once, sizes around the pieces: each rank gets its rail's sum and nothing of the other
+// rail's. When one rank's in-host step failed (its check says so), the op fails on all four: its
+// rail peer by the abort, its host peer at the barrier, and the fourth at its barrier with the
+// rail peer's host peer; the next op is exact. When rank 0 disagrees about the op's size, every
+// rank fails naming it in the header check's words. With rank 2 out of the group, ranks 0 and 3
+// (whose rail or host has it) fail naming it, rank 1 at its check.
+TEST(HostPieces, AllreduceAmongARail) {
+  auto store = std::make_shared<InProcessStore>();
+  constexpr int kWorld = 4;
+  runRanks(kWorld, [&](int rank) {
+    Rank r = makeRank(store, rank, kWorld, "tcp");
+    Ring ring(kWorld);
+    RailStep step;
+    step.rail = rank % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+    step.local = rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+    const std::vector<int>& rail = step.rail;
+    const uint64_t per = allreducePieceElems(4, kSlotBytes);
+    auto run = [&](uint64_t count, const std::vector<int>& active, const std::string& failed = "") {
+      step.check = [failed] { return failed; };
+      step.op_bytes = count * 4;
+      std::vector<float> buf(count);
+      for (uint64_t i = 0; i < count; ++i) buf[i] = input<float>(rank, i);
+      auto ps = cutPieces(count, per, kDepth, true, [&](int word) { return ring.mark(word); });
+      const std::vector<PieceMark> marks = marksOf(ps, true);
+      PieceRing view = ring.view();
+      auto done = submit(r, ring, [=](const AlgoContext& c) {
+        return railAllreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, kWorld, rank, step);
+      }, marks, active);
+      // The stream as HostPipeline::allreduce orders it (piece p+1 reduced before piece p's
+      // all-gather is waited for).
+      char* b = reinterpret_cast<char*>(buf.data());
+      auto pack = [&](const HostPiece& pc) {
+        copy(view.in(pc.slot), b + pc.off * 4, pc.len * 4);
+        ring.raise(pc.first);
+      };
+      auto reduce = [&](const HostPiece& pc) {
+        ring.wait(pc.first);
+        ring.reduce<float>(pc.slot, pc.first.ticket, view.in(pc.slot), b + pc.off * 4, ReduceOp::kSum);
+        ring.raise(pc.second);
+      };
+      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
+      reduce(ps[0]);
+      for (size_t p = 0; p < ps.size(); ++p) {
+        if (p + 1 < ps.size()) reduce(ps[p + 1]);
+        ring.wait(ps[p].second);
+        copy(b + ps[p].off * 4, view.in(ps[p].slot), ps[p].len * 4);
+        if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
+      }
+      const std::string err = done.get();
+      if (err.empty())
+        for (uint64_t i = 0; i < count; ++i)
+          EXPECT_FLOAT_EQ(buf[i], input<float>(rail[0], i) + input<float>(rail[1], i))
+              << "rank " << rank << " count " << count << " i " << i;
+      return err;
+    };
+    const std::vector<int> all{0, 1, 2, 3};
+    for (uint64_t count : {uint64_t{1}, per - 1, per + 1, 3 * per + 5}) EXPECT_EQ("", run(count, all));
+    const std::string err = run(2 * per + 3, all, rank == 1 ? "the in-host step gave up" : "");
+    EXPECT_NE(err, "") << "rank " << rank << ": the op succeeded though rank 1's in-host step failed";
+    if (rank == 1) EXPECT_NE(err.find("the in-host step gave up"), std::string::npos) << err;
+    EXPECT_EQ("", run(per + 7, all)) << "rank " << rank << ": the op after the failed one";
+    // Rank 0 disagrees about the size: every rank says so in the header check's words.
+    const std::string size_err = run(rank == 0 ? per + 3 : per + 5, all);
+    EXPECT_NE(size_err.find("this rank expects"), std::string::npos) << "rank " << rank << ": " << size_err;
+    EXPECT_EQ("", run(per + 7, all)) << "rank " << rank << ": the op after the disagreement";
+    storeBarrier(*store, "rails", kWorld, seconds(60));
+    if (rank != 2) {
+      // As after a membership change: every rank's check says so (its kernels gave up).
+      const std::string e = run(2 * per + 3, {0, 1, 3}, "the membership changed");
+      EXPECT_NE(e, "") << "rank " << rank;
+      if (rank == 0 || rank == 3) EXPECT_NE(e.find("rank 2 left the group"), std::string::npos) << e;
+    }
+    storeBarrier(*store, "done", kWorld, seconds(60));
   });
 }
 
