@@ -14,7 +14,9 @@
 # MINB / MAXB (their smallest and largest sizes, default 4 MiB and 256 MiB),
 # TRACE=1 (phase breakdown in bench4), NK / CK (pytest -k filters for the normal / cudatest stages), EPT (EP
 # timeout in us for the EP tests), STAGE_TIMEOUT (seconds, overrides every stage's own).
-# MOELINK_TEST_SHARE_GPU=1 runs the multi-GPU tests as processes sharing one GPU.
+# MOELINK_TEST_SHARE_GPU=1 runs the multi-GPU tests as processes sharing one GPU (=4: the 4-rank
+# CUDA collective cases too, as 4 processes); MOELINK_TEST_CASES=a,b limits the CUDA collective
+# cases to those named.
 # On the lent GPU machine (no apt), `.devdeps/unpack.sh` (from ../shared/tools/device-deps.sh)
 # provides glog, gflags, GTest and rdma-core headers; elsewhere scripts/install.sh does.
 set -euo pipefail

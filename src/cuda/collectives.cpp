@@ -15,6 +15,7 @@ CudaCollectives::~CudaCollectives() {
   c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device_));
   // Kernels still waiting on peers give up, so that the streams drain.
   if (staging_) staging_->abortWaits();
+  if (two_level_) two_level_->staging->abortWaits();
   completer_.reset();  // completes what was handed in
   cudaStreamSynchronize(comm_->stream());
   cudaStreamSynchronize(recv_->stream());
@@ -70,6 +71,7 @@ void CudaCollectives::bind(int device, const char* opname) {
   } catch (const moelink::Error& e) {
     TORCH_CHECK_VALUE(false, "moelink: ", e.what());
   }
+  ranks_per_host_ = rph;
   bool one_host = size_ <= kExchangeMaxRanks && (rph == 0 || rph >= size_);
   for (int q = 0; q < size_ && one_host; ++q) one_host = g_.host_of(q) == g_.host_of(rank_);
   capable_ = one_host;
@@ -197,19 +199,24 @@ void CudaCollectives::exchange(Op& op, const Exchange& full, const void* in, voi
   if (restrict)
     for (auto [off, len] : droppedRanges(full, members_))
       cudaCheck(cudaMemsetAsync(static_cast<char*>(out) + off, 0, len, op.stream->stream()), "cudaMemsetAsync");
+  if (op.captured) captured_since_stage_ = true;
+  launch(op, x, InHostSet{staging_.get(), members_, me_, tuning_}, in, out);
+}
+
+void CudaCollectives::launch(Op& op, const Exchange& x, const InHostSet& set, const void* in, void* out) {
+  const int n = static_cast<int>(set.members.size());
   ExchangeLaunch l;
-  describeLaunch(x, me_, tuning_, l);
+  describeLaunch(x, set.me, set.tuning, l);
   l.in = static_cast<const char*>(in);
   l.out = static_cast<char*>(out);
-  l.guard_input = exchangeOutputMeetsInput(x, me_, in, out);
-  for (int j = 0; j < n; ++j) l.staging[j] = staging_->area(members_[j]);
-  l.layout = staging_->layout();
+  l.guard_input = exchangeOutputMeetsInput(x, set.me, in, out);
+  for (int j = 0; j < n; ++j) l.staging[j] = set.staging->area(set.members[j]);
+  l.layout = set.staging->layout();
   l.timeout_ns = static_cast<uint64_t>(op.timeout.count()) * 1000000ull;
   l.status = status_->dev(op.slot);
   l.abort = abort_->dev(0);
   op.work->status = op.captured ? nullptr : status_->host(op.slot);
-  if (op.captured) captured_since_stage_ = true;
-  if (n < size_) op.work->peers = members_;
+  if (n < size_) op.work->peers = set.members;
   cudaCheck(launchExchange(l, op.stream->stream()), "launching the exchange kernel");
 }
 
@@ -329,7 +336,9 @@ void CudaCollectives::allreduceFlat(Op& op, const at::Tensor& buf, ReduceOp rop)
   const auto t = toDType(buf.scalar_type());
   const uint64_t count = static_cast<uint64_t>(buf.numel());
   if (!inHost()) {
-    if (pipes(op, nbytes(buf)))
+    if (twoLevel())
+      allreduceTwoLevel(op, buf, rop);
+    else if (pipes(op, nbytes(buf)))
       pipe_->allreduce(pipeCall(op), ptr(buf), count, t, rop);
     else
       hostFlat(op, buf, buf, [=](const algo::AlgoContext& c, char* in, char*) {

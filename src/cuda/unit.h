@@ -96,7 +96,7 @@ class CudaCollectives final : public Collectives {
 
   std::string path() const override {
     std::lock_guard<std::mutex> g(mu_);
-    return device_ < 0 ? "" : inHost() ? "nvlink" : "host";
+    return device_ < 0 ? "" : inHost() ? "nvlink" : twoLevel() ? "host+nvlink" : "host";
   }
 
   Work broadcast(at::Tensor& t, int root, const Call& call) override;
@@ -158,6 +158,37 @@ class CudaCollectives final : public Collectives {
   void flat(Op& op, const Exchange& x, const at::Tensor& in, const at::Tensor& out, const HostSpec& host,
             const Piped& piped = nullptr, bool any_size = false);
   void exchange(Op& op, const Exchange& x, const void* in, void* out);
+  // A set of staging areas and the ranks that map each other's: the group's (in-host), or this
+  // host's ranks in a group that spans hosts (TwoLevel).
+  struct InHostSet {
+    ExchangeStaging* staging;
+    const std::vector<int>& members;  // ascending
+    int me;                           // this rank's position among them
+    const ExchangeTuning& tuning;     // of a group of members.size()
+  };
+  // `x` (built over the set's members) on the exchange kernel.
+  void launch(Op& op, const Exchange& x, const InHostSet& set, const void* in, void* out);
+  // The two-level route of a group that spans hosts with the same number (2 to
+  // kExchangeMaxRanks) of its ranks on each: all_reduce as a reduce-scatter among this host's
+  // ranks on the in-host kernels, an all_reduce of this rank's block among the ranks at the
+  // same position on every host (its rail) through the host pipeline, and an all-gather among
+  // this host's ranks on the in-host kernels. The wire carries each byte once per host instead
+  // of once per rank. Set up at the group's first collective op (every rank issues it) when
+  // every rank agrees (MOELINK_HOST_TWO_LEVEL, every rank active, areas mapped); after a
+  // membership change the group runs flat (every rank on the wire) from then on.
+  struct TwoLevel {
+    std::unique_ptr<ExchangeStaging> staging;
+    std::vector<int> local;  // this host's ranks, ascending
+    int me = 0;              // this rank's position among them
+    ExchangeTuning tuning;   // of a group of local.size() ranks
+    std::vector<int> rail;   // the rank at position `me` of every host, ascending
+  };
+  void setUpTwoLevel(bool capturing);
+  // Every all_reduce takes it while it is set up and the membership has not changed, whatever
+  // its size (small ones too, and empty blocks): ranks that disagree about an op then still
+  // launch the same in-host kernels, whose header check fails them at once.
+  bool twoLevel() const { return two_level_ != nullptr && !changed_.load(std::memory_order_acquire); }
+  void allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp rop);
   void hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host);
   static Piped gatherPieces(const at::Tensor& in, const at::Tensor& out);
   static Piped scatterPieces(const at::Tensor& in, const at::Tensor& out, ReduceOp rop);
@@ -200,6 +231,9 @@ class CudaCollectives final : public Collectives {
   std::vector<std::pair<std::unique_ptr<ExchangeStaging>, std::unique_ptr<MappedArray<uint32_t>>>> retired_;
   bool captured_since_stage_ = false;
   bool capable_ = false;      // every rank on this host: the in-host kernels can serve the group
+  int ranks_per_host_ = 0;    // MOELINK_RANKS_PER_HOST (0: unset)
+  std::unique_ptr<TwoLevel> two_level_;
+  bool two_level_decided_ = false;
   // The set of staging areas in use: the epoch it was set up in, its ranks (sorted) and this
   // rank's position among them.
   bool staged_ = false;
@@ -259,6 +293,7 @@ Work CudaCollectives::run(const Kind& k, Tensors outputs, const Tensors& used, R
                          "CUDA ops (epoch ", staged_epoch_, "), and another rank had issued this op before it saw the "
                          "change, where it failed; the ranks are in step again from op #", start_seq_);
   }
+  if (group && !two_level_decided_) setUpTwoLevel(cs != cudaStreamCaptureStatusNone);
   const bool host = !group || !inHost();
   Op op;
   op.captured = cs != cudaStreamCaptureStatusNone;

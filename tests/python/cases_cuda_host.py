@@ -7,7 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from cuda_support import capture, dev, reduce_ref, same, value
+import moelink
+from cuda_support import capture, dev, reduce_ref, same, setting, value
 
 
 def pair_counts(world, unit):
@@ -157,3 +158,68 @@ def host_pieces(rank, world):
         if w is not None:
             w.wait()
         same(out, ref, what)
+
+
+def two_level_all_reduce(rank, world):
+    """A group of 2 virtual hosts of world / 2 ranks (MOELINK_RANKS_PER_HOST): all_reduce in two
+    levels (route `host+nvlink`: a reduce-scatter among a host's ranks on the in-host kernels, an
+    all_reduce of each rank's block with the rank at its position on the other host through the
+    host pipeline, an all-gather among the host's ranks), exact for every reduce op at every size,
+    those that leave some rank of a host an empty block included, eager, async and captured in a
+    CUDA graph; ranks of one host that disagree about an op's size fail it with the header check's
+    words, and the group goes on; a group in which one rank sets MOELINK_HOST_TWO_LEVEL=0 runs flat
+    on every rank, exact."""
+    if os.environ.get("MOELINK_RANKS_PER_HOST") != str(world // 2) or world < 4:
+        return  # the "two_level" path of test_cuda_collectives.py
+    d = dev(rank)
+    local = world // 2
+    for dtype, op in [(torch.float32, "SUM"), (torch.float32, "AVG"), (torch.bfloat16, "AVG"), (torch.int64, "MAX"),
+                      (torch.int32, "PRODUCT"), (torch.int32, "BXOR"), (torch.bool, "BOR"), (torch.float16, "MIN")]:
+        unit = 16 // torch.empty((), dtype=dtype).element_size()  # a block starts on 16 bytes
+        smallest = unit * (local - 1) + 1  # the smallest count whose last block is not empty
+        for n in (0, 1, smallest - 1, smallest, 1000, 100_003, (1 << 18) + 1):
+            xs = [value(r, n, dtype, d, salt=n % 7) for r in range(world)]
+            t = xs[rank].clone()
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            same(t, reduce_ref(xs, op, world).to(dtype), f"two-level all_reduce {dtype} {op} n={n}")
+    assert moelink.get_backend(dist.group.WORLD).cuda_path() == "host+nvlink", \
+        moelink.get_backend(dist.group.WORLD).cuda_path()
+    # async, two in flight, then one on a side stream
+    a, b = (torch.full((70_001,), rank + k, device=d) for k in (1.0, 2.0))
+    wa = dist.all_reduce(a, async_op=True)
+    wb = dist.all_reduce(b, op=dist.ReduceOp.MAX, async_op=True)
+    wa.wait()
+    wb.wait()
+    same(a, torch.full_like(a, float(sum(r + 1 for r in range(world)))), "two-level async all_reduce")
+    same(b, torch.full_like(b, float(world + 1)), "two-level async all_reduce MAX")
+    # captured: replayed with new inputs
+    x = torch.zeros(50_007, device=d)
+    y = torch.zeros(4, device=d)  # one rank of each host has an empty block
+    graph = capture(lambda: (dist.all_reduce(x), dist.all_reduce(y, op=dist.ReduceOp.MAX)))
+    iota = torch.arange(x.numel(), device=d, dtype=torch.float32)
+    for it in range(3):
+        x.copy_(iota * (rank + 1) + it)
+        y.fill_(rank * 3 + it)
+        graph.replay()
+        torch.cuda.synchronize()
+        same(x, iota * sum(r + 1 for r in range(world)) + world * it, f"two-level all_reduce in a graph {it}")
+        same(y, torch.full_like(y, float((world - 1) * 3 + it)), f"small all_reduce in the same graph {it}")
+    # the ranks of the first host disagree about the size (rank 0's is smaller): every rank fails
+    # the op with the header check's words, and the next op is exact
+    w = dist.all_reduce(torch.ones(4096 if rank == 0 else 8192, device=d), async_op=True)
+    try:
+        w.get_future().wait()
+        raise AssertionError("a two-level all_reduce that the ranks disagree about passed")
+    except RuntimeError as e:
+        assert "expects" in str(e) and "rank" in str(e), e
+    z = torch.ones(70_000, device=d)
+    dist.all_reduce(z)
+    same(z, torch.full_like(z, float(world)), "two-level all_reduce after a disagreement")
+    # one rank turns it off: every rank runs flat
+    with setting("MOELINK_HOST_TWO_LEVEL", "0" if rank == 0 else "1"):
+        g = dist.new_group()
+        z = torch.full((1 << 20,), rank + 1.0, device=d)
+        dist.all_reduce(z, group=g)
+        same(z, torch.full_like(z, float(sum(r + 1 for r in range(world)))), "all_reduce, two levels turned off")
+        assert moelink.get_backend(g).cuda_path() == "host", moelink.get_backend(g).cuda_path()
+        dist.destroy_process_group(g)

@@ -239,6 +239,19 @@ def gpu_member(rank, world, port, replacement=False):
     return res
 
 
+def _survivor_after(res, outcomes, victim, full_sums):
+    """A survivor's record once its ops are settled: their outcomes, the mask and CUDA route after
+    the change; then it readmits the victim's replacement and sums over every rank again."""
+    import moelink
+
+    res["outcomes"] = {str(i): o for i, o in sorted(outcomes.items())}
+    res["mask"] = moelink.get_active_ranks().tolist()
+    res["path_after"] = moelink.get_backend().cuda_path()
+    _readmit(victim, 120)
+    res["full"] = full_sums(5000)
+    res["path"] = moelink.get_backend().cuda_path()
+
+
 def gpu_trio(rank, world, port, victim=1, kill_iter=12, iters=40, replacement=False):
     """3 GPU processes (or 3 on one GPU): a loop of async CUDA all_reduce (one- and two-shot
     sizes) and all_gather_into_tensor with ops in flight (up to 6 iterations on rank 2, 1 on
@@ -312,12 +325,67 @@ def gpu_trio(rank, world, port, victim=1, kill_iter=12, iters=40, replacement=Fa
                 time.sleep(rnd.random() * 0.01)
         while pending:
             settle(pending.pop(0))
-        res["outcomes"] = {str(i): o for i, o in sorted(outcomes.items())}
-        res["mask"] = moelink.get_active_ranks().tolist()
-        res["path_after"] = moelink.get_backend().cuda_path()
-        _readmit(victim, 120)
+        _survivor_after(res, outcomes, victim, full_sums)
+    dist.destroy_process_group()
+    return res
+
+
+def gpu_two_level(rank, world, port, victim=3, kill_iter=5, iters=14, replacement=False):
+    """4 GPU processes as 2 virtual hosts of 2 (MOELINK_RANKS_PER_HOST=2): a loop of async CUDA
+    all_reduce of 2 MiB (two levels while the group is whole: route host+nvlink), one op in
+    flight; the victim kills itself with its op issued. Survivors record every op's outcome (its
+    values, or that it failed) and the route after the change; then a replacement is readmitted
+    and the group sums over all ranks again."""
+    import torch
+    import torch.distributed as dist
+
+    import moelink
+
+    res = {"rank": rank, "replacement": replacement}
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    _init(rank, world, port, extension=replacement)
+    n = 1 << 19
+
+    def full_sums(base):
+        out = []
+        for k in range(3):
+            x = torch.full((n,), float(rank + 1 + base + k), device="cuda")
+            dist.all_reduce(x)
+            out.append(x.unique().tolist() == [float(sum(r + 1 + base + k for r in range(world)))])
+        return out
+
+    if replacement:
         res["full"] = full_sums(5000)
         res["path"] = moelink.get_backend().cuda_path()
+    else:
+        outcomes, pending = {}, None
+
+        def settle(item):
+            i, x, w = item
+            try:
+                w.get_future().wait()  # raises when the op failed (wait() alone orders the stream)
+                w.wait()
+                outcomes[i] = {"sum": x.unique().tolist()}
+            except Exception as e:  # noqa: BLE001
+                outcomes[i] = {"error": str(e)[:300]}
+
+        for i in range(iters):
+            x = torch.full((n,), float(rank + 1 + i), device="cuda")
+            try:
+                w = dist.all_reduce(x, async_op=True)
+            except Exception as e:  # noqa: BLE001
+                outcomes[i], w = {"error": "at issue: " + str(e)[:300]}, None
+            if i == 0:
+                w.wait()
+                res["path_before"] = moelink.get_backend().cuda_path()
+            if rank == victim and i == kill_iter:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if pending:
+                settle(pending)
+            pending = (i, x, w) if w else None
+        if pending:
+            settle(pending)
+        _survivor_after(res, outcomes, victim, full_sums)
     dist.destroy_process_group()
     return res
 

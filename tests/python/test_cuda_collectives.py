@@ -2,7 +2,8 @@
 NVLink path, and the host-staged path with MOELINK_RANKS_PER_HOST=1 (every peer a virtual
 remote host), over shared memory, over striped tcp and with every op in small pieces through the
 host pipeline; and the NVLink and pieces paths of 4 ranks where there are 4 GPUs (the kernels
-choose protocols and thresholds by group size), and the NVLink path of 8 ranks on them, two to a GPU. Each case checks its results against what every rank
+choose protocols and thresholds by group size), the two-level route of 4 ranks as 2 virtual hosts
+of 2, and the NVLink path of 8 ranks on them, two to a GPU. Each case checks its results against what every rank
 computes itself (and a subset against NCCL). Skipped without 2 GPUs (the 4-rank group without
 4)."""
 
@@ -16,17 +17,20 @@ import cases_cuda
 from harness import assert_case_passed, run_cases, run_group
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-SHARED = GPUS == 1 and os.environ.get("MOELINK_TEST_SHARE_GPU") == "1"
+SHARED = GPUS == 1 and os.environ.get("MOELINK_TEST_SHARE_GPU") in ("1", "4")
 if SHARED:
-    GPUS = 2  # both ranks on one GPU (time-sliced; correctness only)
+    # 2 ranks (or with "4", up to 4) on one GPU (time-sliced; correctness only)
+    GPUS = int(os.environ["MOELINK_TEST_SHARE_GPU"]) if os.environ["MOELINK_TEST_SHARE_GPU"] == "4" else 2
 # "tcp": the host-staged path with its transfer engine on tcp, large writes striped over 4 streams
 # (as between real hosts); from 1 MiB its ops run through the host pipeline.
 # "pieces": the same, with every all_reduce / reduce_scatter / all_gather / broadcast in small
 # pieces through the host pipeline (the default takes it from 1 MiB, in 4 MiB pieces).
 TCP = {"MOELINK_RANKS_PER_HOST": "1", "MOELINK_TRANSPORT": "tcp", "MOELINK_TCP_STREAMS": "4"}
-PATHS = {"nvlink": {}, "host": {"MOELINK_RANKS_PER_HOST": "1"}, "tcp": TCP,
-         "pieces": dict(TCP, MOELINK_HOST_PIPELINE_BYTES="0", MOELINK_HOST_PIECE_BYTES="65536",
-                        MOELINK_HOST_PIECES="2")}
+PIECES = dict(TCP, MOELINK_HOST_PIPELINE_BYTES="0", MOELINK_HOST_PIECE_BYTES="65536", MOELINK_HOST_PIECES="2")
+# "two_level": 4 ranks as 2 virtual hosts of 2, every op in pieces as in "pieces": all_reduce in
+# two levels (the in-host kernels within each host, the host pipeline between the hosts).
+PATHS = {"nvlink": {}, "host": {"MOELINK_RANKS_PER_HOST": "1"}, "tcp": TCP, "pieces": PIECES,
+         "two_level": dict(PIECES, MOELINK_RANKS_PER_HOST="2")}
 
 
 # 8 ranks, two to a GPU, where there are 4 GPUs (no machine of 8 has been lent): the kernels'
@@ -43,6 +47,8 @@ assert set(EIGHT) <= set(cases_cuda.CASES), sorted(set(EIGHT) - set(cases_cuda.C
 @functools.lru_cache(maxsize=None)
 def results(path, world):
     names = EIGHT if world == 8 else cases_cuda.CASES
+    if os.environ.get("MOELINK_TEST_CASES"):  # a subset (device runs on a budget); the others are skipped
+        names = [n for n in names if n in os.environ["MOELINK_TEST_CASES"].split(",")]
     return run_group(world, run_cases, kwargs={"cases_mod": "cases_cuda", "names": names},
                      env=PATHS[path], timeout=900, pg_timeout=120)
 
@@ -55,6 +61,14 @@ def test_cuda_collectives(world, path, case):
         pytest.skip("4 ranks on the host-staged route run as the \"pieces\" path (every op of the host "
                     "pipeline in pieces); the one-shot staging at 4 ranks is the 2-rank code, and its CPU "
                     "collectives run at 4 ranks in test_collectives.py")
+    if SHARED and world == 8:
+        pytest.skip("8 ranks: 4 GPUs")
+    if os.environ.get("MOELINK_TEST_CASES") and case not in os.environ["MOELINK_TEST_CASES"].split(","):
+        pytest.skip("not in MOELINK_TEST_CASES")
+    if path == "two_level" and world != 4:
+        pytest.skip("2 virtual hosts of 2: 4 ranks")
+    if case == "two_level_all_reduce" and path != "two_level":
+        pytest.skip("the two-level route's own case")
     if world == 8 and (path != "nvlink" or case not in EIGHT):
         pytest.skip("8 ranks on 4 GPUs: the NVLink path's kernel cases only")
     if GPUS < min(world, 4):

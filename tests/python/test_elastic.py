@@ -265,6 +265,38 @@ def test_group_grows_with_extension_ranks():
         assert res[f"old{r}"]["sum_after"] == 10.0 and res[f"old{r}"]["mask_after"] == [1, 1, 1, 1]
 
 
+def test_gpu_two_level_kill_and_rejoin():
+    """4 GPU ranks as 2 virtual hosts of 2 (MOELINK_RANKS_PER_HOST=2), CUDA all_reduce in two levels
+    (route host+nvlink), when rank 3 dies with an op in flight: every op a survivor completes holds
+    the full sum (before the change) or the survivors' (after it), never anything else; the ops
+    after the change run with every rank on the wire (route host) and succeed; after a replacement
+    is readmitted the group sums over all four again."""
+    import torch
+
+    share = os.environ.get("MOELINK_TEST_SHARE_GPU") in ("1", "4")
+    if not torch.cuda.is_available() or (torch.cuda.device_count() < 4 and not share):
+        pytest.skip("needs 4 GPUs (or MOELINK_TEST_SHARE_GPU=1 and fewer)")
+    res = run_elastic(4, cases_elastic.gpu_two_level, env={"MOELINK_RANKS_PER_HOST": "2"}, replacement=3,
+                      timeout=300)
+    survivors = [res[f"old{r}"] for r in range(3)]
+    full = lambda i: float(sum(r + 1 + i for r in range(4)))  # noqa: E731
+    three = lambda i: float(sum(r + 1 + i for r in range(3)))  # noqa: E731
+    for s in survivors:
+        assert s["path_before"] == "host+nvlink", s["path_before"]
+        last = max(int(i) for i in s["outcomes"])
+        assert s["outcomes"]["0"] == {"sum": [full(0)]}, s["outcomes"]["0"]
+        for i, o in s["outcomes"].items():
+            i = int(i)
+            if i < 4 and "sum" in o:  # ops that the victim finished: whole
+                assert o["sum"] == [full(i)], (s["rank"], i, o)
+            elif "sum" in o:
+                assert o["sum"] in ([full(i)], [three(i)]), (s["rank"], i, o)
+        assert s["outcomes"][str(last)] == {"sum": [three(last)]}, (s["rank"], s["outcomes"])
+        assert s["mask"] == [1, 1, 1, 0] and s["path_after"] == "host", (s["mask"], s["path_after"])
+    for r in survivors + [res["new3"]]:
+        assert r["full"] == [True] * 3 and r["path"] == "host", r
+
+
 @pytest.mark.parametrize("path,world,victim,transport",
                          [("proxy", 4, 3, "shm"), ("proxy", 4, 0, "tcp"), ("ibgda", 2, 0, "shm"), ("ibgda", 4, 0, "shm")])
 def test_gpu_cross_host_rejoin(path, world, victim, transport):

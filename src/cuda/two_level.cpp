@@ -1,0 +1,146 @@
+// The CUDA unit's two-level route (unit.h, TwoLevel): in a group that spans hosts with several
+// of its ranks on each, all_reduce first reduces among a host's ranks on the in-host kernels,
+// puts only each rank's block of the host's sum on the wire (to the ranks at its position on
+// the other hosts: its rail), and gathers the reduced blocks among the host's ranks again.
+#include <chrono>
+#include <map>
+#include <thread>
+
+#include "unit.h"
+
+namespace moelink::cuda {
+
+namespace {
+
+// The agreement of every rank of the group on `what`: each publishes its own answer, and all
+// must say yes. Every rank calls it at the same collective op; a rank that says no needs no
+// answers (so it waits for nobody, e.g. for ranks that have not joined yet); the wait for a
+// rank that does not answer ends when the group's membership changes (`moved`) or the store's
+// timeout passes, with no.
+bool everyRankSays(const c10::intrusive_ptr<c10d::Store>& store, const std::string& what, int rank, int size,
+                   bool mine, const std::function<bool()>& moved) {
+  const std::string prefix = "moelink_cuda/two_level/" + what + "/";
+  const std::vector<uint8_t> yes{'1'}, no{'0'};
+  store->set(prefix + std::to_string(rank), mine ? yes : no);
+  if (!mine) return false;
+  bool all = true;
+  const auto deadline = std::chrono::steady_clock::now() + store->getTimeout();
+  for (int q = 0; q < size; ++q) {
+    if (q == rank) continue;
+    const std::string key = prefix + std::to_string(q);
+    while (!store->check({key})) {
+      if (moved() || std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    all = store->get(key) == yes && all;
+  }
+  return all;
+}
+
+}  // namespace
+
+void CudaCollectives::setUpTwoLevel(bool capturing) {
+  two_level_decided_ = true;
+  if (capable_) return;  // one host: the in-host kernels serve the whole group
+  // The hosts, each with its ranks ascending, in the order of their first ranks (every rank
+  // computes the same from the group's layout).
+  auto host = [&](int q) {
+    return g_.host_of(q) + "#" + std::to_string(ranks_per_host_ > 0 ? q / ranks_per_host_ : 0);
+  };
+  std::vector<std::vector<int>> hosts;
+  std::map<std::string, size_t> index;
+  for (int q = 0; q < size_; ++q) {
+    auto [it, fresh] = index.emplace(host(q), hosts.size());
+    if (fresh) hosts.emplace_back();
+    hosts[it->second].push_back(q);
+  }
+  const std::vector<int>& local = hosts[index.at(host(rank_))];
+  const size_t n = local.size();
+  bool uniform = hosts.size() >= 2 && n >= 2 && n <= static_cast<size_t>(kExchangeMaxRanks);
+  for (const auto& h : hosts) uniform = uniform && h.size() == n;
+  if (!uniform) return;  // the same answer on every rank: nothing to agree on
+  collective::CollectiveWorker& w = *g_.worker;
+  bool ready = !capturing && w.epoch() == 0;
+  for (int q = 0; q < size_ && ready; ++q) ready = w.isActive(q);
+  try {
+    ready = ready && settings::flag("MOELINK_HOST_TWO_LEVEL");
+  } catch (const moelink::Error& e) {
+    LOG(WARNING) << "moelink: no two-level route for CUDA collectives: " << e.what();
+    ready = false;
+  }
+  auto t = std::make_unique<TwoLevel>();
+  t->local = local;
+  t->me = static_cast<int>(std::find(local.begin(), local.end(), rank_) - local.begin());
+  for (const auto& h : hosts) t->rail.push_back(h[t->me]);
+  std::sort(t->rail.begin(), t->rail.end());
+  if (ready) {
+    try {
+      t->tuning = ExchangeTuning::fromEnv(static_cast<int>(n));
+    } catch (const moelink::Error& e) {
+      LOG(WARNING) << "moelink: no two-level route for CUDA collectives: " << e.what();
+      ready = false;
+    }
+  }
+  // Every rank says whether it will open this host's areas, then whether it could: a rank that
+  // takes the route while a peer on another host does not would fail every op it runs.
+  auto moved = [&w] { return w.epoch() != 0; };
+  if (!everyRankSays(g_.store, "ready", rank_, size_, ready, moved)) return;
+  c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device_));
+  std::string why;
+  t->staging = ExchangeStaging::open(g_.store, rank_, size_, t->tuning, &why, "two_level", local, moved);
+  if (!everyRankSays(g_.store, "open", rank_, size_, t->staging != nullptr, moved)) {
+    LOG(WARNING) << "moelink: no two-level route for CUDA collectives (every rank on the wire): "
+                 << (t->staging ? "a rank on another host could not map its host's areas" : why);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);  // path() reads it
+    two_level_ = std::move(t);
+  }
+  VLOG(1) << "moelink: rank " << rank_ << " CUDA all_reduce in two levels: " << n << " ranks per host, "
+          << hosts.size() << " hosts";
+}
+
+void CudaCollectives::allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp rop) {
+  const TwoLevel& h = *two_level_;
+  const InHostSet local{h.staging.get(), h.local, h.me, h.tuning};
+  const int n = static_cast<int>(h.local.size());
+  const auto t = toDType(buf.scalar_type());
+  const uint64_t count = static_cast<uint64_t>(buf.numel()), e = collective::elementSize(t);
+  const auto blocks = allreduceBlocks(n, count, t);
+  const uint64_t len = blocks[h.me].second - blocks[h.me].first;
+  // This rank's block of the host's reduction (on the op's stream, which frees it in order).
+  at::Tensor block = at::empty({static_cast<int64_t>(len)}, buf.options());
+  // The reduce-scatter's status word starts clear (a captured op's is the sink that every
+  // replay shares), so that the cross-host step can ask whether it succeeded.
+  ExchangeStatus* status = status_->host(op.slot);
+  StreamMemOps::write(op.stream->stream(), reinterpret_cast<uint32_t*>(&status_->dev(op.slot)->code),
+                      ExchangeStatus::kOk);
+  launch(op, exchangeAllreduceScatter(n, h.me, count, t, rop), local, ptr(buf), ptr(block));
+  // The cross-host step fails (and with it the op on every rank of this rail and host) when
+  // this rank's block is not its host's reduction: the reduce-scatter gave up, or the group's
+  // membership changed (the in-host kernels give up then; the next ops run flat).
+  RailStep step{h.rail, h.local, count * e, nullptr};
+  const uint32_t* abort = abort_->host(0);
+  const uint64_t timeout_ms = static_cast<uint64_t>(op.timeout.count());
+  const std::vector<int> peers = h.local;
+  step.check = [abort, status, timeout_ms, peers]() -> std::string {
+    if (__atomic_load_n(abort, __ATOMIC_ACQUIRE))
+      return "the group's membership changed while this two-level all_reduce ran (its in-host reduce-scatter "
+             "gave up; the next ops run with every rank on the wire)";
+    if (__atomic_load_n(&status->code, __ATOMIC_ACQUIRE) == ExchangeStatus::kOk) return "";
+    ExchangeStatus s;
+    std::memcpy(&s, status, sizeof s);
+    if (s.peer >= 0 && s.peer < static_cast<int>(peers.size())) s.peer = peers[s.peer];
+    return "the in-host reduce-scatter of this two-level all_reduce failed: " + describeStatus(s, timeout_ms);
+  };
+  pipe_->allreduce(pipeCall(op), ptr(block), len, t, rop, &step);
+  std::vector<uint64_t> send_off(n, 0), send_bytes(n, len * e), recv_off(n), recv_bytes(n);
+  for (int q = 0; q < n; ++q) {
+    recv_off[q] = blocks[q].first * e;
+    recv_bytes[q] = (blocks[q].second - blocks[q].first) * e;
+  }
+  launch(op, exchangeAlltoall(n, h.me, send_off, send_bytes, recv_off, recv_bytes), local, ptr(block), ptr(buf));
+}
+
+}  // namespace moelink::cuda
