@@ -42,7 +42,9 @@ void CudaCollectives::bind(int device, const char* opname) {
   TORCH_CHECK_VALUE(cs == cudaStreamCaptureStatusNone, "moelink ", opname, ": the first CUDA op of a group sets up "
                     "its GPU buffers and cannot be captured; run one CUDA collective on this group before capturing");
   try {
-    tuning_ = ExchangeTuning::fromEnv(size_);
+    // (A group of more than kExchangeMaxRanks never runs the in-host kernels over all of its
+    // ranks: the largest row's settings, which are read and checked all the same.)
+    tuning_ = ExchangeTuning::fromEnv(std::min(size_, kExchangeMaxRanks));
     pipe_tuning_ = HostPipelineTuning::fromEnv();
   } catch (const moelink::Error& e) {
     TORCH_CHECK_VALUE(false, "moelink: ", e.what());

@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -91,7 +92,9 @@ std::unique_ptr<ExchangeStaging> ExchangeStaging::open(const c10::intrusive_ptr<
   };
   std::unique_ptr<ExchangeStaging> s(new ExchangeStaging());
   s->rank_ = rank;
-  s->layout_ = ExchangeLayout::make(size, tuning.round_bytes);
+  // Room for every member (the kernels index sources by position among them, at most
+  // kExchangeMaxRanks): a host's ranks of a larger group (the two-level route) fit too.
+  s->layout_ = ExchangeLayout::make(std::min(size, kExchangeMaxRanks), tuning.round_bytes);
   s->areas_.assign(size, nullptr);
   cudaCheck(cudaMalloc(&s->areas_[rank], s->layout_.total), "cudaMalloc(staging)");
   cudaCheck(cudaMemset(s->areas_[rank], 0, s->layout_.total), "cudaMemset(staging)");

@@ -3,8 +3,9 @@
 // puts only each rank's block of the host's sum on the wire (to the ranks at its position on
 // the other hosts: its rail), and gathers the reduced blocks among the host's ranks again.
 #include <chrono>
-#include <map>
 #include <thread>
+
+#include "moelink/cuda/two_level.h"
 
 #include "unit.h"
 
@@ -42,23 +43,12 @@ bool everyRankSays(const c10::intrusive_ptr<c10d::Store>& store, const std::stri
 void CudaCollectives::setUpTwoLevel(bool capturing) {
   two_level_decided_ = true;
   if (capable_) return;  // one host: the in-host kernels serve the whole group
-  // The hosts, each with its ranks ascending, in the order of their first ranks (every rank
-  // computes the same from the group's layout).
-  auto host = [&](int q) {
+  // Real hosts, cut into virtual ones of MOELINK_RANKS_PER_HOST ranks where it is set.
+  const auto ranks = twoLevelRanks(size_, rank_, [&](int q) {
     return g_.host_of(q) + "#" + std::to_string(ranks_per_host_ > 0 ? q / ranks_per_host_ : 0);
-  };
-  std::vector<std::vector<int>> hosts;
-  std::map<std::string, size_t> index;
-  for (int q = 0; q < size_; ++q) {
-    auto [it, fresh] = index.emplace(host(q), hosts.size());
-    if (fresh) hosts.emplace_back();
-    hosts[it->second].push_back(q);
-  }
-  const std::vector<int>& local = hosts[index.at(host(rank_))];
-  const size_t n = local.size();
-  bool uniform = hosts.size() >= 2 && n >= 2 && n <= static_cast<size_t>(kExchangeMaxRanks);
-  for (const auto& h : hosts) uniform = uniform && h.size() == n;
-  if (!uniform) return;  // the same answer on every rank: nothing to agree on
+  }, kExchangeMaxRanks);
+  if (!ranks) return;  // the same answer on every rank: nothing to agree on
+  const int n = static_cast<int>(ranks->local.size());
   collective::CollectiveWorker& w = *g_.worker;
   bool ready = !capturing && w.epoch() == 0;
   for (int q = 0; q < size_ && ready; ++q) ready = w.isActive(q);
@@ -69,13 +59,12 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
     ready = false;
   }
   auto t = std::make_unique<TwoLevel>();
-  t->local = local;
-  t->me = static_cast<int>(std::find(local.begin(), local.end(), rank_) - local.begin());
-  for (const auto& h : hosts) t->rail.push_back(h[t->me]);
-  std::sort(t->rail.begin(), t->rail.end());
+  t->local = ranks->local;
+  t->me = ranks->me;
+  t->rail = ranks->rail;
   if (ready) {
     try {
-      t->tuning = ExchangeTuning::fromEnv(static_cast<int>(n));
+      t->tuning = ExchangeTuning::fromEnv(n);
     } catch (const moelink::Error& e) {
       LOG(WARNING) << "moelink: no two-level route for CUDA collectives: " << e.what();
       ready = false;
@@ -87,7 +76,12 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
   if (!everyRankSays(g_.store, "ready", rank_, size_, ready, moved)) return;
   c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device_));
   std::string why;
-  t->staging = ExchangeStaging::open(g_.store, rank_, size_, t->tuning, &why, "two_level", local, moved);
+  try {
+    t->staging = ExchangeStaging::open(g_.store, rank_, size_, t->tuning, &why, "two_level", t->local, moved);
+  } catch (const std::exception& e) {  // the other ranks hear "no" below, as for any failure here
+    why = e.what();
+    t->staging.reset();
+  }
   if (!everyRankSays(g_.store, "open", rank_, size_, t->staging != nullptr, moved)) {
     LOG(WARNING) << "moelink: no two-level route for CUDA collectives (every rank on the wire): "
                  << (t->staging ? "a rank on another host could not map its host's areas" : why);
@@ -98,7 +92,7 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
     two_level_ = std::move(t);
   }
   VLOG(1) << "moelink: rank " << rank_ << " CUDA all_reduce in two levels: " << n << " ranks per host, "
-          << hosts.size() << " hosts";
+          << ranks->hosts << " hosts";
 }
 
 void CudaCollectives::allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp rop) {
