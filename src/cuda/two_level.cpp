@@ -3,42 +3,14 @@
 // puts only each rank's block of the host's sum on the wire (to the ranks at its position on
 // the other hosts: its rail), and gathers the reduced blocks among the host's ranks again.
 #include <chrono>
-#include <thread>
 
 #include "moelink/cuda/two_level.h"
+#include "moelink/torch/c10d_store.h"
+#include "moelink/transfer/metadata_store.h"
 
 #include "unit.h"
 
 namespace moelink::cuda {
-
-namespace {
-
-// The agreement of every rank of the group on `what`: each publishes its own answer, and all
-// must say yes. Every rank calls it at the same collective op; a rank that says no needs no
-// answers (so it waits for nobody, e.g. for ranks that have not joined yet); the wait for a
-// rank that does not answer ends when the group's membership changes (`moved`) or the store's
-// timeout passes, with no.
-bool everyRankSays(const c10::intrusive_ptr<c10d::Store>& store, const std::string& what, int rank, int size,
-                   bool mine, const std::function<bool()>& moved) {
-  const std::string prefix = "moelink_cuda/two_level/" + what + "/";
-  const std::vector<uint8_t> yes{'1'}, no{'0'};
-  store->set(prefix + std::to_string(rank), mine ? yes : no);
-  if (!mine) return false;
-  bool all = true;
-  const auto deadline = std::chrono::steady_clock::now() + store->getTimeout();
-  for (int q = 0; q < size; ++q) {
-    if (q == rank) continue;
-    const std::string key = prefix + std::to_string(q);
-    while (!store->check({key})) {
-      if (moved() || std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    all = store->get(key) == yes && all;
-  }
-  return all;
-}
-
-}  // namespace
 
 void CudaCollectives::setUpTwoLevel(bool capturing) {
   two_level_decided_ = true;
@@ -71,9 +43,16 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
     }
   }
   // Every rank says whether it will open this host's areas, then whether it could: a rank that
-  // takes the route while a peer on another host does not would fail every op it runs.
+  // takes the route while a peer on another host does not would fail every op it runs. The wait
+  // for a rank that does not answer ends when the membership changes or the store's timeout
+  // passes, with no.
   auto moved = [&w] { return w.epoch() != 0; };
-  if (!everyRankSays(g_.store, "ready", rank_, size_, ready, moved)) return;
+  C10dStore store(g_.store);
+  const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(g_.store->getTimeout());
+  auto everyRankSays = [&](const char* what, bool yes) {
+    return transfer::storeAllAgree(store, std::string("moelink_cuda/two_level/") + what, size_, yes, timeout, moved);
+  };
+  if (!everyRankSays("ready", ready)) return;
   c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device_));
   std::string why;
   try {
@@ -82,7 +61,7 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
     why = e.what();
     t->staging.reset();
   }
-  if (!everyRankSays(g_.store, "open", rank_, size_, t->staging != nullptr, moved)) {
+  if (!everyRankSays("open", t->staging != nullptr)) {
     LOG(WARNING) << "moelink: no two-level route for CUDA collectives (every rank on the wire): "
                  << (t->staging ? "a rank on another host could not map its host's areas" : why);
     return;

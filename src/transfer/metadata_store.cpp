@@ -1,5 +1,6 @@
 #include "moelink/transfer/metadata_store.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "moelink/common/error.h"
@@ -75,6 +76,23 @@ void storeBarrier(MetadataStore& store, const std::string& name, int count,
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(20000));
   }
+}
+
+bool storeAllAgree(MetadataStore& store, const std::string& name, int count, bool yes,
+                   std::chrono::milliseconds timeout, const std::function<bool()>& cancelled) {
+  // A no is counted before its answer: whoever sees every answer sees every no.
+  if (!yes) store.add(name + "/no", 1);
+  int64_t answered = store.add(name + "/answered", 1);
+  if (!yes) return false;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(200);
+  while (answered < count) {
+    if ((cancelled && cancelled()) || std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+    answered = store.add(name + "/answered", 0);
+  }
+  return store.add(name + "/no", 0) == 0;
 }
 
 }  // namespace moelink::transfer

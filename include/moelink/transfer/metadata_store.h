@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -75,5 +76,14 @@ class PrefixStore : public MetadataStore {
 // why there), and after `timeout` naming how many arrived.
 void storeBarrier(MetadataStore& store, const std::string& name, int count,
                   std::chrono::milliseconds timeout, const std::string& abort_key = "");
+
+// Whether all `count` participants of vote `name` say yes (each calls it once, with its own
+// answer). One that says no returns false at once (it needs nobody's answer, so it waits for
+// nobody: e.g. not for ranks that have not joined yet); one that says yes waits until every
+// participant has answered and returns whether all said yes, or false when `cancelled()` turns
+// true or `timeout` passes first. Two adds per participant, then one key polled with a backoff
+// (no participant reads the others' keys one by one: cheap for large groups).
+bool storeAllAgree(MetadataStore& store, const std::string& name, int count, bool yes,
+                   std::chrono::milliseconds timeout, const std::function<bool()>& cancelled = nullptr);
 
 }  // namespace moelink::transfer
