@@ -131,6 +131,34 @@ void copy(void* dst, const void* src, uint64_t n) {
   if (n != 0) std::memcpy(dst, src, n);
 }
 
+// The stream's side of an all_reduce of 4-byte elements in `buf`, as HostPipeline::allreduce
+// orders it: the first pieces packed, piece p+1 reduced (`reduce(slot, ticket, piece's bytes)`)
+// before piece p's all-gather is waited for, each slot packed again once copied back (after
+// `copy_back_delay`: a slow copy keeps the slot in use).
+template <typename Reduce>
+void streamAllreduce(Ring& ring, const std::vector<HostPiece>& ps, char* buf, Reduce reduce,
+                     microseconds copy_back_delay = microseconds(0)) {
+  const PieceRing view = ring.view();
+  auto pack = [&](const HostPiece& pc) {
+    copy(view.in(pc.slot), buf + pc.off * 4, pc.len * 4);
+    ring.raise(pc.first);
+  };
+  auto reduceOne = [&](const HostPiece& pc) {
+    ring.wait(pc.first);
+    reduce(pc.slot, pc.first.ticket, buf + pc.off * 4);
+    ring.raise(pc.second);
+  };
+  for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
+  reduceOne(ps[0]);
+  for (size_t p = 0; p < ps.size(); ++p) {
+    if (p + 1 < ps.size()) reduceOne(ps[p + 1]);
+    ring.wait(ps[p].second);
+    std::this_thread::sleep_for(copy_back_delay);
+    copy(buf + ps[p].off * 4, view.in(ps[p].slot), ps[p].len * 4);
+    if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
+  }
+}
+
 class HostPieces : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
 
 TEST_P(HostPieces, EveryOpThroughTheRing) {
@@ -165,25 +193,10 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
         auto done = submit(r, ring, [=](const AlgoContext& c) {
           return allreducePieces(c, view, ps, count, t, op, world, rank);
         }, marksOf(ps, true), active);
-        auto pack = [&](const HostPiece& pc) {
-          copy(view.in(pc.slot), buf.data() + pc.off * 4, pc.len * 4);
-          ring.raise(pc.first);
-        };
-        auto reduce = [&](const HostPiece& pc) {
-          ring.wait(pc.first);
-          if (ints) ring.reduce<int32_t>(pc.slot, pc.first.ticket, view.in(pc.slot), buf.data() + pc.off * 4, op);
-          else ring.reduce<float>(pc.slot, pc.first.ticket, view.in(pc.slot), buf.data() + pc.off * 4, op);
-          ring.raise(pc.second);
-        };
-        for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
-        reduce(ps[0]);
-        for (size_t p = 0; p < ps.size(); ++p) {
-          if (p + 1 < ps.size()) reduce(ps[p + 1]);
-          ring.wait(ps[p].second);
-          std::this_thread::sleep_for(microseconds(200));  // a slow copy back: the slot stays in use
-          copy(buf.data() + ps[p].off * 4, view.in(ps[p].slot), ps[p].len * 4);
-          if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
-        }
+        streamAllreduce(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* mine) {
+          if (ints) ring.reduce<int32_t>(slot, ticket, view.in(slot), mine, op);
+          else ring.reduce<float>(slot, ticket, view.in(slot), mine, op);
+        }, microseconds(200));
         ASSERT_EQ("", done.get());
         for (uint64_t i = 0; i < count; ++i) {
           if (ints) {
@@ -435,38 +448,24 @@ TEST(HostPieces, AllreduceAmongARail) {
       auto done = submit(r, ring, [=](const AlgoContext& c) {
         return railAllreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, kWorld, rank, step);
       }, marks, active);
-      // The stream as HostPipeline::allreduce orders it (piece p+1 reduced before piece p's
-      // all-gather is waited for).
-      char* b = reinterpret_cast<char*>(buf.data());
-      auto pack = [&](const HostPiece& pc) {
-        copy(view.in(pc.slot), b + pc.off * 4, pc.len * 4);
-        ring.raise(pc.first);
-      };
-      auto reduce = [&](const HostPiece& pc) {
-        ring.wait(pc.first);
-        ring.reduce<float>(pc.slot, pc.first.ticket, view.in(pc.slot), b + pc.off * 4, ReduceOp::kSum);
-        ring.raise(pc.second);
-      };
-      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
-      reduce(ps[0]);
-      for (size_t p = 0; p < ps.size(); ++p) {
-        if (p + 1 < ps.size()) reduce(ps[p + 1]);
-        ring.wait(ps[p].second);
-        copy(b + ps[p].off * 4, view.in(ps[p].slot), ps[p].len * 4);
-        if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
-      }
+      streamAllreduce(ring, ps, reinterpret_cast<char*>(buf.data()), [&](int slot, uint32_t ticket, char* mine) {
+        ring.reduce<float>(slot, ticket, view.in(slot), mine, ReduceOp::kSum);
+      });
       const std::string err = done.get();
-      if (err.empty())
+      if (err.empty()) {
         for (uint64_t i = 0; i < count; ++i)
           EXPECT_FLOAT_EQ(buf[i], input<float>(rail[0], i) + input<float>(rail[1], i))
               << "rank " << rank << " count " << count << " i " << i;
+      }
       return err;
     };
     const std::vector<int> all{0, 1, 2, 3};
     for (uint64_t count : {uint64_t{1}, per - 1, per + 1, 3 * per + 5}) EXPECT_EQ("", run(count, all));
     const std::string err = run(2 * per + 3, all, rank == 1 ? "the in-host step gave up" : "");
     EXPECT_NE(err, "") << "rank " << rank << ": the op succeeded though rank 1's in-host step failed";
-    if (rank == 1) EXPECT_NE(err.find("the in-host step gave up"), std::string::npos) << err;
+    if (rank == 1) {
+      EXPECT_NE(err.find("the in-host step gave up"), std::string::npos) << err;
+    }
     EXPECT_EQ("", run(per + 7, all)) << "rank " << rank << ": the op after the failed one";
     // Rank 0 disagrees about the size: every rank says so in the header check's words.
     const std::string size_err = run(rank == 0 ? per + 3 : per + 5, all);
@@ -477,7 +476,9 @@ TEST(HostPieces, AllreduceAmongARail) {
       // As after a membership change: every rank's check says so (its kernels gave up).
       const std::string e = run(2 * per + 3, {0, 1, 3}, "the membership changed");
       EXPECT_NE(e, "") << "rank " << rank;
-      if (rank == 0 || rank == 3) EXPECT_NE(e.find("rank 2 left the group"), std::string::npos) << e;
+      if (rank == 0 || rank == 3) {
+        EXPECT_NE(e.find("rank 2 left the group"), std::string::npos) << e;
+      }
     }
     storeBarrier(*store, "done", kWorld, seconds(60));
   });
