@@ -1,7 +1,6 @@
 #include "moelink/collective/worker.h"
 
 #include <immintrin.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -103,9 +102,8 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
   // Default: 256 when this host has a core for each of its ranks' workers, else 0:
   // spinning on an oversubscribed host steals the peers' time slices (whatever transport
   // the ranks use between them: forced tcp on one host shares its cores just the same).
-  cpu_set_t cpus;
-  int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  spin_ = static_cast<int>(settings::numberIfSet("MOELINK_WORKER_SPIN").value_or(ncpu >= local_ranks ? 256 : 0));
+  spin_ = static_cast<int>(
+      settings::numberIfSet("MOELINK_WORKER_SPIN").value_or(settings::usableCores() >= local_ranks ? 256 : 0));
   thread_ = std::thread([this] { loop(); });
 }
 

@@ -1,5 +1,8 @@
 #include "moelink/common/settings.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -234,6 +237,11 @@ void warnUnknown() {
                      << "the settings are listed in the README";
     }
   });
+}
+
+int usableCores() {
+  cpu_set_t cpus;
+  return sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? std::max(1, CPU_COUNT(&cpus)) : 1;
 }
 
 }  // namespace moelink::settings

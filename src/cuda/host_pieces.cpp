@@ -179,18 +179,19 @@ OpSpec railAllreducePieces(const AlgoContext& ctx, const PieceRing& ring, const 
   OpSpec op = allreducePieces(rail, ring, ps, count, t, rop, world, rank);
   op.op_bytes = step.op_bytes | collective::kOpBytesInPieces;
   // No piece goes before every rank's header has come and passed the check (so that a rank
-  // that fails here has first told every rank what it runs).
+  // that fails here has first told every rank what it runs). The pieces' steps move one down,
+  // behind the header's.
   auto announced = std::make_shared<bool>(false);
-  for (collective::Step& st : op.steps)
+  for (collective::Step& st : op.steps) {
     st.gate = [gate = std::move(st.gate), check = step.check, missing, announced] {
       if (!*announced || (gate && !gate())) return false;
       const std::string why = !missing.empty() ? missing : check ? check() : "";
       if (!why.empty()) throw moelink::Error(why);  // fails the op (the worker's progress catches it)
       return true;
     };
-  // First, the op's header to every active rank (sent as the op starts).
-  for (collective::Step& st : op.steps)
     if (st.send_after == collective::Step::SendAfter::kAfterStep) ++st.after;
+  }
+  // First, the op's header to every active rank (sent as the op starts).
   collective::Step hello = std::move(collective::barrierOp(ctx).steps.front());
   hello.consume = [announced](const std::vector<const char*>&) { *announced = true; };
   op.steps.insert(op.steps.begin(), std::move(hello));

@@ -31,9 +31,7 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
     ready = false;
   }
   auto t = std::make_unique<TwoLevel>();
-  t->local = ranks->local;
-  t->me = ranks->me;
-  t->rail = ranks->rail;
+  t->ranks = *ranks;
   if (ready) {
     try {
       t->tuning = ExchangeTuning::fromEnv(n);
@@ -56,7 +54,7 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
   c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device_));
   std::string why;
   try {
-    t->staging = ExchangeStaging::open(g_.store, rank_, size_, t->tuning, &why, "two_level", t->local, moved);
+    t->staging = ExchangeStaging::open(g_.store, rank_, size_, t->tuning, &why, "two_level", t->ranks.local, moved);
   } catch (const std::exception& e) {  // the other ranks hear "no" below, as for any failure here
     why = e.what();
     t->staging.reset();
@@ -75,8 +73,9 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
 }
 
 void CudaCollectives::allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp rop) {
-  const TwoLevel& h = *two_level_;
-  const InHostSet local{h.staging.get(), h.local, h.me, h.tuning};
+  const TwoLevel& tl = *two_level_;
+  const TwoLevelRanks& h = tl.ranks;
+  const InHostSet local{tl.staging.get(), h.local, h.me, tl.tuning};
   const int n = static_cast<int>(h.local.size());
   const auto t = toDType(buf.scalar_type());
   const uint64_t count = static_cast<uint64_t>(buf.numel()), e = collective::elementSize(t);

@@ -22,6 +22,7 @@
 #include "moelink/common/error.h"
 #include "moelink/common/settings.h"
 #include "moelink/cuda/exchange_kernel.h"
+#include "moelink/cuda/two_level.h"
 #include "moelink/transfer/records.h"
 #include "host_pipeline.h"
 #include "staging.h"
@@ -178,10 +179,8 @@ class CudaCollectives final : public Collectives {
   // membership change the group runs flat (every rank on the wire) from then on.
   struct TwoLevel {
     std::unique_ptr<ExchangeStaging> staging;
-    std::vector<int> local;  // this host's ranks, ascending
-    int me = 0;              // this rank's position among them
-    ExchangeTuning tuning;   // of a group of local.size() ranks
-    std::vector<int> rail;   // the rank at position `me` of every host, ascending
+    TwoLevelRanks ranks;    // this host's ranks, this rank's position among them, its rail
+    ExchangeTuning tuning;  // of a group of ranks.local.size() ranks
   };
   void setUpTwoLevel(bool capturing);
   // Every all_reduce takes it while it is set up and the membership has not changed, whatever

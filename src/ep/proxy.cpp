@@ -1,7 +1,6 @@
 #include "moelink/ep/proxy.h"
 
 #include <cuda_runtime_api.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <cstring>
@@ -21,9 +20,7 @@ constexpr uint64_t kRingCapacity = 1u << 16;
 // threads on a host with few cores steal the peers' and the GPU launchers' time.
 int proxyThreads() {
   if (auto v = settings::numberIfSet("MOELINK_EP_PROXY_THREADS")) return static_cast<int>(*v);
-  cpu_set_t cpus;
-  const int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  return std::clamp(ncpu / 16, 1, 4);
+  return std::clamp(settings::usableCores() / 16, 1, 4);
 }
 
 void cudaCheck(cudaError_t e, const char* what) {

@@ -39,6 +39,10 @@ bool flag(const char* name);
 // A choice (its first choice when unset) or a text ("" when unset).
 std::string text(const char* name);
 
+// The cores this process may run on (its CPU affinity; at least 1): what the defaults that
+// depend on the host (worker spinning, tcp streams, EP proxy threads) are chosen from.
+int usableCores();
+
 // Logs, once per process, the MOELINK_* variables of the environment that no setting declares.
 void warnUnknown();
 

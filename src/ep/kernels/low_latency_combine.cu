@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) combineKernel(CombineArgs a) {
           const int r = waitNonZero<true>(a.relay + s, a.c.timeout_ns);
           v = r == kRelayTimedOut ? 0 : r;
         }
-        // NOTES: a peer wrote this flag: its token count sizes the reads of the peer's route
+        // A peer wrote this flag: its token count sizes the reads of the peer's route
         // entries and the rows sent back; past this buffer's max_tokens (or negative) they would
         // run past their regions, so such a source is masked as one that timed out.
         if (v < 0 || v / kRouteFlagBase > L.max_tokens) v = 0;

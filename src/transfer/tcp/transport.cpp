@@ -6,7 +6,6 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
-#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -26,8 +25,7 @@ using namespace std::chrono;
 
 TcpTuning TcpTuning::fromEnv(int world_size) {
   TcpTuning t;
-  cpu_set_t cpus;
-  const int ncpu = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  const int ncpu = settings::usableCores();
   // Default from the sweep in docs/PERF.md (64 cores: 8 streams moved the most, 16 less than 8); a
   // small host keeps its cores for the ranks' own threads. A large group keeps the connections
   // (one out and one in per stream and peer) within half of the process's descriptor limit.
