@@ -211,6 +211,10 @@ def streams_sync_and_async(rank, world):
     a = torch.zeros(3000, device=d)
     b = torch.zeros(5000, device=d)
     c = torch.empty(world * 7, device=d)
+    # a and b were made (zeroed) on the current stream: the side streams start behind that, as
+    # a caller's must, or a zeroing still queued there could land after the fills below.
+    s1.wait_stream(torch.cuda.current_stream())
+    s2.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s1):
         torch.cuda._sleep(300_000_000)  # a is written late on s1
         a.fill_(rank + 1.0)
@@ -232,6 +236,7 @@ def streams_sync_and_async(rank, world):
     same(x, torch.full_like(x, total), "sync all_reduce on the default stream")
     # A synchronous op under a stream context, behind a sleep there.
     y = torch.zeros(1 << 16, device=d)
+    s2.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s2):
         torch.cuda._sleep(100_000_000)
         y.fill_(rank + 1.0)

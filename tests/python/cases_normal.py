@@ -299,6 +299,7 @@ def async_events(rank, world, device="cuda"):
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, ne)
     side = torch.cuda.Stream()
     x = torch.empty_like(x0)
+    side.wait_stream(torch.cuda.current_stream())  # x0 was made there
     with torch.cuda.stream(side):
         torch.cuda._sleep(20_000_000)  # the copy lands well after the dispatch is queued
         x.copy_(x0)
