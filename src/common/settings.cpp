@@ -119,8 +119,10 @@ const std::vector<Setting> kSettings = {
     flag("MOELINK_HOST_TWO_LEVEL", "collectives", true,
          "CUDA collectives of a group that spans hosts with the same number of its ranks (2 to 8) on each: "
          "all_reduce reduces among a host's ranks on the in-host kernels first and puts only each rank's block of "
-         "the host's sum on the wire, to the ranks at its position on the other hosts (route `host+nvlink`); `0`: "
-         "every rank on the wire. Taken only where every rank sets it and maps its host's peers"),
+         "the host's sum on the wire, to the ranks at its position on the other hosts; all_gather sends each "
+         "rank's block to those ranks only and gathers among a host's ranks on the in-host kernels (route "
+         "`host+nvlink`); `0`: every rank on the wire. Taken only where every rank sets it and maps its host's "
+         "peers"),
     number("MOELINK_RANKS_PER_HOST", "collectives", 0, 1, 1u << 20,
            "CUDA collectives: group ranks into virtual hosts of this size (any split makes the group host-staged); "
            "the EP buffer has its own, `MOELINK_EP_RANKS_PER_HOST`, so that either unit's cross-host path can be "

@@ -169,14 +169,14 @@ OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std:
   return op;
 }
 
-OpSpec railAllreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
-                           uint64_t count, DType t, ReduceOp rop, int world, int rank, const RailStep& step) {
-  // A rank of the rail or of the host that left fails the op at its first gate, as a failed
-  // check does: the op has been set up with the ranks left, who get this rank's abort (a
-  // failure while building would leave them waiting for its messages until their deadline).
-  std::string missing;
-  const AlgoContext rail = amongRanks(ctx, step.rail, &missing), local = amongRanks(ctx, step.local, &missing);
-  OpSpec op = allreducePieces(rail, ring, ps, count, t, rop, world, rank);
+namespace {
+
+// `op` (built among the rail's active ranks) as the cross-host step of a two-level op: a header
+// to every active rank first, each piece held until step.check() is "" (and `missing`, why a
+// rank of the rail or host is absent, fails it), the host's barrier last.
+OpSpec railOp(const AlgoContext& ctx, OpSpec op, const RailStep& step, const std::string& missing) {
+  std::string unused;
+  const AlgoContext local = amongRanks(ctx, step.local, &unused);
   op.op_bytes = step.op_bytes | collective::kOpBytesInPieces;
   // No piece goes before every rank's header has come and passed the check (so that a rank
   // that fails here has first told every rank what it runs). The pieces' steps move one down,
@@ -201,6 +201,42 @@ OpSpec railAllreducePieces(const AlgoContext& ctx, const PieceRing& ring, const 
   st.after = op.steps.size() - 1;  // the last piece's hand-back
   op.steps.push_back(std::move(st));
   return op;
+}
+
+}  // namespace
+
+OpSpec railAllreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
+                           uint64_t count, DType t, ReduceOp rop, int world, int rank, const RailStep& step) {
+  // A rank of the rail or of the host that left fails the op at its first gate, as a failed
+  // check does: the op has been set up with the ranks left, who get this rank's abort (a
+  // failure while building would leave them waiting for its messages until their deadline).
+  std::string missing;
+  const AlgoContext rail = amongRanks(ctx, step.rail, &missing);
+  amongRanks(ctx, step.local, &missing);
+  return railOp(ctx, allreducePieces(rail, ring, ps, count, t, rop, world, rank), step, missing);
+}
+
+OpSpec railAllgatherPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
+                           uint64_t bytes, uint64_t per, int world, int rank, const RailStep& step) {
+  std::string missing;
+  const AlgoContext rail = amongRanks(ctx, step.rail, &missing);
+  amongRanks(ctx, step.local, &missing);
+  OpSpec op = pipelineOp(OpKind::kAllgather, DType::kBytes, ReduceOp::kNone, -1, bytes);
+  // Rows by position on the rail (the stream places them so); every rail rank is active here
+  // (else `missing` fails the op before a piece goes).
+  std::vector<uint64_t> so(world, 0), sb(world, 0), ro(world, 0), rb(world, 0);
+  for (const HostPiece& pc : ps) {
+    for (size_t j = 0; j < step.rail.size(); ++j) {
+      const int r = step.rail[j];
+      if (r == rank || !std::binary_search(rail.ranks.begin(), rail.ranks.end(), r)) continue;
+      sb[r] = pc.len;
+      ro[r] = j * per;
+      rb[r] = pc.len;
+    }
+    append(op, ring, collective::alltoallOp(rail, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
+           nullptr);
+  }
+  return railOp(ctx, std::move(op), step, missing);
 }
 
 OpSpec reduceScatterPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,

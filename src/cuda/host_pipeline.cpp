@@ -260,19 +260,25 @@ void HostPipeline::reduceScatter(const Call& c, const char* in, char* out, uint6
   });
 }
 
-void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t bytes) {
-  const uint64_t per = allgatherPieceBytes(tuning_.slot_bytes, size_);
+void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t bytes, const RailStep* rail) {
+  // The rows: one per rank of the group, or of the rail; this rank's among them.
+  const int rows = rail ? static_cast<int>(rail->rail.size()) : size_;
+  const int me = rail ? static_cast<int>(std::find(rail->rail.begin(), rail->rail.end(), rank_) - rail->rail.begin())
+                      : rank_;
+  const uint64_t per = allgatherPieceBytes(tuning_.slot_bytes, rows);
   const int depth = tuning_.depth;
   const std::vector<HostPiece> ps = cutPieces(bytes, per, depth, false, [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
   for (const HostPiece& pc : ps) marks.push_back(pc.first);
   submit(c, OpKind::kAllgather,
-         [r = ring(), ps, bytes, per, world = size_, rank = rank_](const AlgoContext& ctx) {
-           return allgatherPieces(ctx, r, ps, bytes, per, world, rank);
+         [r = ring(), ps, bytes, per, world = size_, rank = rank_,
+          step = rail ? std::make_optional(*rail) : std::nullopt](const AlgoContext& ctx) {
+           return step ? railAllgatherPieces(ctx, r, ps, bytes, per, world, rank, *step)
+                       : allgatherPieces(ctx, r, ps, bytes, per, world, rank);
          },
          std::move(marks));
   const cudaStream_t s = c.stream;
-  copyAsync(out + static_cast<uint64_t>(rank_) * bytes, in, bytes, cudaMemcpyDeviceToDevice, s);
+  copyAsync(out + static_cast<uint64_t>(me) * bytes, in, bytes, cudaMemcpyDeviceToDevice, s);
   auto pack = [&](const HostPiece& pc) {
     copyAsync(inHost(pc.slot), in + pc.off, pc.len, cudaMemcpyDeviceToHost, s);
     raiseReady(s, pc.first);
@@ -280,11 +286,11 @@ void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t 
   streamPieces(ps, depth, pack, [&](const HostPiece& pc) {
     waitDone(s, pc.first);
     // The rows of the ranks before this one, then those after it.
-    copy2DAsync(out + pc.off, bytes, outHost(pc.slot), per, pc.len, static_cast<uint64_t>(rank_),
+    copy2DAsync(out + pc.off, bytes, outHost(pc.slot), per, pc.len, static_cast<uint64_t>(me),
                 cudaMemcpyHostToDevice, s);
-    copy2DAsync(out + static_cast<uint64_t>(rank_ + 1) * bytes + pc.off, bytes,
-                outHost(pc.slot) + static_cast<uint64_t>(rank_ + 1) * per, per, pc.len,
-                static_cast<uint64_t>(size_ - rank_ - 1), cudaMemcpyHostToDevice, s);
+    copy2DAsync(out + static_cast<uint64_t>(me + 1) * bytes + pc.off, bytes,
+                outHost(pc.slot) + static_cast<uint64_t>(me + 1) * per, per, pc.len,
+                static_cast<uint64_t>(rows - me - 1), cudaMemcpyHostToDevice, s);
   });
 }
 

@@ -80,8 +80,9 @@ class HostPipeline {
   // `in`: one block of `count` elements per rank; `out`: this rank's reduced block.
   void reduceScatter(const Call& c, const char* in, char* out, uint64_t count, collective::DType t,
                      collective::ReduceOp op);
-  // `out`: one block of `bytes` per rank.
-  void allgather(const Call& c, const char* in, char* out, uint64_t bytes);
+  // `out`: one block of `bytes` per rank. With `rail`, the cross-host step of a two-level
+  // all_gather (railAllgatherPieces): one block per rank of the rail, by position on it.
+  void allgather(const Call& c, const char* in, char* out, uint64_t bytes, const RailStep* rail = nullptr);
   void broadcast(const Call& c, char* buf, uint64_t bytes, int root);
   // Pairs of any lengths (byte offsets and lengths per rank, in `in` and `out`).
   void alltoall(const Call& c, const char* in, char* out, const std::vector<uint64_t>& send_off,

@@ -10,6 +10,16 @@ CudaCollectives::Piped CudaCollectives::gatherPieces(const at::Tensor& in, const
   return [in, out](HostPipeline& p, const HostPipeline::Call& c) { p.allgather(c, ptr(in), ptr(out), nbytes(in)); };
 }
 
+void CudaCollectives::allgatherAny(Op& op, const at::Tensor& in, const at::Tensor& out) {
+  if (!inHost() && twoLevel()) {
+    allgatherTwoLevel(op, in, out);
+    return;
+  }
+  flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
+       [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); },
+       gatherPieces(in, out));
+}
+
 CudaCollectives::Piped CudaCollectives::scatterPieces(const at::Tensor& in, const at::Tensor& out, ReduceOp rop) {
   return [in, out, rop](HostPipeline& p, const HostPipeline::Call& c) {
     p.reduceScatter(c, ptr(in), ptr(out), static_cast<uint64_t>(out.numel()), toDType(out.scalar_type()), rop);
@@ -60,9 +70,7 @@ Work CudaCollectives::allgather(at::Tensor& output, at::Tensor& input, const Cal
   Kind k{"all_gather_into_tensor", OpType::_ALLGATHER_BASE, "ep:_all_gather_base", true};
   return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
-    flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); },
-         gatherPieces(in, out));
+    allgatherAny(op, in, out);
     settle(output, out);
   });
 }
@@ -72,11 +80,7 @@ Work CudaCollectives::allgather(Tensors& outputs, at::Tensor& input, const Call&
              Route::kGroup, call, [&](Op& op) {
                at::Tensor in = input.contiguous();
                at::Tensor out = at::empty({in.numel() * size_}, in.options());
-               flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
-                    [=](const algo::AlgoContext& c, char* i, char* o) {
-                      return algo::allgatherOp(c, i, o, nbytes(in));
-                    },
-                    gatherPieces(in, out));
+               allgatherAny(op, in, out);
                unflatten(out, outputs);
              });
 }
@@ -86,9 +90,7 @@ Work CudaCollectives::allgatherCoalesced(Tensors& outputs, Tensors& inputs, cons
   return run(k, outputs, joined(outputs, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = flatten(inputs);
     at::Tensor out = at::empty({in.numel() * size_}, in.options());
-    flat(op, exchangeAllgather(size_, rank_, nbytes(in)), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::allgatherOp(c, i, o, nbytes(in)); },
-         gatherPieces(in, out));
+    allgatherAny(op, in, out);
     // out is [rank][input 0 | input 1 | ...]; output i gathers every rank's input i.
     int64_t off = 0;
     for (size_t i = 0; i < outputs.size(); ++i) {

@@ -1,7 +1,8 @@
 // The CUDA unit's two-level route (unit.h, TwoLevel): in a group that spans hosts with several
 // of its ranks on each, all_reduce first reduces among a host's ranks on the in-host kernels,
 // puts only each rank's block of the host's sum on the wire (to the ranks at its position on
-// the other hosts: its rail), and gathers the reduced blocks among the host's ranks again.
+// the other hosts: its rail), and gathers the reduced blocks among the host's ranks again;
+// all_gather gathers each rail's blocks over the wire, then the host's ranks' among them.
 #include <chrono>
 
 #include "moelink/cuda/two_level.h"
@@ -64,6 +65,11 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
                  << (t->staging ? "a rank on another host could not map its host's areas" : why);
     return;
   }
+  const int hosts = ranks->hosts;
+  std::vector<int64_t> rows(static_cast<size_t>(n * hosts));
+  for (int p = 0; p < n; ++p)
+    for (int j = 0; j < hosts; ++j) rows[static_cast<size_t>(p * hosts + j)] = ranks->rails[p][j];
+  t->gather_rows = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(at::Device(at::kCUDA, device_));
   {
     std::lock_guard<std::mutex> g(mu_);  // path() reads it
     two_level_ = std::move(t);
@@ -113,6 +119,37 @@ void CudaCollectives::allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp 
     recv_bytes[q] = (blocks[q].second - blocks[q].first) * e;
   }
   launch(op, exchangeAlltoall(n, h.me, send_off, send_bytes, recv_off, recv_bytes), local, ptr(block), ptr(buf));
+}
+
+void CudaCollectives::allgatherTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out) {
+  const TwoLevel& tl = *two_level_;
+  const TwoLevelRanks& h = tl.ranks;
+  const InHostSet local{tl.staging.get(), h.local, h.me, tl.tuning};
+  const int n = static_cast<int>(h.local.size()), hosts = static_cast<int>(h.rail.size());
+  const uint64_t bytes = nbytes(in);
+  // The rail's blocks by position on the rail, then every host rank's rail's blocks by the
+  // rank's position on the host (on the op's stream, which frees them in order).
+  const auto rows = [&](int count) {
+    return at::empty({static_cast<int64_t>(count * bytes)}, in.options().dtype(at::kByte));
+  };
+  at::Tensor rail_rows = rows(hosts), host_rows = rows(n * hosts);
+  // Nothing runs before the cross-host step here: it fails when the membership changed (the
+  // in-host kernel after it gives up then, and the next ops run flat).
+  RailStep step{h.rail, h.local, bytes * static_cast<uint64_t>(size_), nullptr};
+  const uint32_t* abort = abort_->host(0);
+  step.check = [abort]() -> std::string {
+    return __atomic_load_n(abort, __ATOMIC_ACQUIRE)
+               ? "the group's membership changed while this two-level all_gather ran (the next ops run with every "
+                 "rank on the wire)"
+               : "";
+  };
+  pipe_->allgather(pipeCall(op), ptr(in), ptr(rail_rows), bytes, &step);
+  launch(op, exchangeAllgather(n, h.me, static_cast<uint64_t>(hosts) * bytes), local, ptr(rail_rows),
+         ptr(host_rows));
+  if (bytes == 0) return;
+  // Row p * hosts + j is the block of rank rails[p][j].
+  const auto b = static_cast<int64_t>(bytes);
+  out.view({-1}).view(at::kByte).view({size_, b}).index_copy_(0, tl.gather_rows, host_rows.view({n * hosts, b}));
 }
 
 }  // namespace moelink::cuda

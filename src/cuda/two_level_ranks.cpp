@@ -23,8 +23,12 @@ std::optional<TwoLevelRanks> twoLevelRanks(int size, int rank, const std::functi
   TwoLevelRanks t;
   t.local = hosts[index.at(host_of(rank))];
   t.me = static_cast<int>(std::find(t.local.begin(), t.local.end(), rank) - t.local.begin());
-  for (const auto& h : hosts) t.rail.push_back(h[t.me]);
-  std::sort(t.rail.begin(), t.rail.end());
+  t.rails.resize(n);
+  for (size_t p = 0; p < n; ++p) {
+    for (const auto& h : hosts) t.rails[p].push_back(h[p]);
+    std::sort(t.rails[p].begin(), t.rails[p].end());
+  }
+  t.rail = t.rails[static_cast<size_t>(t.me)];
   t.hosts = static_cast<int>(hosts.size());
   return t;
 }

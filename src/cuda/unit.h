@@ -173,14 +173,18 @@ class CudaCollectives final : public Collectives {
   // kExchangeMaxRanks) of its ranks on each: all_reduce as a reduce-scatter among this host's
   // ranks on the in-host kernels, an all_reduce of this rank's block among the ranks at the
   // same position on every host (its rail) through the host pipeline, and an all-gather among
-  // this host's ranks on the in-host kernels. The wire carries each byte once per host instead
-  // of once per rank. Set up at the group's first collective op (every rank issues it) when
+  // this host's ranks on the in-host kernels; all_gather as an all-gather among the rail
+  // through the pipeline, then among this host's ranks on the in-host kernels. The wire
+  // carries each byte once per host instead of once per rank. Set up at the group's first collective op (every rank issues it) when
   // every rank agrees (MOELINK_HOST_TWO_LEVEL, every rank active, areas mapped); after a
   // membership change the group runs flat (every rank on the wire) from then on.
   struct TwoLevel {
     std::unique_ptr<ExchangeStaging> staging;
     TwoLevelRanks ranks;    // this host's ranks, this rank's position among them, its rail
     ExchangeTuning tuning;  // of a group of ranks.local.size() ranks
+    // all_gather: the in-host step leaves the blocks by (position, rail index); row
+    // p * hosts + j goes to the group's block rails[p][j] (int64, on the GPU).
+    at::Tensor gather_rows;
   };
   void setUpTwoLevel(bool capturing);
   // Every all_reduce takes it while it is set up and the membership has not changed, whatever
@@ -188,6 +192,10 @@ class CudaCollectives final : public Collectives {
   // launch the same in-host kernels, whose header check fails them at once.
   bool twoLevel() const { return two_level_ != nullptr && !changed_.load(std::memory_order_acquire); }
   void allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp rop);
+  // `out`: contiguous, one block of in's bytes per rank.
+  void allgatherTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out);
+  // all_gather of `in` into `out` (contiguous) on whichever route the group takes.
+  void allgatherAny(Op& op, const at::Tensor& in, const at::Tensor& out);
   void hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host);
   static Piped gatherPieces(const at::Tensor& in, const at::Tensor& out);
   static Piped scatterPieces(const at::Tensor& in, const at::Tensor& out, ReduceOp rop);

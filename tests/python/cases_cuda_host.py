@@ -160,6 +160,14 @@ def host_pieces(rank, world):
         same(out, ref, what)
 
 
+def two_level_group(world):
+    """Whether this group is one of 2 hosts of world / 2 ranks: virtual ones
+    (MOELINK_RANKS_PER_HOST, the "two_level" path of test_cuda_collectives.py) or named per rank
+    (MOELINK_HOST_ID, test_two_level_interleaved_hosts)."""
+    return world >= 4 and (os.environ.get("MOELINK_RANKS_PER_HOST") == str(world // 2)
+                           or bool(os.environ.get("MOELINK_HOST_ID")))
+
+
 def two_level_all_reduce(rank, world):
     """A group of 2 virtual hosts of world / 2 ranks (MOELINK_RANKS_PER_HOST): all_reduce in two
     levels (route `host+nvlink`: a reduce-scatter among a host's ranks on the in-host kernels, an
@@ -169,7 +177,7 @@ def two_level_all_reduce(rank, world):
     CUDA graph; ranks of one host that disagree about an op's size fail it with the header check's
     words, and the group goes on; a group in which one rank sets MOELINK_HOST_TWO_LEVEL=0 runs flat
     on every rank, exact."""
-    if os.environ.get("MOELINK_RANKS_PER_HOST") != str(world // 2) or world < 4:
+    if not two_level_group(world):
         return  # the "two_level" path of test_cuda_collectives.py
     d = dev(rank)
     local = world // 2
@@ -223,3 +231,69 @@ def two_level_all_reduce(rank, world):
         same(z, torch.full_like(z, float(sum(r + 1 for r in range(world)))), "all_reduce, two levels turned off")
         assert moelink.get_backend(g).cuda_path() == "host", moelink.get_backend(g).cuda_path()
         dist.destroy_process_group(g)
+
+
+def two_level_all_gather(rank, world):
+    """all_gather in two levels (route `host+nvlink`: each rank's block to the ranks at its position
+    on the other hosts through the host pipeline, then every rail's blocks among a host's ranks on
+    the in-host kernels, placed by rank): exact for every dtype at every size (empty included), as
+    all_gather_into_tensor and as all_gather into a list, async and captured in a CUDA graph (an
+    all_reduce beside it); ranks that disagree about the size fail it with the header check's
+    words, and the group goes on."""
+    if not two_level_group(world):
+        return
+    d = dev(rank)
+
+    def block(r, n, dtype, salt):
+        if dtype == torch.complex64:
+            return torch.complex(value(r, n, torch.float32, d, salt), value(r, n, torch.float32, d, salt + 1))
+        return value(r, n, dtype, d, salt)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8, torch.complex64):
+        for n in (0, 1, 7, 1000, 100_003, (1 << 18) + 1):
+            xs = [block(r, n, dtype, n % 5) for r in range(world)]
+            out = torch.empty(world * n, dtype=dtype, device=d)
+            dist.all_gather_into_tensor(out, xs[rank])
+            same(out, torch.cat(xs), f"two-level all_gather {dtype} n={n}")
+    assert moelink.get_backend(dist.group.WORLD).cuda_path() == "host+nvlink", \
+        moelink.get_backend(dist.group.WORLD).cuda_path()
+    # into a list, of 2-D blocks
+    outs = [torch.empty(3, 1001, device=d) for _ in range(world)]
+    dist.all_gather(outs, block(rank, 3003, torch.float32, 2).view(3, 1001))
+    for r in range(world):
+        same(outs[r], block(r, 3003, torch.float32, 2).view(3, 1001), f"two-level all_gather into a list, from {r}")
+    # async, two in flight
+    g1, g2 = torch.empty(world * 70_001, device=d), torch.empty(world * 9, device=d, dtype=torch.int32)
+    w1 = dist.all_gather_into_tensor(g1, torch.full((70_001,), rank + 1.0, device=d), async_op=True)
+    w2 = dist.all_gather_into_tensor(g2, torch.full((9,), rank * 7, device=d, dtype=torch.int32), async_op=True)
+    w1.wait()
+    w2.wait()
+    same(g1, torch.cat([torch.full((70_001,), r + 1.0, device=d) for r in range(world)]), "two-level async all_gather")
+    same(g2, torch.cat([torch.full((9,), r * 7, device=d, dtype=torch.int32) for r in range(world)]),
+         "two-level async all_gather, small")
+    # captured beside an all_reduce: replayed with new inputs
+    x = torch.zeros(50_007, device=d)
+    g = torch.empty(world * x.numel(), device=d)
+    y = torch.zeros(6, device=d)
+    graph = capture(lambda: (dist.all_gather_into_tensor(g, x), dist.all_reduce(y)))
+    iota = torch.arange(x.numel(), device=d, dtype=torch.float32)
+    for it in range(3):
+        x.copy_(iota + 1000 * rank + it)
+        y.fill_(rank + it)
+        graph.replay()
+        torch.cuda.synchronize()
+        same(g, torch.cat([iota + 1000 * r + it for r in range(world)]), f"two-level all_gather in a graph {it}")
+        same(y, torch.full_like(y, float(sum(r + it for r in range(world)))), f"all_reduce in the same graph {it}")
+    # rank 0's block is smaller: every rank fails the op with the header check's words, and the
+    # next op is exact
+    m = 4096 if rank == 0 else 8192
+    w = dist.all_gather_into_tensor(torch.empty(world * m, device=d), torch.ones(m, device=d), async_op=True)
+    try:
+        w.get_future().wait()
+        raise AssertionError("a two-level all_gather that the ranks disagree about passed")
+    except RuntimeError as e:
+        assert "expects" in str(e) and "rank" in str(e), e
+    z = torch.empty(world * 5000, device=d)
+    dist.all_gather_into_tensor(z, torch.full((5000,), float(rank), device=d))
+    same(z, torch.cat([torch.full((5000,), float(r), device=d) for r in range(world)]),
+         "two-level all_gather after a disagreement")

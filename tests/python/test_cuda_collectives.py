@@ -67,7 +67,7 @@ def test_cuda_collectives(world, path, case):
         pytest.skip("not in MOELINK_TEST_CASES")
     if path == "two_level" and world != 4:
         pytest.skip("2 virtual hosts of 2: 4 ranks")
-    if case == "two_level_all_reduce" and path != "two_level":
+    if case.startswith("two_level_") and path != "two_level":
         pytest.skip("the two-level route's own case")
     if world == 8 and (path != "nvlink" or case not in EIGHT):
         pytest.skip("8 ranks on 4 GPUs: the NVLink path's kernel cases only")
@@ -76,3 +76,18 @@ def test_cuda_collectives(world, path, case):
     if SHARED and "nccl" in case:
         pytest.skip("NCCL refuses two ranks on one GPU")
     assert_case_passed(results(path, world), case)
+
+
+def test_two_level_interleaved_hosts():
+    """The two-level route on 2 hosts whose ranks interleave ({0, 2} and {1, 3}, MOELINK_HOST_ID per
+    rank): a rank's rail and its host peers are not its neighbours, and all_gather places every
+    block by rank."""
+    if GPUS < 4:
+        pytest.skip(f"needs 4 GPUs (or MOELINK_TEST_SHARE_GPU=4 and one), found {GPUS}")
+    names = ["two_level_all_reduce", "two_level_all_gather"]
+    env = {k: v for k, v in PIECES.items() if k != "MOELINK_RANKS_PER_HOST"}
+    res = run_group(4, run_cases, kwargs={"cases_mod": "cases_cuda", "names": names}, env=env,
+                    rank_env={r: {"MOELINK_HOST_ID": "interleaved-" + "AB"[r % 2]} for r in range(4)},
+                    timeout=600, pg_timeout=120)
+    for case in names:
+        assert_case_passed(res, case)

@@ -82,13 +82,14 @@ std::function<bool()> readyGate(const PieceRing& ring, PieceMark m);
 collective::AlgoContext amongRanks(const collective::AlgoContext& c, const std::vector<int>& among,
                                    std::string* missing);
 
-// The cross-host step of a two-level all_reduce (src/cuda/unit.h, TwoLevel): who takes part,
-// and what this rank's in-host step left behind.
+// The cross-host step of a two-level op (src/cuda/unit.h, TwoLevel): who takes part, and what
+// this rank's in-host step before it left behind.
 struct RailStep {
   std::vector<int> rail;   // the ranks at this rank's position on every host (ascending)
   std::vector<int> local;  // this host's ranks (ascending)
-  uint64_t op_bytes = 0;   // the whole all_reduce's bytes (what the ranks compare in the headers)
-  // "" when this rank's in-host step succeeded, else why not; asked before each piece goes.
+  uint64_t op_bytes = 0;   // the whole op's bytes (what the ranks compare in the headers)
+  // "" when this rank may go on (its in-host step succeeded, the membership is as it was), else
+  // why not; asked before each piece goes.
   std::function<std::string()> check;
 };
 
@@ -118,6 +119,12 @@ collective::OpSpec allreducePieces(const collective::AlgoContext& c, const Piece
 collective::OpSpec railAllreducePieces(const collective::AlgoContext& c, const PieceRing& ring,
                                        const std::vector<HostPiece>& pieces, uint64_t count, collective::DType t,
                                        collective::ReduceOp op, int world, int rank, const RailStep& step);
+// The cross-host step of a two-level all_gather, with the same header, gates and barrier:
+// this rank's `in` piece to every rank of its rail, each rail rank's row received at its
+// position on the rail (`per` bytes apart: allgatherPieceBytes(slot, rail size)).
+collective::OpSpec railAllgatherPieces(const collective::AlgoContext& c, const PieceRing& ring,
+                                       const std::vector<HostPiece>& pieces, uint64_t bytes, uint64_t per, int world,
+                                       int rank, const RailStep& step);
 collective::OpSpec reduceScatterPieces(const collective::AlgoContext& c, const PieceRing& ring,
                                        const std::vector<HostPiece>& pieces, uint64_t count, uint64_t per,
                                        collective::DType t, collective::ReduceOp op, int world, int rank);

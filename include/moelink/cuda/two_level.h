@@ -14,6 +14,7 @@ struct TwoLevelRanks {
   std::vector<int> local;  // this rank's host's ranks, ascending
   int me = 0;              // this rank's position among them
   std::vector<int> rail;   // the rank at position `me` of every host, ascending
+  std::vector<std::vector<int>> rails;  // the rail of each position (rails[me] is `rail`)
   int hosts = 0;
 };
 

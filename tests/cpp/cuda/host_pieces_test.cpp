@@ -418,26 +418,61 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
   });
 }
 
-// The cross-host step of the two-level all_reduce (unit.h, TwoLevel): 4 ranks as 2 hosts
-// ({0, 1} and {2, 3}) of 2, each rank's all_reduce among its rail only ({0, 2} and {1, 3}), both
-// rails at once, sizes around the pieces: each rank gets its rail's sum and nothing of the other
-// rail's. When one rank's in-host step failed (its check says so), the op fails on all four: its
-// rail peer by the abort, its host peer at the barrier, and the fourth at its barrier with the
-// rail peer's host peer; the next op is exact. When rank 0 disagrees about the op's size, every
-// rank fails naming it in the header check's words. With rank 2 out of the group, ranks 0 and 3
-// (whose rail or host has it) fail naming it, rank 1 at its check.
+// The cross-host steps of the two-level ops (unit.h, TwoLevel) run on 4 ranks as 2 hosts
+// ({0, 1} and {2, 3}) of 2, each rank's op among its rail only ({0, 2} and {1, 3}), both rails at
+// once. `run(size, active, failed)` runs one op over the `active` ranks, this rank's check
+// saying `failed`, checks the values when it passed, and returns its error. The scenarios:
+// sizes around the pieces (`per`) are exact; when rank 1's in-host step failed (its check says
+// so), the op fails on all four: its rail peer by the abort, its host peer at the barrier, and
+// the fourth at its barrier with the rail peer's host peer; the next op is exact. When rank 0
+// disagrees about the op's size, every rank fails naming it in the header check's words. With
+// rank 2 out of the group, ranks 0 and 3 (whose rail or host has it) fail naming it, rank 1 at
+// its check.
+using RailRun = std::function<std::string(uint64_t, const std::vector<int>&, const std::string&)>;
+
+void railScenarios(int rank, uint64_t per, InProcessStore& store, const RailRun& run) {
+  const std::vector<int> all{0, 1, 2, 3};
+  for (uint64_t size : {uint64_t{1}, per - 1, per + 1, 3 * per + 5}) EXPECT_EQ("", run(size, all, ""));
+  const std::string err = run(2 * per + 3, all, rank == 1 ? "the in-host step gave up" : "");
+  EXPECT_NE(err, "") << "rank " << rank << ": the op succeeded though rank 1's in-host step failed";
+  if (rank == 1) {
+    EXPECT_NE(err.find("the in-host step gave up"), std::string::npos) << err;
+  }
+  EXPECT_EQ("", run(per + 7, all, "")) << "rank " << rank << ": the op after the failed one";
+  // Rank 0 disagrees about the size: every rank says so in the header check's words.
+  const std::string size_err = run(rank == 0 ? per + 3 : per + 5, all, "");
+  EXPECT_NE(size_err.find("this rank expects"), std::string::npos) << "rank " << rank << ": " << size_err;
+  EXPECT_EQ("", run(per + 7, all, "")) << "rank " << rank << ": the op after the disagreement";
+  storeBarrier(store, "rails", 4, seconds(60));
+  if (rank != 2) {
+    // As after a membership change: every rank's check says so (its kernels gave up).
+    const std::string e = run(2 * per + 3, {0, 1, 3}, "the membership changed");
+    EXPECT_NE(e, "") << "rank " << rank;
+    if (rank == 0 || rank == 3) {
+      EXPECT_NE(e.find("rank 2 left the group"), std::string::npos) << e;
+    }
+  }
+  storeBarrier(store, "done", 4, seconds(60));
+}
+
+RailStep railOf(int rank) {
+  RailStep step;
+  step.rail = rank % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+  step.local = rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+  return step;
+}
+
+// The two-level all_reduce's: each rank gets its rail's sum and nothing of the other rail's.
 TEST(HostPieces, AllreduceAmongARail) {
   auto store = std::make_shared<InProcessStore>();
   constexpr int kWorld = 4;
   runRanks(kWorld, [&](int rank) {
     Rank r = makeRank(store, rank, kWorld, "tcp");
     Ring ring(kWorld);
-    RailStep step;
-    step.rail = rank % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
-    step.local = rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+    RailStep step = railOf(rank);
     const std::vector<int>& rail = step.rail;
     const uint64_t per = allreducePieceElems(4, kSlotBytes);
-    auto run = [&](uint64_t count, const std::vector<int>& active, const std::string& failed = "") {
+    auto run = [&](uint64_t count, const std::vector<int>& active, const std::string& failed) {
       step.check = [failed] { return failed; };
       step.op_bytes = count * 4;
       std::vector<float> buf(count);
@@ -459,28 +494,56 @@ TEST(HostPieces, AllreduceAmongARail) {
       }
       return err;
     };
-    const std::vector<int> all{0, 1, 2, 3};
-    for (uint64_t count : {uint64_t{1}, per - 1, per + 1, 3 * per + 5}) EXPECT_EQ("", run(count, all));
-    const std::string err = run(2 * per + 3, all, rank == 1 ? "the in-host step gave up" : "");
-    EXPECT_NE(err, "") << "rank " << rank << ": the op succeeded though rank 1's in-host step failed";
-    if (rank == 1) {
-      EXPECT_NE(err.find("the in-host step gave up"), std::string::npos) << err;
-    }
-    EXPECT_EQ("", run(per + 7, all)) << "rank " << rank << ": the op after the failed one";
-    // Rank 0 disagrees about the size: every rank says so in the header check's words.
-    const std::string size_err = run(rank == 0 ? per + 3 : per + 5, all);
-    EXPECT_NE(size_err.find("this rank expects"), std::string::npos) << "rank " << rank << ": " << size_err;
-    EXPECT_EQ("", run(per + 7, all)) << "rank " << rank << ": the op after the disagreement";
-    storeBarrier(*store, "rails", kWorld, seconds(60));
-    if (rank != 2) {
-      // As after a membership change: every rank's check says so (its kernels gave up).
-      const std::string e = run(2 * per + 3, {0, 1, 3}, "the membership changed");
-      EXPECT_NE(e, "") << "rank " << rank;
-      if (rank == 0 || rank == 3) {
-        EXPECT_NE(e.find("rank 2 left the group"), std::string::npos) << e;
+    railScenarios(rank, per, *store, run);
+  });
+}
+
+// The two-level all_gather's: each rank gets its rail's blocks, by position on the rail (the
+// stream's side as HostPipeline::allgather places them), and nothing of the other rail's.
+TEST(HostPieces, AllgatherAmongARail) {
+  auto store = std::make_shared<InProcessStore>();
+  constexpr int kWorld = 4;
+  runRanks(kWorld, [&](int rank) {
+    Rank r = makeRank(store, rank, kWorld, "tcp");
+    Ring ring(kWorld);
+    RailStep step = railOf(rank);
+    const std::vector<int>& rail = step.rail;
+    const int rows = static_cast<int>(rail.size()), me = rank < 2 ? 0 : 1;
+    const uint64_t per = allgatherPieceBytes(kSlotBytes, rows);
+    auto run = [&](uint64_t bytes, const std::vector<int>& active, const std::string& failed) {
+      step.check = [failed] { return failed; };
+      step.op_bytes = bytes * kWorld;
+      std::vector<uint8_t> in(bytes), out(bytes * rows, 0);
+      for (uint64_t i = 0; i < bytes; ++i) in[i] = moelink::testing::pattern(rank, i);
+      auto ps = cutPieces(bytes, per, kDepth, false, [&](int word) { return ring.mark(word); });
+      std::vector<PieceMark> marks = marksOf(ps, false);
+      PieceRing view = ring.view();
+      auto done = submit(r, ring, [=](const AlgoContext& c) {
+        return railAllgatherPieces(c, view, ps, bytes, per, kWorld, rank, step);
+      }, marks, active);
+      copy(out.data() + me * bytes, in.data(), bytes);
+      auto pack = [&](const HostPiece& pc) {
+        copy(view.in(pc.slot), in.data() + pc.off, pc.len);
+        ring.raise(pc.first);
+      };
+      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
+      for (size_t p = 0; p < ps.size(); ++p) {
+        ring.wait(ps[p].first);
+        for (int j = 0; j < rows; ++j)
+          if (j != me) copy(out.data() + j * bytes + ps[p].off, view.out(ps[p].slot) + j * per, ps[p].len);
+        if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
       }
-    }
-    storeBarrier(*store, "done", kWorld, seconds(60));
+      const std::string err = done.get();
+      if (err.empty()) {
+        for (int j = 0; j < rows; ++j) {
+          uint64_t i = 0;
+          while (i < bytes && out[j * bytes + i] == moelink::testing::pattern(rail[j], i)) ++i;
+          EXPECT_EQ(i, bytes) << "rank " << rank << " bytes " << bytes << ": row " << j << " differs from byte " << i;
+        }
+      }
+      return err;
+    };
+    railScenarios(rank, per, *store, run);
   });
 }
 

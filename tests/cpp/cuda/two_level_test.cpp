@@ -54,6 +54,14 @@ TEST(TwoLevelRanks, InterleavedHostsAndLargeGroups) {
     ASSERT_TRUE(r);
     for (int p : r->rail) EXPECT_EQ(twoLevelRanks(16, p, hostsOf("ABABABABABABABAB"), 8)->rail, r->rail);
   }
+  // Every rank knows every position's rail alike (the two-level all_gather places the blocks by
+  // them); hosts {0, 3} and {1, 2}: a host's place on a rail differs between the rails.
+  for (int q = 0; q < 4; ++q) {
+    auto r = twoLevelRanks(4, q, hostsOf("ABBA"), 8);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->rails, (std::vector<std::vector<int>>{{0, 1}, {2, 3}})) << "rank " << q;
+    EXPECT_EQ(r->rail, r->rails[static_cast<size_t>(r->me)]) << "rank " << q;
+  }
 }
 
 TEST(TwoLevelRanks, DoesNotApply) {
