@@ -119,8 +119,9 @@ const std::vector<Setting> kSettings = {
     flag("MOELINK_HOST_TWO_LEVEL", "collectives", true,
          "CUDA collectives of a group that spans hosts with the same number of its ranks (2 to 8) on each: "
          "all_reduce reduces among a host's ranks on the in-host kernels first and puts only each rank's block of "
-         "the host's sum on the wire, to the ranks at its position on the other hosts; all_gather sends each "
-         "rank's block to those ranks only and gathers among a host's ranks on the in-host kernels (route "
+         "the host's sum on the wire, to the ranks at its position on the other hosts; reduce_scatter likewise "
+         "(each rank's rail's blocks reduced over the host, then over the rail); all_gather sends each rank's "
+         "block to those ranks only and gathers among a host's ranks on the in-host kernels (route "
          "`host+nvlink`); `0`: every rank on the wire. Taken only where every rank sets it and maps its host's "
          "peers"),
     number("MOELINK_RANKS_PER_HOST", "collectives", 0, 1, 1u << 20,

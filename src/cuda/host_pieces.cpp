@@ -222,19 +222,45 @@ OpSpec railAllgatherPieces(const AlgoContext& ctx, const PieceRing& ring, const 
   const AlgoContext rail = amongRanks(ctx, step.rail, &missing);
   amongRanks(ctx, step.local, &missing);
   OpSpec op = pipelineOp(OpKind::kAllgather, DType::kBytes, ReduceOp::kNone, -1, bytes);
-  // Rows by position on the rail (the stream places them so); every rail rank is active here
-  // (else `missing` fails the op before a piece goes).
+  // Rows by position on the rail (the stream places them so): its active index, as every rank
+  // of the rail is active (or `missing` fails the op before a piece goes).
   std::vector<uint64_t> so(world, 0), sb(world, 0), ro(world, 0), rb(world, 0);
   for (const HostPiece& pc : ps) {
-    for (size_t j = 0; j < step.rail.size(); ++j) {
-      const int r = step.rail[j];
-      if (r == rank || !std::binary_search(rail.ranks.begin(), rail.ranks.end(), r)) continue;
-      sb[r] = pc.len;
-      ro[r] = j * per;
-      rb[r] = pc.len;
+    for (size_t i = 0; i < rail.ranks.size(); ++i) {
+      const int r = rail.ranks[i];
+      if (r == rank) continue;
+      sb[r] = rb[r] = pc.len;
+      ro[r] = i * per;
     }
     append(op, ring, collective::alltoallOp(rail, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
            nullptr);
+  }
+  return railOp(ctx, std::move(op), step, missing);
+}
+
+OpSpec railReduceScatterPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
+                               uint64_t count, uint64_t per, DType t, ReduceOp rop, int world, int rank,
+                               const RailStep& step) {
+  std::string missing;
+  const AlgoContext rail = amongRanks(ctx, step.rail, &missing);
+  amongRanks(ctx, step.local, &missing);
+  const uint64_t e = collective::elementSize(t), row = per * e;
+  OpSpec op = pipelineOp(OpKind::kReduceScatter, t, rop, -1, 0);
+  const int m = static_cast<int>(rail.ranks.size()), me = static_cast<int>(collective::indexOf(rail, rank));
+  std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
+  for (const HostPiece& pc : ps) {
+    std::fill(sb.begin(), sb.end(), 0);
+    std::fill(rb.begin(), rb.end(), 0);
+    // Packed by position on the rail, received by active index: the same, as every rank of the
+    // rail is active (or `missing` fails the op before a piece goes).
+    for (int i = 0; i < m; ++i) {
+      const int r = rail.ranks[i];
+      if (r == rank) continue;
+      so[r] = ro[r] = static_cast<uint64_t>(i) * row;
+      sb[r] = rb[r] = pc.len * e;
+    }
+    append(op, ring, collective::alltoallOp(rail, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
+           publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, 0, pc.len * e, row, m, me}));
   }
   return railOp(ctx, std::move(op), step, missing);
 }

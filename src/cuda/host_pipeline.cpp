@@ -230,24 +230,31 @@ void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, 
   }
 }
 
-void HostPipeline::reduceScatter(const Call& c, const char* in, char* out, uint64_t count, DType t, ReduceOp rop) {
+void HostPipeline::reduceScatter(const Call& c, const char* in, char* out, uint64_t count, DType t, ReduceOp rop,
+                                 const RailStep* rail) {
   const uint64_t e = collective::elementSize(t);
-  const uint64_t per = reduceScatterPieceElems(e, tuning_.slot_bytes, size_);
+  // The rows: one per rank of the group, or of the rail; this rank's among them.
+  const int rows = rail ? static_cast<int>(rail->rail.size()) : size_;
+  const int mine = rail ? static_cast<int>(std::find(rail->rail.begin(), rail->rail.end(), rank_) - rail->rail.begin())
+                        : rank_;
+  const uint64_t per = reduceScatterPieceElems(e, tuning_.slot_bytes, rows);
   const uint64_t row = per * e;  // a rank's row in a slot
   const int depth = tuning_.depth;
   const std::vector<HostPiece> ps = cutPieces(count, per, depth, false, [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
   for (const HostPiece& pc : ps) marks.push_back(pc.first);
   submit(c, OpKind::kReduceScatter,
-         [r = ring(), ps, count, per, t, rop, world = size_, rank = rank_](const AlgoContext& ctx) {
-           return reduceScatterPieces(ctx, r, ps, count, per, t, rop, world, rank);
+         [r = ring(), ps, count, per, t, rop, world = size_, rank = rank_,
+          step = rail ? std::make_optional(*rail) : std::nullopt](const AlgoContext& ctx) {
+           return step ? railReduceScatterPieces(ctx, r, ps, count, per, t, rop, world, rank, *step)
+                       : reduceScatterPieces(ctx, r, ps, count, per, t, rop, world, rank);
          },
          std::move(marks));
   const cudaStream_t s = c.stream;
   const uint64_t block = count * e;  // a rank's block of the input
   // The peers' rows only: this rank's own row is reduced straight from `in`.
   auto pack = [&](const HostPiece& pc) {
-    const uint64_t me = static_cast<uint64_t>(rank_), after = static_cast<uint64_t>(size_) - me - 1;
+    const uint64_t me = static_cast<uint64_t>(mine), after = static_cast<uint64_t>(rows) - me - 1;
     copy2DAsync(inHost(pc.slot), row, in + pc.off * e, block, pc.len * e, me, cudaMemcpyDeviceToHost, s);
     copy2DAsync(inHost(pc.slot) + (me + 1) * row, row, in + (me + 1) * block + pc.off * e, block, pc.len * e, after,
                 cudaMemcpyDeviceToHost, s);
@@ -255,7 +262,7 @@ void HostPipeline::reduceScatter(const Call& c, const char* in, char* out, uint6
   };
   streamPieces(ps, depth, pack, [&](const HostPiece& pc) {
     waitDone(s, pc.first);
-    launchReduce(s, out + pc.off * e, pc.slot, in + static_cast<uint64_t>(rank_) * block + pc.off * e,
+    launchReduce(s, out + pc.off * e, pc.slot, in + static_cast<uint64_t>(mine) * block + pc.off * e,
                  pc.first.ticket, pc.len * e, t, rop);
   });
 }

@@ -77,9 +77,11 @@ class HostPipeline {
   // all_reduce (railAllreducePieces).
   void allreduce(const Call& c, char* buf, uint64_t count, collective::DType t, collective::ReduceOp op,
                  const RailStep* rail = nullptr);
-  // `in`: one block of `count` elements per rank; `out`: this rank's reduced block.
+  // `in`: one block of `count` elements per rank; `out`: this rank's reduced block. With `rail`,
+  // the cross-host step of a two-level reduce_scatter (railReduceScatterPieces): one block per
+  // rank of the rail, by position on it.
   void reduceScatter(const Call& c, const char* in, char* out, uint64_t count, collective::DType t,
-                     collective::ReduceOp op);
+                     collective::ReduceOp op, const RailStep* rail = nullptr);
   // `out`: one block of `bytes` per rank. With `rail`, the cross-host step of a two-level
   // all_gather (railAllgatherPieces): one block per rank of the rail, by position on it.
   void allgather(const Call& c, const char* in, char* out, uint64_t bytes, const RailStep* rail = nullptr);

@@ -10,6 +10,18 @@ CudaCollectives::Piped CudaCollectives::gatherPieces(const at::Tensor& in, const
   return [in, out](HostPipeline& p, const HostPipeline::Call& c) { p.allgather(c, ptr(in), ptr(out), nbytes(in)); };
 }
 
+void CudaCollectives::reduceScatterAny(Op& op, const at::Tensor& in, const at::Tensor& out, ReduceOp rop) {
+  if (!inHost() && twoLevel()) {
+    reduceScatterTwoLevel(op, in, out, rop);
+    return;
+  }
+  const auto dt = toDType(out.scalar_type());
+  const uint64_t count = static_cast<uint64_t>(out.numel());
+  flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
+       [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); },
+       scatterPieces(in, out, rop));
+}
+
 void CudaCollectives::allgatherAny(Op& op, const at::Tensor& in, const at::Tensor& out) {
   if (!inHost() && twoLevel()) {
     allgatherTwoLevel(op, in, out);
@@ -142,11 +154,7 @@ Work CudaCollectives::reduceScatter(at::Tensor& output, at::Tensor& input, Reduc
   Kind k{"reduce_scatter_tensor", OpType::_REDUCE_SCATTER_BASE, "ep:_reduce_scatter_base", true};
   return run(k, {output}, {input, output}, Route::kGroup, call, [&](Op& op) {
     at::Tensor in = input.contiguous(), out = contiguousOut(output);
-    const auto dt = toDType(out.scalar_type());
-    const uint64_t count = static_cast<uint64_t>(out.numel());
-    flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); },
-         scatterPieces(in, out, rop));
+    reduceScatterAny(op, in, out, rop);
     settle(output, out);
   });
 }
@@ -155,11 +163,7 @@ Work CudaCollectives::reduceScatter(at::Tensor& output, Tensors& inputs, ReduceO
   Kind k{"reduce_scatter", OpType::REDUCE_SCATTER, "ep:reduce_scatter", true};
   return run(k, {output}, joined({output}, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = flatten(inputs), out = contiguousOut(output);
-    const auto dt = toDType(out.scalar_type());
-    const uint64_t count = static_cast<uint64_t>(out.numel());
-    flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); },
-         scatterPieces(in, out, rop));
+    reduceScatterAny(op, in, out, rop);
     settle(output, out);
   });
 }
@@ -169,11 +173,7 @@ Work CudaCollectives::reduceScatterCoalesced(Tensors& outputs, Tensors& inputs, 
   return run(k, outputs, joined(outputs, inputs), Route::kGroup, call, [&](Op& op) {
     at::Tensor in = blocksByRank(inputs, outputs, size_);
     at::Tensor out = at::empty({in.numel() / size_}, in.options());
-    const auto dt = toDType(out.scalar_type());
-    const uint64_t count = static_cast<uint64_t>(out.numel());
-    flat(op, exchangeReduceScatter(size_, rank_, count, dt, rop), in, out,
-         [=](const algo::AlgoContext& c, char* i, char* o) { return algo::reduceScatterOp(c, i, o, count, dt, rop); },
-         scatterPieces(in, out, rop));
+    reduceScatterAny(op, in, out, rop);
     unflatten(out, outputs);
   });
 }

@@ -78,6 +78,31 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
           << ranks->hosts << " hosts";
 }
 
+std::function<std::string()> CudaCollectives::railCheck(Op& op, const char* what, bool after_in_host) {
+  // The in-host step's status word starts clear (a captured op's is the sink that every replay
+  // shares), so that the cross-host step can ask whether it succeeded.
+  ExchangeStatus* status = nullptr;
+  if (after_in_host) {
+    status = status_->host(op.slot);
+    StreamMemOps::write(op.stream->stream(), reinterpret_cast<uint32_t*>(&status_->dev(op.slot)->code),
+                        ExchangeStatus::kOk);
+  }
+  const uint32_t* abort = abort_->host(0);
+  const uint64_t timeout_ms = static_cast<uint64_t>(op.timeout.count());
+  const std::vector<int> peers = two_level_->ranks.local;
+  const std::string op_name = what;
+  return [abort, status, timeout_ms, peers, op_name]() -> std::string {
+    if (__atomic_load_n(abort, __ATOMIC_ACQUIRE))
+      return "the group's membership changed while this two-level " + op_name +
+             " ran (its in-host kernels give up; the next ops run with every rank on the wire)";
+    if (!status || __atomic_load_n(&status->code, __ATOMIC_ACQUIRE) == ExchangeStatus::kOk) return "";
+    ExchangeStatus s;
+    std::memcpy(&s, status, sizeof s);
+    if (s.peer >= 0 && s.peer < static_cast<int>(peers.size())) s.peer = peers[s.peer];
+    return "the in-host reduce-scatter of this two-level " + op_name + " failed: " + describeStatus(s, timeout_ms);
+  };
+}
+
 void CudaCollectives::allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp rop) {
   const TwoLevel& tl = *two_level_;
   const TwoLevelRanks& h = tl.ranks;
@@ -89,29 +114,8 @@ void CudaCollectives::allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp 
   const uint64_t len = blocks[h.me].second - blocks[h.me].first;
   // This rank's block of the host's reduction (on the op's stream, which frees it in order).
   at::Tensor block = at::empty({static_cast<int64_t>(len)}, buf.options());
-  // The reduce-scatter's status word starts clear (a captured op's is the sink that every
-  // replay shares), so that the cross-host step can ask whether it succeeded.
-  ExchangeStatus* status = status_->host(op.slot);
-  StreamMemOps::write(op.stream->stream(), reinterpret_cast<uint32_t*>(&status_->dev(op.slot)->code),
-                      ExchangeStatus::kOk);
+  RailStep step{h.rail, h.local, count * e, railCheck(op, "all_reduce", true)};
   launch(op, exchangeAllreduceScatter(n, h.me, count, t, rop), local, ptr(buf), ptr(block));
-  // The cross-host step fails (and with it the op on every rank of this rail and host) when
-  // this rank's block is not its host's reduction: the reduce-scatter gave up, or the group's
-  // membership changed (the in-host kernels give up then; the next ops run flat).
-  RailStep step{h.rail, h.local, count * e, nullptr};
-  const uint32_t* abort = abort_->host(0);
-  const uint64_t timeout_ms = static_cast<uint64_t>(op.timeout.count());
-  const std::vector<int> peers = h.local;
-  step.check = [abort, status, timeout_ms, peers]() -> std::string {
-    if (__atomic_load_n(abort, __ATOMIC_ACQUIRE))
-      return "the group's membership changed while this two-level all_reduce ran (its in-host reduce-scatter "
-             "gave up; the next ops run with every rank on the wire)";
-    if (__atomic_load_n(&status->code, __ATOMIC_ACQUIRE) == ExchangeStatus::kOk) return "";
-    ExchangeStatus s;
-    std::memcpy(&s, status, sizeof s);
-    if (s.peer >= 0 && s.peer < static_cast<int>(peers.size())) s.peer = peers[s.peer];
-    return "the in-host reduce-scatter of this two-level all_reduce failed: " + describeStatus(s, timeout_ms);
-  };
   pipe_->allreduce(pipeCall(op), ptr(block), len, t, rop, &step);
   std::vector<uint64_t> send_off(n, 0), send_bytes(n, len * e), recv_off(n), recv_bytes(n);
   for (int q = 0; q < n; ++q) {
@@ -133,16 +137,7 @@ void CudaCollectives::allgatherTwoLevel(Op& op, const at::Tensor& in, const at::
     return at::empty({static_cast<int64_t>(count * bytes)}, in.options().dtype(at::kByte));
   };
   at::Tensor rail_rows = rows(hosts), host_rows = rows(n * hosts);
-  // Nothing runs before the cross-host step here: it fails when the membership changed (the
-  // in-host kernel after it gives up then, and the next ops run flat).
-  RailStep step{h.rail, h.local, bytes * static_cast<uint64_t>(size_), nullptr};
-  const uint32_t* abort = abort_->host(0);
-  step.check = [abort]() -> std::string {
-    return __atomic_load_n(abort, __ATOMIC_ACQUIRE)
-               ? "the group's membership changed while this two-level all_gather ran (the next ops run with every "
-                 "rank on the wire)"
-               : "";
-  };
+  RailStep step{h.rail, h.local, bytes * static_cast<uint64_t>(size_), railCheck(op, "all_gather", false)};
   pipe_->allgather(pipeCall(op), ptr(in), ptr(rail_rows), bytes, &step);
   launch(op, exchangeAllgather(n, h.me, static_cast<uint64_t>(hosts) * bytes), local, ptr(rail_rows),
          ptr(host_rows));
@@ -150,6 +145,24 @@ void CudaCollectives::allgatherTwoLevel(Op& op, const at::Tensor& in, const at::
   // Row p * hosts + j is the block of rank rails[p][j].
   const auto b = static_cast<int64_t>(bytes);
   out.view({-1}).view(at::kByte).view({size_, b}).index_copy_(0, tl.gather_rows, host_rows.view({n * hosts, b}));
+}
+
+void CudaCollectives::reduceScatterTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out, ReduceOp rop) {
+  const TwoLevel& tl = *two_level_;
+  const TwoLevelRanks& h = tl.ranks;
+  const InHostSet local{tl.staging.get(), h.local, h.me, tl.tuning};
+  const int n = static_cast<int>(h.local.size()), hosts = static_cast<int>(h.rail.size());
+  const auto t = toDType(out.scalar_type());
+  const uint64_t count = static_cast<uint64_t>(out.numel()), e = collective::elementSize(t);
+  // The input's blocks by (position on the host, position on its rail): position p's run is
+  // what the host's rank p reduces, the blocks of its rail (on the op's stream, as below).
+  const at::Tensor by_rail = in.view({size_, static_cast<int64_t>(count)}).index_select(0, tl.gather_rows);
+  // This rank's rail's blocks, each the host's reduction, by position on the rail.
+  at::Tensor host_sums = at::empty({static_cast<int64_t>(static_cast<uint64_t>(hosts) * count)}, out.options());
+  RailStep step{h.rail, h.local, count * e * static_cast<uint64_t>(size_), railCheck(op, "reduce_scatter", true)};
+  launch(op, exchangeReduceScatter(n, h.me, static_cast<uint64_t>(hosts) * count, t, rop), local, ptr(by_rail),
+         ptr(host_sums));
+  pipe_->reduceScatter(pipeCall(op), ptr(host_sums), ptr(out), count, t, rop, &step);
 }
 
 }  // namespace moelink::cuda

@@ -194,6 +194,14 @@ class CudaCollectives final : public Collectives {
   void allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp rop);
   // `out`: contiguous, one block of in's bytes per rank.
   void allgatherTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out);
+  // `in`: contiguous, one block of out's elements per rank.
+  void reduceScatterTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out, ReduceOp rop);
+  // reduce_scatter of `in` into `out` (both contiguous) on whichever route the group takes.
+  void reduceScatterAny(Op& op, const at::Tensor& in, const at::Tensor& out, ReduceOp rop);
+  // What a two-level op's cross-host step asks before each piece (RailStep::check): that the
+  // membership has not changed and, `after_in_host`, that the in-host step before it succeeded
+  // (its status word, cleared on the op's stream here, before that step's launch).
+  std::function<std::string()> railCheck(Op& op, const char* what, bool after_in_host);
   // all_gather of `in` into `out` (contiguous) on whichever route the group takes.
   void allgatherAny(Op& op, const at::Tensor& in, const at::Tensor& out);
   void hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host);

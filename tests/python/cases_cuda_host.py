@@ -297,3 +297,66 @@ def two_level_all_gather(rank, world):
     dist.all_gather_into_tensor(z, torch.full((5000,), float(rank), device=d))
     same(z, torch.cat([torch.full((5000,), float(r), device=d) for r in range(world)]),
          "two-level all_gather after a disagreement")
+
+
+def two_level_reduce_scatter(rank, world):
+    """reduce_scatter in two levels (route `host+nvlink`: a reduce-scatter among a host's ranks on
+    the in-host kernels, each rank getting its rail's blocks reduced over the host, then a
+    reduce-scatter of those among the rail through the host pipeline): exact for every reduce op at
+    every size (empty included), as reduce_scatter_tensor and from a list, async and captured in a
+    CUDA graph; ranks that disagree about the size fail it with the header check's words, and the
+    group goes on."""
+    if not two_level_group(world):
+        return
+    d = dev(rank)
+    for dtype, op in [(torch.float32, "SUM"), (torch.float32, "AVG"), (torch.bfloat16, "AVG"), (torch.int64, "MAX"),
+                      (torch.int32, "PRODUCT"), (torch.int32, "BXOR"), (torch.bool, "BOR"), (torch.float16, "MIN")]:
+        for n in (0, 1, 7, 1000, 100_003, (1 << 18) + 1):
+            xs = [value(r, world * n, dtype, d, salt=n % 7) for r in range(world)]
+            out = torch.empty(n, dtype=dtype, device=d)
+            dist.reduce_scatter_tensor(out, xs[rank], op=getattr(dist.ReduceOp, op))
+            ref = reduce_ref([x[rank * n:(rank + 1) * n] for x in xs], op, world).to(dtype)
+            same(out, ref, f"two-level reduce_scatter {dtype} {op} n={n}")
+    assert moelink.get_backend(dist.group.WORLD).cuda_path() == "host+nvlink", \
+        moelink.get_backend(dist.group.WORLD).cuda_path()
+    # from a list of 2-D blocks
+    out = torch.empty(3, 1001, device=d)
+    dist.reduce_scatter(out, [torch.full((3, 1001), float(rank * 10 + q), device=d) for q in range(world)])
+    same(out, torch.full_like(out, float(sum(r * 10 + rank for r in range(world)))), "two-level reduce_scatter, list")
+    # async, two in flight
+    o1, o2 = torch.empty(70_001, device=d), torch.empty(9, device=d, dtype=torch.int32)
+    w1 = dist.reduce_scatter_tensor(o1, torch.full((world * 70_001,), rank + 1.0, device=d), async_op=True)
+    w2 = dist.reduce_scatter_tensor(o2, torch.full((world * 9,), rank * 7, device=d, dtype=torch.int32),
+                                    op=dist.ReduceOp.MAX, async_op=True)
+    w1.wait()
+    w2.wait()
+    same(o1, torch.full_like(o1, float(sum(r + 1 for r in range(world)))), "two-level async reduce_scatter")
+    same(o2, torch.full_like(o2, (world - 1) * 7), "two-level async reduce_scatter MAX")
+    # captured beside an all_gather: replayed with new inputs
+    x = torch.zeros(world * 50_007, device=d)
+    o = torch.empty(50_007, device=d)
+    g = torch.empty(world * 6, device=d)
+    y = torch.zeros(6, device=d)
+    graph = capture(lambda: (dist.reduce_scatter_tensor(o, x), dist.all_gather_into_tensor(g, y)))
+    iota = torch.arange(x.numel(), device=d, dtype=torch.float32)
+    for it in range(3):
+        x.copy_(iota * (rank + 1) + it)
+        y.fill_(rank + it)
+        graph.replay()
+        torch.cuda.synchronize()
+        mine = iota[rank * o.numel():(rank + 1) * o.numel()]
+        same(o, mine * sum(r + 1 for r in range(world)) + world * it, f"two-level reduce_scatter in a graph {it}")
+        same(g, torch.cat([torch.full((6,), float(r + it), device=d) for r in range(world)]),
+             f"all_gather in the same graph {it}")
+    # rank 0's blocks are smaller: every rank fails the op with the header check's words, and the
+    # next op is exact
+    m = 4096 if rank == 0 else 8192
+    w = dist.reduce_scatter_tensor(torch.empty(m, device=d), torch.ones(world * m, device=d), async_op=True)
+    try:
+        w.get_future().wait()
+        raise AssertionError("a two-level reduce_scatter that the ranks disagree about passed")
+    except RuntimeError as e:
+        assert "expects" in str(e) and "rank" in str(e), e
+    z = torch.empty(5000, device=d)
+    dist.reduce_scatter_tensor(z, torch.full((world * 5000,), float(rank), device=d))
+    same(z, torch.full_like(z, float(sum(range(world)))), "two-level reduce_scatter after a disagreement")

@@ -122,6 +122,13 @@ collective::OpSpec railAllreducePieces(const collective::AlgoContext& c, const P
 // The cross-host step of a two-level all_gather, with the same header, gates and barrier:
 // this rank's `in` piece to every rank of its rail, each rail rank's row received at its
 // position on the rail (`per` bytes apart: allgatherPieceBytes(slot, rail size)).
+// The cross-host step of a two-level reduce_scatter, with the same header, gates and barrier:
+// the `in` rows packed by position on the rail (`per` elements apart:
+// reduceScatterPieceElems(elem, slot, rail size)) to those ranks, received by active index.
+collective::OpSpec railReduceScatterPieces(const collective::AlgoContext& c, const PieceRing& ring,
+                                           const std::vector<HostPiece>& pieces, uint64_t count, uint64_t per,
+                                           collective::DType t, collective::ReduceOp op, int world, int rank,
+                                           const RailStep& step);
 collective::OpSpec railAllgatherPieces(const collective::AlgoContext& c, const PieceRing& ring,
                                        const std::vector<HostPiece>& pieces, uint64_t bytes, uint64_t per, int world,
                                        int rank, const RailStep& step);

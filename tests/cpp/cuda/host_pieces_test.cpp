@@ -498,6 +498,54 @@ TEST(HostPieces, AllreduceAmongARail) {
   });
 }
 
+// The two-level reduce_scatter's: each rank's input holds a block per position on its rail;
+// it gets the sum of its position's blocks over its rail, and nothing of the other rail's.
+TEST(HostPieces, ReduceScatterAmongARail) {
+  auto store = std::make_shared<InProcessStore>();
+  constexpr int kWorld = 4;
+  runRanks(kWorld, [&](int rank) {
+    Rank r = makeRank(store, rank, kWorld, "tcp");
+    Ring ring(kWorld);
+    RailStep step = railOf(rank);
+    const std::vector<int>& rail = step.rail;
+    const int rows = static_cast<int>(rail.size()), me = rank < 2 ? 0 : 1;
+    const uint64_t per = reduceScatterPieceElems(4, kSlotBytes, rows), row = per * 4;
+    auto run = [&](uint64_t count, const std::vector<int>& active, const std::string& failed) {
+      step.check = [failed] { return failed; };
+      step.op_bytes = count * 4 * kWorld;
+      const uint64_t block = count * 4;
+      std::vector<float> in(count * rows), out(count, -1.0f);
+      for (uint64_t i = 0; i < in.size(); ++i) in[i] = input<float>(rank, i);
+      auto ps = cutPieces(count, per, kDepth, false, [&](int word) { return ring.mark(word); });
+      PieceRing view = ring.view();
+      auto done = submit(r, ring, [=](const AlgoContext& c) {
+        return railReduceScatterPieces(c, view, ps, count, per, DType::kFloat32, ReduceOp::kSum, kWorld, rank, step);
+      }, marksOf(ps, false), active);
+      const char* src = reinterpret_cast<const char*>(in.data());
+      auto pack = [&](const HostPiece& pc) {
+        for (int j = 0; j < rows; ++j)
+          if (j != me) copy(view.in(pc.slot) + j * row, src + j * block + pc.off * 4, pc.len * 4);
+        ring.raise(pc.first);
+      };
+      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
+      for (size_t p = 0; p < ps.size(); ++p) {
+        ring.wait(ps[p].first);
+        ring.reduce<float>(ps[p].slot, ps[p].first.ticket, reinterpret_cast<char*>(out.data()) + ps[p].off * 4,
+                           src + me * block + ps[p].off * 4, ReduceOp::kSum);
+        if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
+      }
+      const std::string err = done.get();
+      if (err.empty()) {
+        uint64_t i = 0;
+        while (i < count && out[i] == input<float>(rail[0], me * count + i) + input<float>(rail[1], me * count + i)) ++i;
+        EXPECT_EQ(i, count) << "rank " << rank << " count " << count << ": the sum differs from element " << i;
+      }
+      return err;
+    };
+    railScenarios(rank, per, *store, run);
+  });
+}
+
 // The two-level all_gather's: each rank gets its rail's blocks, by position on the rail (the
 // stream's side as HostPipeline::allgather places them), and nothing of the other rail's.
 TEST(HostPieces, AllgatherAmongARail) {
