@@ -418,7 +418,7 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
   });
 }
 
-// The cross-host steps of the two-level ops (unit.h, TwoLevel) run on 4 ranks as 2 hosts
+// onRails: the cross-host steps of the two-level ops (unit.h, TwoLevel) on 4 ranks as 2 hosts
 // ({0, 1} and {2, 3}) of 2, each rank's op among its rail only ({0, 2} and {1, 3}), both rails at
 // once. `run(size, active, failed)` runs one op over the `active` ranks, this rank's check
 // saying `failed`, checks the values when it passed, and returns its error. The scenarios:
@@ -430,49 +430,51 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
 // its check.
 using RailRun = std::function<std::string(uint64_t, const std::vector<int>&, const std::string&)>;
 
-void railScenarios(int rank, uint64_t per, InProcessStore& store, const RailRun& run) {
-  const std::vector<int> all{0, 1, 2, 3};
-  for (uint64_t size : {uint64_t{1}, per - 1, per + 1, 3 * per + 5}) EXPECT_EQ("", run(size, all, ""));
-  const std::string err = run(2 * per + 3, all, rank == 1 ? "the in-host step gave up" : "");
-  EXPECT_NE(err, "") << "rank " << rank << ": the op succeeded though rank 1's in-host step failed";
-  if (rank == 1) {
-    EXPECT_NE(err.find("the in-host step gave up"), std::string::npos) << err;
-  }
-  EXPECT_EQ("", run(per + 7, all, "")) << "rank " << rank << ": the op after the failed one";
-  // Rank 0 disagrees about the size: every rank says so in the header check's words.
-  const std::string size_err = run(rank == 0 ? per + 3 : per + 5, all, "");
-  EXPECT_NE(size_err.find("this rank expects"), std::string::npos) << "rank " << rank << ": " << size_err;
-  EXPECT_EQ("", run(per + 7, all, "")) << "rank " << rank << ": the op after the disagreement";
-  storeBarrier(store, "rails", 4, seconds(60));
-  if (rank != 2) {
-    // As after a membership change: every rank's check says so (its kernels gave up).
-    const std::string e = run(2 * per + 3, {0, 1, 3}, "the membership changed");
-    EXPECT_NE(e, "") << "rank " << rank;
-    if (rank == 0 || rank == 3) {
-      EXPECT_NE(e.find("rank 2 left the group"), std::string::npos) << e;
-    }
-  }
-  storeBarrier(store, "done", 4, seconds(60));
-}
+// One rank's part: its group member, ring and rail step (rail and host set; the op sets the
+// rest); returns its piece size and its `run`.
+using RailRank = std::function<std::pair<uint64_t, RailRun>(int rank, Rank& r, Ring& ring, RailStep& step)>;
 
-RailStep railOf(int rank) {
-  RailStep step;
-  step.rail = rank % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
-  step.local = rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
-  return step;
+void onRails(const RailRank& make) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(4, [&](int rank) {
+    Rank r = makeRank(store, rank, 4, "tcp");
+    Ring ring(4);
+    RailStep step;
+    step.rail = rank % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+    step.local = rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+    const auto [per, run] = make(rank, r, ring, step);
+    const std::vector<int> all{0, 1, 2, 3};
+    for (uint64_t size : {uint64_t{1}, per - 1, per + 1, 3 * per + 5}) EXPECT_EQ("", run(size, all, ""));
+    const std::string err = run(2 * per + 3, all, rank == 1 ? "the in-host step gave up" : "");
+    EXPECT_NE(err, "") << "rank " << rank << ": the op succeeded though rank 1's in-host step failed";
+    if (rank == 1) {
+      EXPECT_NE(err.find("the in-host step gave up"), std::string::npos) << err;
+    }
+    EXPECT_EQ("", run(per + 7, all, "")) << "rank " << rank << ": the op after the failed one";
+    // Rank 0 disagrees about the size: every rank says so in the header check's words.
+    const std::string size_err = run(rank == 0 ? per + 3 : per + 5, all, "");
+    EXPECT_NE(size_err.find("this rank expects"), std::string::npos) << "rank " << rank << ": " << size_err;
+    EXPECT_EQ("", run(per + 7, all, "")) << "rank " << rank << ": the op after the disagreement";
+    storeBarrier(*store, "rails", 4, seconds(60));
+    if (rank != 2) {
+      // As after a membership change: every rank's check says so (its kernels gave up).
+      const std::string e = run(2 * per + 3, {0, 1, 3}, "the membership changed");
+      EXPECT_NE(e, "") << "rank " << rank;
+      if (rank == 0 || rank == 3) {
+        EXPECT_NE(e.find("rank 2 left the group"), std::string::npos) << e;
+      }
+    }
+    storeBarrier(*store, "done", 4, seconds(60));
+  });
 }
 
 // The two-level all_reduce's: each rank gets its rail's sum and nothing of the other rail's.
 TEST(HostPieces, AllreduceAmongARail) {
-  auto store = std::make_shared<InProcessStore>();
-  constexpr int kWorld = 4;
-  runRanks(kWorld, [&](int rank) {
-    Rank r = makeRank(store, rank, kWorld, "tcp");
-    Ring ring(kWorld);
-    RailStep step = railOf(rank);
+  onRails([](int rank, Rank& r, Ring& ring, RailStep& step) {
+    constexpr int kWorld = 4;
     const std::vector<int>& rail = step.rail;
     const uint64_t per = allreducePieceElems(4, kSlotBytes);
-    auto run = [&](uint64_t count, const std::vector<int>& active, const std::string& failed) {
+    auto run = [=, &r, &ring, &step](uint64_t count, const std::vector<int>& active, const std::string& failed) {
       step.check = [failed] { return failed; };
       step.op_bytes = count * 4;
       std::vector<float> buf(count);
@@ -494,23 +496,19 @@ TEST(HostPieces, AllreduceAmongARail) {
       }
       return err;
     };
-    railScenarios(rank, per, *store, run);
+    return std::make_pair(per, RailRun(run));
   });
 }
 
 // The two-level reduce_scatter's: each rank's input holds a block per position on its rail;
 // it gets the sum of its position's blocks over its rail, and nothing of the other rail's.
 TEST(HostPieces, ReduceScatterAmongARail) {
-  auto store = std::make_shared<InProcessStore>();
-  constexpr int kWorld = 4;
-  runRanks(kWorld, [&](int rank) {
-    Rank r = makeRank(store, rank, kWorld, "tcp");
-    Ring ring(kWorld);
-    RailStep step = railOf(rank);
+  onRails([](int rank, Rank& r, Ring& ring, RailStep& step) {
+    constexpr int kWorld = 4;
     const std::vector<int>& rail = step.rail;
     const int rows = static_cast<int>(rail.size()), me = rank < 2 ? 0 : 1;
     const uint64_t per = reduceScatterPieceElems(4, kSlotBytes, rows), row = per * 4;
-    auto run = [&](uint64_t count, const std::vector<int>& active, const std::string& failed) {
+    auto run = [=, &r, &ring, &step](uint64_t count, const std::vector<int>& active, const std::string& failed) {
       step.check = [failed] { return failed; };
       step.op_bytes = count * 4 * kWorld;
       const uint64_t block = count * 4;
@@ -542,23 +540,19 @@ TEST(HostPieces, ReduceScatterAmongARail) {
       }
       return err;
     };
-    railScenarios(rank, per, *store, run);
+    return std::make_pair(per, RailRun(run));
   });
 }
 
 // The two-level all_gather's: each rank gets its rail's blocks, by position on the rail (the
 // stream's side as HostPipeline::allgather places them), and nothing of the other rail's.
 TEST(HostPieces, AllgatherAmongARail) {
-  auto store = std::make_shared<InProcessStore>();
-  constexpr int kWorld = 4;
-  runRanks(kWorld, [&](int rank) {
-    Rank r = makeRank(store, rank, kWorld, "tcp");
-    Ring ring(kWorld);
-    RailStep step = railOf(rank);
+  onRails([](int rank, Rank& r, Ring& ring, RailStep& step) {
+    constexpr int kWorld = 4;
     const std::vector<int>& rail = step.rail;
     const int rows = static_cast<int>(rail.size()), me = rank < 2 ? 0 : 1;
     const uint64_t per = allgatherPieceBytes(kSlotBytes, rows);
-    auto run = [&](uint64_t bytes, const std::vector<int>& active, const std::string& failed) {
+    auto run = [=, &r, &ring, &step](uint64_t bytes, const std::vector<int>& active, const std::string& failed) {
       step.check = [failed] { return failed; };
       step.op_bytes = bytes * kWorld;
       std::vector<uint8_t> in(bytes), out(bytes * rows, 0);
@@ -591,7 +585,7 @@ TEST(HostPieces, AllgatherAmongARail) {
       }
       return err;
     };
-    railScenarios(rank, per, *store, run);
+    return std::make_pair(per, RailRun(run));
   });
 }
 
