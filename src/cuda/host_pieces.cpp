@@ -171,12 +171,22 @@ OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std:
 
 namespace {
 
+// The rail's active ranks. A rank of the rail or of the host that left fails the op at its
+// first gate (`missing` says so), as a failed check does: the op has been set up with the ranks
+// left, who get this rank's abort (a failure while building would leave them waiting for its
+// messages until their deadline).
+AlgoContext railContext(const AlgoContext& ctx, const RailStep& step, std::string* missing) {
+  AlgoContext rail = amongRanks(ctx, step.rail, missing);
+  amongRanks(ctx, step.local, missing);
+  return rail;
+}
+
 // `op` (built among the rail's active ranks) as the cross-host step of a two-level op: a header
 // to every active rank first, each piece held until step.check() is "" (and `missing`, why a
 // rank of the rail or host is absent, fails it), the host's barrier last.
 OpSpec railOp(const AlgoContext& ctx, OpSpec op, const RailStep& step, const std::string& missing) {
-  std::string unused;
-  const AlgoContext local = amongRanks(ctx, step.local, &unused);
+  std::string known;  // the caller's `missing` has it
+  const AlgoContext local = amongRanks(ctx, step.local, &known);
   op.op_bytes = step.op_bytes | collective::kOpBytesInPieces;
   // No piece goes before every rank's header has come and passed the check (so that a rank
   // that fails here has first told every rank what it runs). The pieces' steps move one down,
@@ -207,20 +217,15 @@ OpSpec railOp(const AlgoContext& ctx, OpSpec op, const RailStep& step, const std
 
 OpSpec railAllreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
                            uint64_t count, DType t, ReduceOp rop, int world, int rank, const RailStep& step) {
-  // A rank of the rail or of the host that left fails the op at its first gate, as a failed
-  // check does: the op has been set up with the ranks left, who get this rank's abort (a
-  // failure while building would leave them waiting for its messages until their deadline).
   std::string missing;
-  const AlgoContext rail = amongRanks(ctx, step.rail, &missing);
-  amongRanks(ctx, step.local, &missing);
+  const AlgoContext rail = railContext(ctx, step, &missing);
   return railOp(ctx, allreducePieces(rail, ring, ps, count, t, rop, world, rank), step, missing);
 }
 
 OpSpec railAllgatherPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
                            uint64_t bytes, uint64_t per, int world, int rank, const RailStep& step) {
   std::string missing;
-  const AlgoContext rail = amongRanks(ctx, step.rail, &missing);
-  amongRanks(ctx, step.local, &missing);
+  const AlgoContext rail = railContext(ctx, step, &missing);
   OpSpec op = pipelineOp(OpKind::kAllgather, DType::kBytes, ReduceOp::kNone, -1, bytes);
   // Rows by position on the rail (the stream places them so): its active index, as every rank
   // of the rail is active (or `missing` fails the op before a piece goes).
@@ -242,8 +247,7 @@ OpSpec railReduceScatterPieces(const AlgoContext& ctx, const PieceRing& ring, co
                                uint64_t count, uint64_t per, DType t, ReduceOp rop, int world, int rank,
                                const RailStep& step) {
   std::string missing;
-  const AlgoContext rail = amongRanks(ctx, step.rail, &missing);
-  amongRanks(ctx, step.local, &missing);
+  const AlgoContext rail = railContext(ctx, step, &missing);
   const uint64_t e = collective::elementSize(t), row = per * e;
   OpSpec op = pipelineOp(OpKind::kReduceScatter, t, rop, -1, 0);
   const int m = static_cast<int>(rail.ranks.size()), me = static_cast<int>(collective::indexOf(rail, rank));

@@ -2,7 +2,8 @@
 // of its ranks on each, all_reduce first reduces among a host's ranks on the in-host kernels,
 // puts only each rank's block of the host's sum on the wire (to the ranks at its position on
 // the other hosts: its rail), and gathers the reduced blocks among the host's ranks again;
-// all_gather gathers each rail's blocks over the wire, then the host's ranks' among them.
+// reduce_scatter reduces among the host's ranks (each gets its rail's blocks), then over the
+// rail; all_gather gathers each rail's blocks over the wire, then the host's ranks' among them.
 #include <chrono>
 
 #include "moelink/cuda/two_level.h"

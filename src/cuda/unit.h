@@ -173,36 +173,39 @@ class CudaCollectives final : public Collectives {
   // kExchangeMaxRanks) of its ranks on each: all_reduce as a reduce-scatter among this host's
   // ranks on the in-host kernels, an all_reduce of this rank's block among the ranks at the
   // same position on every host (its rail) through the host pipeline, and an all-gather among
-  // this host's ranks on the in-host kernels; all_gather as an all-gather among the rail
-  // through the pipeline, then among this host's ranks on the in-host kernels. The wire
-  // carries each byte once per host instead of once per rank. Set up at the group's first collective op (every rank issues it) when
-  // every rank agrees (MOELINK_HOST_TWO_LEVEL, every rank active, areas mapped); after a
-  // membership change the group runs flat (every rank on the wire) from then on.
+  // this host's ranks on the in-host kernels; reduce_scatter as a reduce-scatter among this
+  // host's ranks (each gets its rail's blocks) and one among the rail; all_gather as an
+  // all-gather among the rail through the pipeline, then among this host's ranks on the in-host
+  // kernels. The wire carries each byte once per host instead of once per rank. Set up at the
+  // group's first collective op (every rank issues it) when every rank agrees
+  // (MOELINK_HOST_TWO_LEVEL, every rank active, areas mapped); after a membership change the
+  // group runs flat (every rank on the wire) from then on.
   struct TwoLevel {
     std::unique_ptr<ExchangeStaging> staging;
     TwoLevelRanks ranks;    // this host's ranks, this rank's position among them, its rail
     ExchangeTuning tuning;  // of a group of ranks.local.size() ranks
-    // all_gather: the in-host step leaves the blocks by (position, rail index); row
-    // p * hosts + j goes to the group's block rails[p][j] (int64, on the GPU).
+    // Row p * hosts + j of a two-level op's blocks ordered by (position on the host, position
+    // on the rail) is the group's block rails[p][j] (int64, on the GPU): where all_gather puts
+    // them, whence reduce_scatter takes them.
     at::Tensor gather_rows;
   };
   void setUpTwoLevel(bool capturing);
-  // Every all_reduce takes it while it is set up and the membership has not changed, whatever
-  // its size (small ones too, and empty blocks): ranks that disagree about an op then still
-  // launch the same in-host kernels, whose header check fails them at once.
+  // Every all_reduce, reduce_scatter and all_gather takes it while it is set up and the
+  // membership has not changed, whatever its size (small ones too, and empty blocks): ranks
+  // that disagree about an op then still launch the same in-host kernels, whose header check
+  // fails them at once.
   bool twoLevel() const { return two_level_ != nullptr && !changed_.load(std::memory_order_acquire); }
   void allreduceTwoLevel(Op& op, const at::Tensor& buf, ReduceOp rop);
   // `out`: contiguous, one block of in's bytes per rank.
   void allgatherTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out);
   // `in`: contiguous, one block of out's elements per rank.
   void reduceScatterTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out, ReduceOp rop);
-  // reduce_scatter of `in` into `out` (both contiguous) on whichever route the group takes.
-  void reduceScatterAny(Op& op, const at::Tensor& in, const at::Tensor& out, ReduceOp rop);
   // What a two-level op's cross-host step asks before each piece (RailStep::check): that the
   // membership has not changed and, `after_in_host`, that the in-host step before it succeeded
   // (its status word, cleared on the op's stream here, before that step's launch).
   std::function<std::string()> railCheck(Op& op, const char* what, bool after_in_host);
-  // all_gather of `in` into `out` (contiguous) on whichever route the group takes.
+  // reduce_scatter / all_gather of `in` into `out` (both contiguous) on the group's route.
+  void reduceScatterAny(Op& op, const at::Tensor& in, const at::Tensor& out, ReduceOp rop);
   void allgatherAny(Op& op, const at::Tensor& in, const at::Tensor& out);
   void hostFlat(Op& op, const at::Tensor& in, const at::Tensor& out, const HostSpec& host);
   static Piped gatherPieces(const at::Tensor& in, const at::Tensor& out);

@@ -119,9 +119,6 @@ collective::OpSpec allreducePieces(const collective::AlgoContext& c, const Piece
 collective::OpSpec railAllreducePieces(const collective::AlgoContext& c, const PieceRing& ring,
                                        const std::vector<HostPiece>& pieces, uint64_t count, collective::DType t,
                                        collective::ReduceOp op, int world, int rank, const RailStep& step);
-// The cross-host step of a two-level all_gather, with the same header, gates and barrier:
-// this rank's `in` piece to every rank of its rail, each rail rank's row received at its
-// position on the rail (`per` bytes apart: allgatherPieceBytes(slot, rail size)).
 // The cross-host step of a two-level reduce_scatter, with the same header, gates and barrier:
 // the `in` rows packed by position on the rail (`per` elements apart:
 // reduceScatterPieceElems(elem, slot, rail size)) to those ranks, received by active index.
@@ -129,6 +126,9 @@ collective::OpSpec railReduceScatterPieces(const collective::AlgoContext& c, con
                                            const std::vector<HostPiece>& pieces, uint64_t count, uint64_t per,
                                            collective::DType t, collective::ReduceOp op, int world, int rank,
                                            const RailStep& step);
+// The cross-host step of a two-level all_gather, with the same header, gates and barrier:
+// this rank's `in` piece to every rank of its rail, each rail rank's row received at its
+// position on the rail (`per` bytes apart: allgatherPieceBytes(slot, rail size)).
 collective::OpSpec railAllgatherPieces(const collective::AlgoContext& c, const PieceRing& ring,
                                        const std::vector<HostPiece>& pieces, uint64_t bytes, uint64_t per, int world,
                                        int rank, const RailStep& step);
