@@ -54,6 +54,7 @@ cudaoneshot   | 400 | all_reduce's one exchange against the two-shot staged one:
 cudabcast     | 300 | broadcast's plan: 256 KiB-4 MiB (or SWEEP_ARGS) graph replay beside NCCL at MOELINK_CUDA_ONESHOT_BYTES 262144 (forwarded above it) and 4194304 (one exchange up to it), GPUS ranks
 cudapdl       | 400 | the Lamport kernel's launch: 8-256 KiB graph replay beside NCCL at MOELINK_CUDA_PDL 0 and 1, GPUS ranks
 cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, tcp between them) beside NCCL on its socket transport, 4 MiB-256 MiB, GPUS ranks, MOELINK_TCP_STREAMS 1 and the default
+cudabench2lvl | 500 | CUDA collectives over the two-level route (GPUS ranks, default 4, as virtual hosts of 2: NVLink inside, tcp between) beside NCCL with the same hosts (NCCL_HOSTID; NVLink inside, sockets between), 4 MiB-256 MiB, with MOELINK_HOST_TWO_LEVEL 1 and 0
 nvlinkbench   | 200 | the NVLink all-to-all ceiling by way of copying and SMs (examples/bench/nvlink.py), GPUS GPUs
 tcpbench      | 200 | the tcp transport's own loopback bandwidth by number of streams (examples/bench/tcp_transport.py)
 cpubench      | 500 | CPU collectives over tcp beside gloo, 4 ranks, 4 MiB-256 MiB, MOELINK_TCP_STREAMS 1 and the default
@@ -188,6 +189,13 @@ stage_cudabenchhost() {
     [ "$st" = default ] && st=""
     MOELINK_TCP_STREAMS=$st MOELINK_RANKS_PER_HOST=1 bench_cuda --gpus "${GPUS:-2}" --nccl-socket --transport auto \
       $(sweep_sizes) --out "$OUT/cuda${GPUS:-2}host-s${st:-default}.png"
+  done
+}
+stage_cudabench2lvl() {
+  for tl in 1 0; do
+    echo "== MOELINK_HOST_TWO_LEVEL=$tl"
+    MOELINK_HOST_TWO_LEVEL=$tl MOELINK_RANKS_PER_HOST=2 bench_cuda --gpus "${GPUS:-4}" --nccl-socket --transport auto \
+      $(sweep_sizes) --out "$OUT/cuda${GPUS:-4}twolevel-$tl.png"
   done
 }
 stage_nvlinkbench() { python3 examples/bench/nvlink.py --gpus "${GPUS:-2}" --build build-dev --out "$OUT/nvlink${GPUS:-2}.png"; }

@@ -29,7 +29,10 @@ tuned as its users tune it (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABL
 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4): the anchor of
 ep's host route across (virtual) hosts. Under MOELINK_RANKS_PER_HOST=n each virtual host of n
 ranks also gets its own MOELINK_HOST_ID, so that ep's transfer engine talks tcp between virtual
-hosts as it would between real ones (shared memory inside one).
+hosts as it would between real ones (shared memory inside one). With n > 1 each virtual host
+also gets its own NCCL_HOSTID, so that NCCL sees the same hosts, and P2P and shared memory are left
+on: NCCL keeps NVLink inside a virtual host and its socket transport between them (its own
+two-level algorithms), the anchor of ep's route `host+nvlink`.
 
 With --cpu, a table of the CPU time per op: user + system time of every thread of every rank
 (getrusage around the op, summed over ranks; median of `iters`). When the ranks share fewer cores
@@ -201,9 +204,13 @@ def graph_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
 def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, issue, graph, nccl_socket, q):
     os.environ["MOELINK_TRANSPORT"] = transport
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    rph = int(os.environ.get("MOELINK_RANKS_PER_HOST", "0") or 0)
     if nccl_socket:
         os.environ.update(NCCL_SOCKET)
-    rph = int(os.environ.get("MOELINK_RANKS_PER_HOST", "0") or 0)
+        if rph > 1:  # NCCL's nodes are ep's virtual hosts: NVLink inside one, sockets between them
+            os.environ["NCCL_HOSTID"] = f"vhost{rank // rph}"
+            for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
+                os.environ.pop(name)
     if rph:
         virtual_host(rank, rph)
     import moelink
