@@ -16,7 +16,7 @@ from cases_cuda_host import (host_graph_capture, host_pieces, two_level_all_gath
 from cases_cuda_broadcast import broadcast_disagreement, broadcast_forwarded  # noqa: F401 (cases named in CASES)
 from cases_cuda_lamport import lamport_two_shot, two_shot_disagreement  # noqa: F401 (cases named in CASES)
 from cases_cuda_allreduce import two_shot_staged, two_shot_staged_disagreement  # noqa: F401 (cases named in CASES)
-from cuda_support import DTYPES, REDUCE_OPS, SIZES, capture, dev, reduce_ref, same, setting, valid, value  # noqa: F401
+from cuda_support import DTYPES, REDUCE_OPS, SIZES, capture, dev, fails_with, reduce_ref, same, setting, valid, value  # noqa: F401
 
 
 def all_reduce_every_dtype_op_size(rank, world):
@@ -316,11 +316,7 @@ def mismatch_fails_then_usable(world, d, n, what, dtype=torch.float32, op=dist.R
     """An all_reduce of `n` elements of `dtype` with `op`, which the ranks disagree about, fails on
     this rank with the header check's words (through its future); an all_reduce after it is exact."""
     w = dist.all_reduce(torch.ones(n, device=d, dtype=dtype), op=op, async_op=True)
-    try:
-        w.get_future().wait()
-        raise AssertionError(f"an all_reduce that the ranks disagree about {what} passed")
-    except RuntimeError as e:
-        assert words in str(e) and "rank" in str(e), e
+    fails_with(w, f"an all_reduce that the ranks disagree about {what}", words, "rank")
     y = torch.ones(16, device=d)
     dist.all_reduce(y)
     same(y, torch.full_like(y, float(world)), f"all_reduce after a mismatch {what}")

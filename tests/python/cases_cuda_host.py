@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import moelink
-from cuda_support import capture, dev, reduce_ref, same, setting, value
+from cuda_support import capture, dev, fails_with, reduce_ref, same, setting, value
 
 
 def pair_counts(world, unit):
@@ -215,11 +215,7 @@ def two_level_all_reduce(rank, world):
     # the ranks of the first host disagree about the size (rank 0's is smaller): every rank fails
     # the op with the header check's words, and the next op is exact
     w = dist.all_reduce(torch.ones(4096 if rank == 0 else 8192, device=d), async_op=True)
-    try:
-        w.get_future().wait()
-        raise AssertionError("a two-level all_reduce that the ranks disagree about passed")
-    except RuntimeError as e:
-        assert "expects" in str(e) and "rank" in str(e), e
+    fails_with(w, "a two-level all_reduce that the ranks disagree about", "expects", "rank")
     z = torch.ones(70_000, device=d)
     dist.all_reduce(z)
     same(z, torch.full_like(z, float(world)), "two-level all_reduce after a disagreement")
@@ -288,11 +284,7 @@ def two_level_all_gather(rank, world):
     # next op is exact
     m = 4096 if rank == 0 else 8192
     w = dist.all_gather_into_tensor(torch.empty(world * m, device=d), torch.ones(m, device=d), async_op=True)
-    try:
-        w.get_future().wait()
-        raise AssertionError("a two-level all_gather that the ranks disagree about passed")
-    except RuntimeError as e:
-        assert "expects" in str(e) and "rank" in str(e), e
+    fails_with(w, "a two-level all_gather that the ranks disagree about", "expects", "rank")
     z = torch.empty(world * 5000, device=d)
     dist.all_gather_into_tensor(z, torch.full((5000,), float(rank), device=d))
     same(z, torch.cat([torch.full((5000,), float(r), device=d) for r in range(world)]),
@@ -352,11 +344,7 @@ def two_level_reduce_scatter(rank, world):
     # next op is exact
     m = 4096 if rank == 0 else 8192
     w = dist.reduce_scatter_tensor(torch.empty(m, device=d), torch.ones(world * m, device=d), async_op=True)
-    try:
-        w.get_future().wait()
-        raise AssertionError("a two-level reduce_scatter that the ranks disagree about passed")
-    except RuntimeError as e:
-        assert "expects" in str(e) and "rank" in str(e), e
+    fails_with(w, "a two-level reduce_scatter that the ranks disagree about", "expects", "rank")
     z = torch.empty(5000, device=d)
     dist.reduce_scatter_tensor(z, torch.full((world * 5000,), float(rank), device=d))
     same(z, torch.full_like(z, float(sum(range(world)))), "two-level reduce_scatter after a disagreement")

@@ -70,6 +70,16 @@ def same(a, b, what):
     assert ok, f"{what}: got {a.flatten()[:8].tolist()}..., expected {b.flatten()[:8].tolist()}..."
 
 
+def fails_with(work, what, *words):
+    """The async op `work` fails: its future raises, naming every one of `words`."""
+    try:
+        work.get_future().wait()
+    except RuntimeError as e:
+        assert all(w in str(e) for w in words), e
+        return
+    raise AssertionError(f"{what} passed")
+
+
 def capture(ops):
     """A CUDA graph of `ops()`, captured on a side stream that follows the current one (the
     group's first op must have run outside it); the current stream waits for the capture."""

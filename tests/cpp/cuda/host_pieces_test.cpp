@@ -430,19 +430,22 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
 // its check.
 using RailRun = std::function<std::string(uint64_t, const std::vector<int>&, const std::string&)>;
 
+constexpr int kRailWorld = 4;
+
 // One rank's part: its group member, ring and rail step (rail and host set; the op sets the
-// rest); returns its piece size and its `run`.
-using RailRank = std::function<std::pair<uint64_t, RailRun>(int rank, Rank& r, Ring& ring, RailStep& step)>;
+// rest) and its position on the rail; returns its piece size and its `run`.
+using RailRank =
+    std::function<std::pair<uint64_t, RailRun>(int rank, Rank& r, Ring& ring, RailStep& step, int at)>;
 
 void onRails(const RailRank& make) {
   auto store = std::make_shared<InProcessStore>();
-  runRanks(4, [&](int rank) {
-    Rank r = makeRank(store, rank, 4, "tcp");
-    Ring ring(4);
+  runRanks(kRailWorld, [&](int rank) {
+    Rank r = makeRank(store, rank, kRailWorld, "tcp");
+    Ring ring(kRailWorld);
     RailStep step;
     step.rail = rank % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
     step.local = rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
-    const auto [per, run] = make(rank, r, ring, step);
+    const auto [per, run] = make(rank, r, ring, step, rank < 2 ? 0 : 1);
     const std::vector<int> all{0, 1, 2, 3};
     for (uint64_t size : {uint64_t{1}, per - 1, per + 1, 3 * per + 5}) EXPECT_EQ("", run(size, all, ""));
     const std::string err = run(2 * per + 3, all, rank == 1 ? "the in-host step gave up" : "");
@@ -455,7 +458,7 @@ void onRails(const RailRank& make) {
     const std::string size_err = run(rank == 0 ? per + 3 : per + 5, all, "");
     EXPECT_NE(size_err.find("this rank expects"), std::string::npos) << "rank " << rank << ": " << size_err;
     EXPECT_EQ("", run(per + 7, all, "")) << "rank " << rank << ": the op after the disagreement";
-    storeBarrier(*store, "rails", 4, seconds(60));
+    storeBarrier(*store, "rails", kRailWorld, seconds(60));
     if (rank != 2) {
       // As after a membership change: every rank's check says so (its kernels gave up).
       const std::string e = run(2 * per + 3, {0, 1, 3}, "the membership changed");
@@ -464,14 +467,13 @@ void onRails(const RailRank& make) {
         EXPECT_NE(e.find("rank 2 left the group"), std::string::npos) << e;
       }
     }
-    storeBarrier(*store, "done", 4, seconds(60));
+    storeBarrier(*store, "done", kRailWorld, seconds(60));
   });
 }
 
 // The two-level all_reduce's: each rank gets its rail's sum and nothing of the other rail's.
 TEST(HostPieces, AllreduceAmongARail) {
-  onRails([](int rank, Rank& r, Ring& ring, RailStep& step) {
-    constexpr int kWorld = 4;
+  onRails([](int rank, Rank& r, Ring& ring, RailStep& step, int) {
     const std::vector<int>& rail = step.rail;
     const uint64_t per = allreducePieceElems(4, kSlotBytes);
     auto run = [=, &r, &ring, &step](uint64_t count, const std::vector<int>& active, const std::string& failed) {
@@ -483,7 +485,7 @@ TEST(HostPieces, AllreduceAmongARail) {
       const std::vector<PieceMark> marks = marksOf(ps, true);
       PieceRing view = ring.view();
       auto done = submit(r, ring, [=](const AlgoContext& c) {
-        return railAllreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, kWorld, rank, step);
+        return railAllreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, kRailWorld, rank, step);
       }, marks, active);
       streamAllreduce(ring, ps, reinterpret_cast<char*>(buf.data()), [&](int slot, uint32_t ticket, char* mine) {
         ring.reduce<float>(slot, ticket, view.in(slot), mine, ReduceOp::kSum);
@@ -503,21 +505,20 @@ TEST(HostPieces, AllreduceAmongARail) {
 // The two-level reduce_scatter's: each rank's input holds a block per position on its rail;
 // it gets the sum of its position's blocks over its rail, and nothing of the other rail's.
 TEST(HostPieces, ReduceScatterAmongARail) {
-  onRails([](int rank, Rank& r, Ring& ring, RailStep& step) {
-    constexpr int kWorld = 4;
+  onRails([](int rank, Rank& r, Ring& ring, RailStep& step, int me) {
     const std::vector<int>& rail = step.rail;
-    const int rows = static_cast<int>(rail.size()), me = rank < 2 ? 0 : 1;
+    const int rows = static_cast<int>(rail.size());
     const uint64_t per = reduceScatterPieceElems(4, kSlotBytes, rows), row = per * 4;
     auto run = [=, &r, &ring, &step](uint64_t count, const std::vector<int>& active, const std::string& failed) {
       step.check = [failed] { return failed; };
-      step.op_bytes = count * 4 * kWorld;
+      step.op_bytes = count * 4 * kRailWorld;
       const uint64_t block = count * 4;
       std::vector<float> in(count * rows), out(count, -1.0f);
       for (uint64_t i = 0; i < in.size(); ++i) in[i] = input<float>(rank, i);
       auto ps = cutPieces(count, per, kDepth, false, [&](int word) { return ring.mark(word); });
       PieceRing view = ring.view();
       auto done = submit(r, ring, [=](const AlgoContext& c) {
-        return railReduceScatterPieces(c, view, ps, count, per, DType::kFloat32, ReduceOp::kSum, kWorld, rank, step);
+        return railReduceScatterPieces(c, view, ps, count, per, DType::kFloat32, ReduceOp::kSum, kRailWorld, rank, step);
       }, marksOf(ps, false), active);
       const char* src = reinterpret_cast<const char*>(in.data());
       auto pack = [&](const HostPiece& pc) {
@@ -547,21 +548,20 @@ TEST(HostPieces, ReduceScatterAmongARail) {
 // The two-level all_gather's: each rank gets its rail's blocks, by position on the rail (the
 // stream's side as HostPipeline::allgather places them), and nothing of the other rail's.
 TEST(HostPieces, AllgatherAmongARail) {
-  onRails([](int rank, Rank& r, Ring& ring, RailStep& step) {
-    constexpr int kWorld = 4;
+  onRails([](int rank, Rank& r, Ring& ring, RailStep& step, int me) {
     const std::vector<int>& rail = step.rail;
-    const int rows = static_cast<int>(rail.size()), me = rank < 2 ? 0 : 1;
+    const int rows = static_cast<int>(rail.size());
     const uint64_t per = allgatherPieceBytes(kSlotBytes, rows);
     auto run = [=, &r, &ring, &step](uint64_t bytes, const std::vector<int>& active, const std::string& failed) {
       step.check = [failed] { return failed; };
-      step.op_bytes = bytes * kWorld;
+      step.op_bytes = bytes * kRailWorld;
       std::vector<uint8_t> in(bytes), out(bytes * rows, 0);
       for (uint64_t i = 0; i < bytes; ++i) in[i] = moelink::testing::pattern(rank, i);
       auto ps = cutPieces(bytes, per, kDepth, false, [&](int word) { return ring.mark(word); });
       std::vector<PieceMark> marks = marksOf(ps, false);
       PieceRing view = ring.view();
       auto done = submit(r, ring, [=](const AlgoContext& c) {
-        return railAllgatherPieces(c, view, ps, bytes, per, kWorld, rank, step);
+        return railAllgatherPieces(c, view, ps, bytes, per, kRailWorld, rank, step);
       }, marks, active);
       copy(out.data() + me * bytes, in.data(), bytes);
       auto pack = [&](const HostPiece& pc) {
