@@ -71,6 +71,15 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
     p2p_->open(active_);
     membership_->open(active_);
     transfer::storeBarrier(store, "worker/opened", initial, opts_.timeout, transfer::kRefusedKey);
+    // A rank 0 that serves the store and exits as soon as the group is made waits for the ranks
+    // still polling the release above; one whose process is gone is not waited for.
+    transfer::storeLeaveHostLast(store, "worker/opened", rank_, initial, opts_.timeout, [this](int r) {
+      try {
+        return engine_.probe(r, std::chrono::milliseconds(200), 0);
+      } catch (const std::exception&) {
+        return std::string();  // not known to be gone: waited for
+      }
+    });
   }
   // Shared-memory names stay until shutdown (or exit): a process that replaces a failed rank
   // opens its peers' segments by name. A killed process's names are reclaimed by the

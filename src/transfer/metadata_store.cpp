@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <thread>
+#include <vector>
 
 #include "moelink/common/error.h"
 
@@ -75,6 +76,32 @@ void storeBarrier(MetadataStore& store, const std::string& name, int count,
                             store.add(name + "/arrived", 0), " of ", count, " ranks arrived");
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
+}
+
+void storeLeaveHostLast(MetadataStore& store, const std::string& name, int rank, int count,
+                        std::chrono::milliseconds timeout, const std::function<std::string(int)>& gone) {
+  const std::string prefix = name + "/left/";
+  if (rank != 0) {
+    store.set(prefix + std::to_string(rank), "1");  // this rank's last use of the store in the set-up
+    return;
+  }
+  std::vector<int> waiting;
+  for (int r = 1; r < count; ++r) waiting.push_back(r);
+  const auto start = std::chrono::steady_clock::now();
+  auto next_probe = start + std::chrono::milliseconds(100);
+  auto pause = std::chrono::microseconds(100);
+  while (!waiting.empty()) {
+    const bool probe = gone && std::chrono::steady_clock::now() >= next_probe;
+    waiting.erase(std::remove_if(waiting.begin(), waiting.end(),
+                                 [&](int r) {
+                                   return store.check(prefix + std::to_string(r)) || (probe && !gone(r).empty());
+                                 }),
+                  waiting.end());
+    if (waiting.empty() || std::chrono::steady_clock::now() - start > timeout) return;
+    if (probe) next_probe = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(2000));
   }
 }
 

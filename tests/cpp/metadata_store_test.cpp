@@ -1,6 +1,7 @@
 // storeAllAgree (moelink/transfer/metadata_store.h): every participant's answer counted once, a
 // no heard by all, a participant that says no waiting for nobody, and the wait for one that
-// never answers ending on cancellation or timeout.
+// never answers ending on cancellation or timeout. storeLeaveHostLast: rank 0 returns only after
+// every other rank's last store step, or once a missing one is gone, or at the timeout.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -17,6 +18,7 @@ namespace {
 using moelink::testing::runRanks;
 using moelink::transfer::InProcessStore;
 using moelink::transfer::storeAllAgree;
+using moelink::transfer::storeLeaveHostLast;
 using namespace std::chrono;
 
 TEST(StoreAllAgree, AllYesAndOneNo) {
@@ -50,6 +52,43 @@ TEST(StoreAllAgree, NoWaitsForNobodyAndYesGivesUp) {
   EXPECT_FALSE(storeAllAgree(store, "w", 3, true, seconds(30), [&] { return cancel.load(); }));
   later.join();
   EXPECT_FALSE(storeAllAgree(store, "x", 2, true, milliseconds(100)));
+}
+
+TEST(StoreLeaveHostLast, RankZeroLeavesAfterTheOthers) {
+  InProcessStore store;
+  constexpr int kRanks = 4;
+  std::atomic<int> left{0};
+  std::atomic<int> seen_by_zero{-1};
+  runRanks(kRanks, [&](int rank) {
+    if (rank == 0) {
+      storeLeaveHostLast(store, "s", 0, kRanks, seconds(30), [](int) { return std::string(); });
+      seen_by_zero = left.load();
+      return;
+    }
+    std::this_thread::sleep_for(milliseconds(60 * rank));  // the last one long after rank 0 arrived
+    left.fetch_add(1);
+    storeLeaveHostLast(store, "s", rank, kRanks, seconds(30), nullptr);
+  });
+  EXPECT_EQ(seen_by_zero.load(), kRanks - 1);
+}
+
+TEST(StoreLeaveHostLast, AGoneRankIsNotWaitedForAndAWedgedOneUntilTheTimeout) {
+  InProcessStore store;
+  storeLeaveHostLast(store, "t", 1, 3, seconds(30), nullptr);  // rank 1 leaves; rank 2 never does
+  std::atomic<int> asked{0};
+  auto t0 = steady_clock::now();
+  storeLeaveHostLast(store, "t", 0, 3, seconds(30), [&](int r) {
+    asked.fetch_add(1);
+    EXPECT_EQ(r, 2);  // rank 1 has left: only the missing one is asked about
+    return std::string("its process has exited");
+  });
+  EXPECT_LT(steady_clock::now() - t0, seconds(10));
+  EXPECT_EQ(asked.load(), 1);
+  t0 = steady_clock::now();
+  storeLeaveHostLast(store, "u", 0, 2, milliseconds(300), [](int) { return std::string(); });
+  const auto waited = steady_clock::now() - t0;
+  EXPECT_GE(waited, milliseconds(300));
+  EXPECT_LT(waited, seconds(10));
 }
 
 }  // namespace

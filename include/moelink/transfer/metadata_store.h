@@ -77,6 +77,15 @@ class PrefixStore : public MetadataStore {
 void storeBarrier(MetadataStore& store, const std::string& name, int count,
                   std::chrono::milliseconds timeout, const std::string& abort_key = "");
 
+// The last store step of a set-up among ranks 0..count-1 (after its last barrier): every rank
+// but 0 records that it is done with the store, and rank 0 returns only once each of them has,
+// or has been found gone (`gone(r)`: why rank r's process is gone, "" while it lives; asked
+// after a short wait), or `timeout` passed. Under torch's tcp:// and env:// rendezvous rank 0's
+// process serves the store: a rank 0 that made its group and exited at once would otherwise
+// take the store down under a rank still polling the barrier's release.
+void storeLeaveHostLast(MetadataStore& store, const std::string& name, int rank, int count,
+                        std::chrono::milliseconds timeout, const std::function<std::string(int)>& gone);
+
 // Whether all `count` participants of vote `name` say yes (each calls it once, with its own
 // answer). One that says no returns false at once (it needs nobody's answer, so it waits for
 // nobody: e.g. not for ranks that have not joined yet); one that says yes waits until every
