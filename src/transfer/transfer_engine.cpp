@@ -477,6 +477,8 @@ std::string TransferEngine::transportOf(int peer, SegmentId id) const {
   return it->second->via ? it->second->via->name() : "local";
 }
 
+std::vector<uint64_t> TransferEngine::tcpSentPerStream() const { return tcp_->sentPerStream(); }
+
 void TransferEngine::notify(int peer) {
   RemoteSegment* bell = peer >= 0 && peer < opts_.world_size ? peer_doorbells_[peer] : nullptr;
   MOELINK_CHECK(bell, "rank ", peer, "'s doorbell is not opened");
@@ -565,7 +567,9 @@ BatchPtr TransferEngine::submit(const std::vector<TransferRequest>& requests) {
   if (n > 1) {
     std::vector<Transport*> next_write(opts_.world_size, nullptr);
     for (size_t i = n; i-- > 0;) {
-      if (!remote[i] || requests[i].op != Opcode::kWrite) continue;
+      // (an unordered write may be applied before the earlier ones: its acknowledgement says
+      // nothing of theirs)
+      if (!remote[i] || requests[i].op != Opcode::kWrite || requests[i].unordered) continue;
       covered[i] = next_write[requests[i].peer] == remote[i]->via;
       next_write[requests[i].peer] = remote[i]->via;
     }

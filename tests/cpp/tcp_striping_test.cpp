@@ -134,6 +134,87 @@ TEST(TcpStriping, SignalAfterStripedWriteSeesAllData) {
   });
 }
 
+// Writes marked unordered (TransferRequest::unordered, as the EP proxy sends its rows) spread
+// over the streams whatever their size, and a signal after them still lands after all of them;
+// the same writes in order all travel on the first stream.
+TEST(TcpStriping, UnorderedWritesSpreadAndSignalAfterThem) {
+  constexpr int kStreams = 4, kRounds = 30;
+  const std::vector<uint64_t> sizes{1, 100, 128, 129, 0, 7168, 7169, 70000, 200000};
+  uint64_t span = 0;
+  for (uint64_t s : sizes) span += s + 64;
+  constexpr int kRepeat = 12;
+  const uint64_t bytes = span * kRepeat;
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    TransferEngine engine(store, striped(rank, 2, kStreams, 1ull << 40));  // nothing striped for its size
+    char* seg = static_cast<char*>(engine.allocateSegment(5, bytes + 64));
+    storeBarrier(*store, "alloc", 2, seconds(10));
+    engine.openSegment(1 - rank, 5);
+    auto* signal = reinterpret_cast<uint64_t*>(seg + bytes);
+    auto* credit = reinterpret_cast<uint64_t*>(seg + bytes + 8);
+    std::vector<char> data(bytes);
+    uint64_t word = 0;
+    for (int r = 1; r <= 2 * kRounds; ++r) {
+      const bool unordered = r <= kRounds;
+      const char fill = static_cast<char>(r);
+      if (rank == 0) {
+        const auto deadline = steady_clock::now() + seconds(30);
+        while (__atomic_load_n(credit, __ATOMIC_ACQUIRE) != static_cast<uint64_t>(r - 1))
+          ASSERT_LT(steady_clock::now(), deadline) << "no credit for round " << r;
+        const std::vector<uint64_t> before = engine.tcpSentPerStream();
+        std::memset(data.data(), fill, bytes);
+        std::vector<TransferRequest> batch;
+        uint64_t at = 0;
+        for (int k = 0; k < kRepeat; ++k)
+          for (uint64_t s : sizes) {
+            TransferRequest w{Opcode::kWrite, data.data() + at, 1, 5, at, s};
+            w.unordered = unordered;
+            batch.push_back(w);
+            at += s + 64;  // gaps stay untouched
+          }
+        word = r;
+        const TransferRequest sig{Opcode::kWrite, &word, 1, 5, bytes, 8, true};
+        if (r % 2 == 0) {
+          batch.push_back(sig);
+          auto b = engine.submit(batch);
+          ASSERT_TRUE(b->wait(seconds(30)));
+          ASSERT_FALSE(b->failed()) << b->error();
+        } else {
+          auto b1 = engine.submit(batch);
+          auto b2 = engine.submit({sig});
+          ASSERT_TRUE(b1->wait(seconds(30)) && b2->wait(seconds(30)));
+          ASSERT_FALSE(b1->failed() || b2->failed()) << b1->error() << b2->error();
+        }
+        const std::vector<uint64_t> after = engine.tcpSentPerStream();
+        ASSERT_EQ(after.size(), static_cast<size_t>(kStreams));
+        for (int s = 1; s < kStreams; ++s) {
+          const uint64_t moved = after[s] - before[s];
+          if (unordered)
+            EXPECT_GT(moved, bytes / kStreams / 2) << "round " << r << ": stream " << s << " carried " << moved;
+          else
+            EXPECT_EQ(moved, 0u) << "round " << r << ": stream " << s << " carried an ordered write";
+        }
+      } else {
+        const auto deadline = steady_clock::now() + seconds(30);
+        while (__atomic_load_n(signal, __ATOMIC_ACQUIRE) != static_cast<uint64_t>(r))
+          ASSERT_LT(steady_clock::now(), deadline) << "no signal for round " << r;
+        uint64_t at = 0;
+        for (int k = 0; k < kRepeat; ++k)
+          for (uint64_t s : sizes) {
+            for (uint64_t i = 0; i < s; ++i) ASSERT_EQ(seg[at + i], fill) << "round " << r << " write of " << s;
+            for (uint64_t i = s; i < s + 64; ++i) ASSERT_EQ(seg[at + i], 0) << "round " << r << " gap after " << s;
+            at += s + 64;
+          }
+        word = r;
+        auto b = engine.submit({{Opcode::kWrite, &word, 0, 5, bytes + 8, 8}});
+        ASSERT_TRUE(b->wait(seconds(30)));
+        ASSERT_FALSE(b->failed()) << b->error();
+      }
+    }
+    storeBarrier(*store, "done", 2, seconds(30));
+  });
+}
+
 // Receive redirection covers the whole striped write: every part lands at the destination.
 TEST(TcpStriping, ExpectedStripedWriteLandsAtDestination) {
   constexpr uint64_t kBytes = 1 << 20;
@@ -185,6 +266,35 @@ TEST(TcpStriping, OutOfBoundsStripedWriteFails) {
   EXPECT_FALSE(ok->failed()) << ok->error();
   EXPECT_EQ(small[0], 9);
   EXPECT_EQ(small.back(), 9);
+}
+
+// An unordered write sent without an acknowledgement (as the EP proxy sends its rows) that the
+// receiver rejects touches nothing and breaks the pair, with the receiver's reason, at the sender:
+// the requests after it assumed it landed.
+TEST(TcpStriping, RejectedUnacknowledgedUnorderedWriteBreaksThePair) {
+  auto store = std::make_shared<InProcessStore>();
+  auto e0 = std::make_unique<TransferEngine>(store, striped(0, 2, 4, 1ull << 40));
+  auto e1 = std::make_unique<TransferEngine>(store, striped(1, 2, 4, 1ull << 40));
+  std::vector<char> big(1 << 20, 0), small(64 << 10, 0);
+  e1->registerSegment(1, big.data(), big.size());
+  e0->allocateSegment(1, 64);
+  e0->openSegment(1, 1);
+  e1->unregisterSegment(1);
+  e1->registerSegment(1, small.data(), small.size());  // smaller than what rank 0 opened
+  std::vector<char> buf(8 << 10, 9);
+  TransferRequest row{Opcode::kWrite, buf.data(), 1, 1, small.size() + 4096, buf.size()};
+  row.unordered = row.no_ack = true;
+  auto b = e0->submit({row, {Opcode::kWrite, buf.data(), 1, 1, 0, 8}});
+  ASSERT_TRUE(b->wait(seconds(10)));
+  std::string why = b->failed() ? b->error() : "";
+  for (int i = 0; i < 100 && why.empty(); ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+    auto next = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, 8}});
+    ASSERT_TRUE(next->wait(seconds(10))) << "a request after the rejected write hung";
+    if (next->failed()) why = next->error();
+  }
+  EXPECT_NE(why.find("rejected a write"), std::string::npos) << why;
+  for (size_t i = 8; i < small.size(); ++i) ASSERT_EQ(small[i], 0) << "byte " << i;
 }
 
 // A peer that goes away fails requests on every stream, promptly, and never hangs one.

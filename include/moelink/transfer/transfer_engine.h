@@ -112,6 +112,8 @@ class TransferEngine {
   std::string openSegment(int peer, SegmentId id);
   // The transport chosen for an opened segment ("local", "shm", "tcp").
   std::string transportOf(int peer, SegmentId id) const;
+  // Bytes sent to peers over tcp on each of its streams (TcpTransport::sentPerStream).
+  std::vector<uint64_t> tcpSentPerStream() const;
 
   // Removes the names of this rank's shared-memory segments; mappings stay valid. Call
   // once every peer has opened them, so that nothing is left in /dev/shm.

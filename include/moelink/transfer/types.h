@@ -43,6 +43,14 @@ struct TransferRequest {
   // word); the engine also sets it on a write followed in the same batch by an acknowledged
   // write to the same peer over the same transport (the batch completes with that one).
   bool no_ack = false;
+  // A write that may land before earlier requests to the peer and beside later ones, as a
+  // striped write does (every request after it is still applied after all of it): over tcp with
+  // several streams such writes spread over the streams whatever their size, so that many
+  // small writes (an EP proxy's rows) move at the streams' bandwidth, not one connection's.
+  // Other transports apply it in order. no_ack applies to it as to any write (a rejection then
+  // breaks the pair); it neither covers an earlier write's acknowledgement nor is covered by a
+  // later one's.
+  bool unordered = false;
 };
 
 enum class RequestState : int { kPending = 0, kCompleted = 1, kFailed = 2 };
@@ -53,8 +61,8 @@ enum class RequestState : int { kPending = 0, kCompleted = 1, kFailed = 2 };
 // batches), and an 8-byte write to an 8-byte-aligned offset is applied as one atomic
 // store with release semantics, so it can serve as a signal for the data before it.
 // One exception, over tcp with several streams (MOELINK_TCP_STREAMS): a large write that is
-// striped over them lands as its parts arrive, possibly before earlier requests and beside
-// later large writes; every request after it is still applied after all of it. A caller
+// striped over them, or one marked unordered, lands as its parts arrive, possibly before earlier
+// requests and beside later such writes; every request after it is still applied after all of it. A caller
 // therefore never has two writes to the same bytes of a peer in flight at once (the
 // engine's users rewrite a buffer only after its receiver has said it consumed it).
 class TransferBatch {

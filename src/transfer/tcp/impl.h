@@ -159,6 +159,7 @@ class TcpTransport::Impl {
     std::vector<Conn*> waiting;     // inbound primaries in kOrder
     bool ring = false;
     bool closed_any = false;
+    std::atomic<uint64_t> sent{0};  // bytes written to outbound connections (any thread reads)
   };
 
   Impl(int rank, int world, uint64_t secret, LocalSegments& segs, milliseconds timeout,
@@ -171,6 +172,11 @@ class TcpTransport::Impl {
 
   const std::string& address() const { return address_; }
   int streams() const { return static_cast<int>(loops_.size()); }
+  std::vector<uint64_t> sentPerStream() const {
+    std::vector<uint64_t> out;
+    for (const auto& l : loops_) out.push_back(l->sent.load(std::memory_order_relaxed));
+    return out;
+  }
 
   // Why the connection to `peer` broke ("" while it has not).
   std::string lostReason(int peer);

@@ -264,6 +264,7 @@ void TcpTransport::Impl::flushConn(Conn& c) {
       return;
     }
     uint64_t left = static_cast<uint64_t>(r);
+    if (c.outbound) c.loop->sent.fetch_add(left, std::memory_order_relaxed);
     while (left && !c.out.empty()) {
       OutFrame& f = c.out.front();
       uint64_t total = f.head_len + f.payload_len;
@@ -274,8 +275,10 @@ void TcpTransport::Impl::flushConn(Conn& c) {
         // A write that gets no acknowledgement of its own is complete once it is on the
         // wire (the one that carries a later write's acknowledgement reports its rejection).
         const auto* h = reinterpret_cast<const wire::FrameHeader*>(f.head);
-        if (c.outbound && f.head_len == sizeof(wire::FrameHeader) && h->type == wire::kWrite &&
-            (h->flags & wire::kNoAck)) {
+        const bool write = (h->type == wire::kWrite && f.head_len == sizeof(wire::FrameHeader)) ||
+                           (h->type == wire::kWritePart &&
+                            f.head_len == sizeof(wire::FrameHeader) + sizeof(wire::PartHeader));
+        if (c.outbound && write && (h->flags & wire::kNoAck)) {
           if (auto it = c.pending.find(h->request_id); it != c.pending.end()) {
             settle(it->second, "");
             c.pending.erase(it);

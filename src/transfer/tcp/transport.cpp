@@ -151,8 +151,8 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
   h.offset = req.offset;
   h.length = req.length;
   const int lanes = static_cast<int>(loops_.size());
-  const bool striped = req.op == Opcode::kWrite && lanes > 1 && req.length >= tuning_.stripe_bytes &&
-                       req.length >= 2 * kMinPart;
+  const bool striped = req.op == Opcode::kWrite && lanes > 1 && req.length > 0 &&
+                       ((req.length >= tuning_.stripe_bytes && req.length >= 2 * kMinPart) || req.unordered);
   std::lock_guard<std::mutex> g(mu_);
   if (auto it = dead_.find(req.peer); it != dead_.end()) {
     batch->fail(index, it->second);
@@ -174,12 +174,15 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
     return;
   }
   // Equal parts of whole 4 KiB pages (the last takes the rest), each on its own lane, starting
-  // from a rotating lane so that writes of fewer parts than lanes spread.
-  const int parts = static_cast<int>(std::min<uint64_t>(lanes, req.length / kMinPart));
+  // from a rotating lane so that writes of fewer parts than lanes spread (an unordered write
+  // below two parts' size is one part).
+  const int parts = static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(lanes, req.length / kMinPart)));
   const uint64_t per = (req.length / parts + 4095) / 4096 * 4096;
   auto shared = std::make_shared<StripeSend>(parts);
   h.type = wire::kWritePart;
-  h.flags &= ~static_cast<uint32_t>(wire::kNoAck);  // each part is acknowledged
+  // Each part is acknowledged, but those of an unordered write that needs no acknowledgement:
+  // they complete once sent (the request after it is applied after all of it).
+  if (!req.unordered) h.flags &= ~static_cast<uint32_t>(wire::kNoAck);
   const int first = static_cast<int>(stripe_turn_++ % static_cast<uint64_t>(lanes));
   for (int k = 0; k < parts; ++k) {
     const uint64_t off = per * static_cast<uint64_t>(k);
@@ -220,6 +223,8 @@ void TcpTransport::post(const TransferRequest& req, const RemoteSegment&, const 
 std::string TcpTransport::address() const { return impl_->address(); }
 
 int TcpTransport::streams() const { return impl_->streams(); }
+
+std::vector<uint64_t> TcpTransport::sentPerStream() const { return impl_->sentPerStream(); }
 
 std::string TcpTransport::lostReason(int peer) const { return impl_->lostReason(peer); }
 

@@ -29,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "moelink/transfer/transport.h"
 
@@ -71,6 +72,8 @@ class TcpTransport : public Transport {
   std::string address() const;
   // Connections per peer (and progress threads).
   int streams() const;
+  // Bytes this rank has sent to its peers on each stream (frames included), since it started.
+  std::vector<uint64_t> sentPerStream() const;
   // Stops the progress thread and fails every pending request.
   void shutdown();
   // Drops everything known about `peer` (its connection, its loss), so that a process that
@@ -102,7 +105,7 @@ std::string checkHello(const Hello& h, uint64_t secret, int world_size);
 // offset, its request number and flags, and `length` the part's payload; a PartHeader follows.
 enum FrameType : uint32_t { kWrite = 1, kRead = 2, kWriteAck = 3, kReadData = 4, kWritePart = 5 };
 enum FrameStatus : uint32_t { kOk = 0, kOutOfBounds = 1 };
-// kNoAck (writes): acknowledged only when rejected; the sender counts it complete once sent,
+// kNoAck (writes and their parts): acknowledged only when rejected; the sender counts it complete once sent,
 // and a rejection of it, which can then reach no request, breaks the connection (the pair's
 // view of the receiver's memory is wrong: nothing later on it can be trusted).
 enum FrameFlags : uint32_t { kNotify = 1, kNoAck = 2 };
