@@ -41,6 +41,7 @@ bench2        | 300 | EP low-latency benchmark, 2 GPUs, beside DeepEP v1 (when .
 bench4        | 300 | EP low-latency benchmark, 4 GPUs, beside DeepEP v1 (when .devdeps/deepep is there)
 benchnotma    | 200 | EP low-latency benchmark, 4 GPUs, warp stores instead of TMA
 benchp        | 200 | EP low-latency benchmark, 4 GPUs as 2 virtual hosts (CPU proxy)
+benchptcp     | 400 | EP low-latency benchmark, GPUS GPUs (default 4) as 2 virtual hosts whose CPU proxies talk loopback tcp (as between hosts), the rows spread over the tcp streams and in order on one (MOELINK_EP_PROXY_SPREAD 1 and 0)
 benchi        | 200 | EP low-latency benchmark, 4 GPUs as 2 virtual hosts (emulated IBGDA)
 benchnormal   | 400 | EP normal-mode benchmark beside DeepEP v1 (when .devdeps/deepep is there)
 benchtwohop   | 400 | EP normal-mode benchmark, 4 GPUs as 2 virtual hosts of 2 (two-hop route, tcp between them) beside the all_to_all_single pipeline over NCCL-socket
@@ -134,6 +135,14 @@ stage_bench2() { with_deepep; bench_ep --gpus 2 $DEEPEP --out "$OUT/ep2.png"; }
 stage_bench4() { with_deepep; bench_ep --gpus 4 $DEEPEP ${TRACE:+--trace} --out "$OUT/ep4.png"; }
 stage_benchnotma() { MOELINK_EP_TMA=0 bench_ep --gpus 4 --out "$OUT/ep4-warpstores.png"; }
 stage_benchp() { MOELINK_EP_RANKS_PER_HOST=2 bench_ep --gpus 4 --out "$OUT/ep4proxy.png"; }
+stage_benchptcp() {
+  local g="${GPUS:-4}"
+  for spread in 1 0; do
+    echo "== MOELINK_EP_PROXY_SPREAD=$spread"
+    MOELINK_EP_PROXY_SPREAD=$spread MOELINK_EP_RANKS_PER_HOST=$((g / 2)) MOELINK_TRANSPORT=tcp \
+      bench_ep --gpus "$g" --out "$OUT/ep${g}proxytcp-spread$spread.png"
+  done
+}
 stage_benchi() { MOELINK_EP_RANKS_PER_HOST=2 MOELINK_EP_IBGDA=emulate bench_ep --gpus 4 --out "$OUT/ep4ibgda.png"; }
 stage_benchnormal() {
   with_deepep

@@ -78,7 +78,8 @@ EpProxy::EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int s
                                                                             .outbox = outbox_host_,
                                                                             .outbox_bytes = outbox_bytes_,
                                                                             .timeout = timeout_,
-                                                                            .threads = proxyThreads()});
+                                                                            .threads = proxyThreads(),
+                                                                            .spread = settings::flag("MOELINK_EP_PROXY_SPREAD")});
 }
 
 bool EpProxy::settle() {

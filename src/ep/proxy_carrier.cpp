@@ -111,7 +111,7 @@ bool ProxyCarrier::copiesHere(int peer) const {
   }
 }
 
-void ProxyCarrier::carryData(const ProxyWave& wave, std::vector<transfer::BatchPtr>& pending) {
+void ProxyCarrier::carryData(const ProxyWave& wave, bool unordered, std::vector<transfer::BatchPtr>& pending) {
   if (wave.data.empty()) return;
   // Writes over a transport that copies in the submitting thread (shared memory) are split
   // over the threads; the others (tcp: its own threads carry them) go in one submission.
@@ -130,6 +130,9 @@ void ProxyCarrier::carryData(const ProxyWave& wave, std::vector<transfer::BatchP
     else
       whole.push_back(request(w, 0, w.length));
   }
+  // Unordered, they need no acknowledgements either: the carrier waits only until they are
+  // sent (the outbox is the poster's again), and the signals after them land after all of them.
+  for (transfer::TransferRequest& r : whole) r.unordered = r.no_ack = unordered;
   if (!whole.empty()) pending.push_back(engine_.submit(whole));
   if (split_bytes == 0) return;
   const uint64_t threads = std::max<uint64_t>(
@@ -212,7 +215,7 @@ void ProxyCarrier::run() {
       pending.clear();
       size_t next_value = 0;  // signal values live until the engine has applied them (the waits below)
       for (const ProxyWave& wave : plan.waves) {
-        carryData(wave, pending);
+        carryData(wave, c_.spread && !plan.in_ring_order, pending);
         if (wave.signals.empty()) continue;
         signals.clear();
         for (const ProxyWrite& w : wave.signals) {

@@ -64,6 +64,7 @@ ProxyPlan planProxyBatch(const kernels::ProxyEntry* entries, size_t n, const Pro
   for (size_t i = 1; i < data.size(); ++i) {
     if (data[i].peer == data[i - 1].peer && data[i].remote < data[i - 1].remote + data[i - 1].length) {
       // Overlapping writes: keep the GPU's order, one entry after the other.
+      plan.in_ring_order = true;
       for (const ProxyWrite& w : in_order) {
         ProxyWave wave;
         (w.signal ? wave.signals : wave.data).push_back(w);

@@ -1,8 +1,8 @@
 // ProxyCarrier without a GPU: a thread posts what the EP kernels post (rows of tokens in a
 // shuffled order into the outbox, counts after some of them) into a small ring, and the peer,
-// a second engine over shm or tcp, checks that every signal it sees finds the data posted
-// before it in its inbox, round after round, with the ring wrapping and filling up; carried
-// by one thread, and by four with rows split between them.
+// a second engine over shm or tcp (one stream, or four that the rows spread over), checks that
+// every signal it sees finds the data posted before it in its inbox, round after round, with the
+// ring wrapping and filling up; carried by one thread, and by four with rows split between them.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "moelink/ep/proxy_carrier.h"
+#include "moelink/transfer/tcp/transport.h"
 #include "moelink/transfer/transfer_engine.h"
 #include "test_support.h"
 
@@ -50,6 +51,8 @@ std::vector<uint64_t> postOrder(int round) {
 uint64_t signalValue(int round, uint64_t posted) { return (static_cast<uint64_t>(round) + 1) << 32 | posted; }
 
 // (transport, carrying threads): with several threads, waves of a few rows split over them.
+// "tcp4": four tcp streams, none striping a write for its size: the rows spread over them only
+// because the carrier sends them unordered.
 class ProxyCarrierTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
@@ -64,8 +67,10 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
     transfer::EngineOptions o;
     o.rank = rank;
     o.world_size = 2;
-    o.transport = transport;
+    o.transport = transport == "shm" ? "shm" : "tcp";
     o.timeout = seconds(60);
+    constexpr int kStreams = 4;
+    if (transport == "tcp4") o.tcp_tuning = transfer::tcp::TcpTuning{kStreams, 1ull << 40};
     transfer::TransferEngine engine(store, o);
     if (rank == 1) {  // the receiver: checks each signal against the rows posted before it
       auto* inbox = static_cast<volatile uint8_t*>(engine.allocateSegment(kInbox, kSignalsAt + 8 * kMaxSignals));
@@ -152,12 +157,18 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
     }
     EXPECT_TRUE(carrier.settle(ticket));  // everything posted is carried out
     EXPECT_EQ(__atomic_load_n(&head, __ATOMIC_ACQUIRE), ticket);
+    if (transport == "tcp4") {
+      const std::vector<uint64_t> sent = engine.tcpSentPerStream();
+      ASSERT_EQ(sent.size(), static_cast<size_t>(kStreams));
+      for (int s = 0; s < kStreams; ++s)
+        EXPECT_GT(sent[s], kRounds * kTokens * kRow / (4 * kStreams)) << "stream " << s << " carried too little";
+    }
     transfer::storeBarrier(*store, "done", 2, seconds(60));
   });
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ProxyCarrierTest,
-                         ::testing::Combine(::testing::Values("shm", "tcp"), ::testing::Values(1, 4)),
+                         ::testing::Combine(::testing::Values("shm", "tcp", "tcp4"), ::testing::Values(1, 4)),
                          [](const ::testing::TestParamInfo<std::tuple<std::string, int>>& i) {
                            return std::get<0>(i.param) + "_" + std::to_string(std::get<1>(i.param)) + "threads";
                          });

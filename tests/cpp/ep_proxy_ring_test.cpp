@@ -41,6 +41,7 @@ TEST(ProxyRing, RowsOfConsecutiveTokensBecomeOneWriteAndSignalsFollowAllData) {
                                signal(2, 9, 72)};
   const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits);
   EXPECT_TRUE(p.dropped.empty());
+  EXPECT_FALSE(p.in_ring_order);
   ASSERT_EQ(p.waves.size(), 1u);  // less data than a wave
   const std::vector<ProxyWrite> writes = flatten(p);
   ASSERT_EQ(writes.size(), 4u);
@@ -96,6 +97,7 @@ TEST(ProxyRing, MalformedEntriesAreDroppedAndNamed) {
 TEST(ProxyRing, OverlappingWritesKeepTheRingOrder) {
   std::vector<ProxyEntry> e = {data(2, 0, 100, 100), signal(2, 1, 0), data(2, 200, 150, 100), data(2, 400, 0, 100)};
   const ProxyPlan p = planProxyBatch(e.data(), e.size(), kLimits);
+  EXPECT_TRUE(p.in_ring_order);  // no data write may overtake another (the carrier keeps them ordered)
   ASSERT_EQ(p.waves.size(), e.size());  // one entry per wave
   const std::vector<ProxyWrite> writes = flatten(p);
   ASSERT_EQ(writes.size(), e.size());

@@ -6,7 +6,9 @@
 // poster. A wave's data to peers over shared memory, where the engine copies in the
 // submitting thread, is split over `threads` threads (the carrier and its helpers) that
 // submit their parts at once (one core copies a few GB/s); data to peers
-// over tcp, whose own threads carry it, is one submission. The wave's signals are submitted
+// over tcp, whose own threads carry it, is one submission, its writes unordered (spread over
+// the tcp streams; the signals after them still land after all of them) unless `spread` is off
+// or the batch's writes overlap. The wave's signals are submitted
 // once all of its data has been (the engine applies a peer's requests in submission order). EpProxy (proxy.h) gives it a ring and
 // an outbox in host memory that the GPU maps; tests give it plain memory and post from a
 // thread.
@@ -44,6 +46,7 @@ class ProxyCarrier {
     int threads = 1;                    // threads that carry a wave's data (the carrier included)
     uint64_t wave_bytes = kProxyWaveBytes;  // planProxyBatch's
     uint64_t part_bytes = 64 << 10;     // the least data a thread takes from a wave
+    bool spread = true;                 // tcp data writes unordered (TransferRequest::unordered)
   };
   // Starts the thread. The engine outlives the carrier.
   ProxyCarrier(transfer::TransferEngine& engine, Config config);
@@ -63,7 +66,7 @@ class ProxyCarrier {
   void help(size_t part);
   // Submits a wave's data, split into parts over the threads; returns once every part has
   // been submitted (their batches are added to `pending`).
-  void carryData(const ProxyWave& wave, std::vector<transfer::BatchPtr>& pending);
+  void carryData(const ProxyWave& wave, bool unordered, std::vector<transfer::BatchPtr>& pending);
   transfer::TransferRequest request(const ProxyWrite& w, uint64_t skip, uint64_t length);
   // Whether the engine's transport to `peer` copies in the submitting thread (shared memory).
   bool copiesHere(int peer) const;

@@ -74,6 +74,9 @@ struct ProxyWave {
 struct ProxyPlan {
   std::vector<ProxyWave> waves;  // carried one after the other
   std::vector<size_t> dropped;   // indices of malformed entries (not sent)
+  // Some data entries overlap (see planProxyBatch): the waves must land in ring order, so no
+  // data write may overtake another.
+  bool in_ring_order = false;
 };
 
 // The least data a wave holds before a signal may end it.
