@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -83,29 +84,55 @@ INSTANTIATE_TEST_SUITE_P(Sizes, StripedWrites,
                                                               (1ull << 20) + 4095, 16ull << 20)),
                          stripedName);
 
-// A signal written after a striped write is applied after all of its parts: the receiver that
-// sees the signal sees every byte of the data, round after round (the sender rewrites the
-// buffer only after the receiver's credit, as the engine's callers do).
-TEST(TcpStriping, SignalAfterStripedWriteSeesAllData) {
-  constexpr uint64_t kBytes = 3 << 20;
-  constexpr int kRounds = 60;
+// Rounds between two ranks over tcp (`streams` streams, writes of at least `stripe` bytes
+// striped) on a segment of `bytes` followed by a signal word and a credit word: in round r
+// (1..rounds) rank 0 waits for rank 1's credit r - 1, then `send(engine, r, word)` writes the data
+// and the signal (word holds r); rank 1 waits for the signal r, then `check(seg, r)` looks at the
+// data before it answers with credit r (the sender rewrites its data only after it, as the
+// engine's callers do).
+void creditRounds(int streams, uint64_t stripe, uint64_t bytes, int rounds,
+                  const std::function<void(TransferEngine&, int, uint64_t&)>& send,
+                  const std::function<void(const char*, int)>& check) {
   auto store = std::make_shared<InProcessStore>();
   runRanks(2, [&](int rank) {
-    TransferEngine engine(store, striped(rank, 2, 4, 64 << 10));
-    char* seg = static_cast<char*>(engine.allocateSegment(3, kBytes + 64));
+    TransferEngine engine(store, striped(rank, 2, streams, stripe));
+    char* seg = static_cast<char*>(engine.allocateSegment(3, bytes + 64));
     storeBarrier(*store, "alloc", 2, seconds(10));
     engine.openSegment(1 - rank, 3);
-    auto* signal = reinterpret_cast<uint64_t*>(seg + kBytes);
-    auto* credit = reinterpret_cast<uint64_t*>(seg + kBytes + 8);
-    std::vector<char> data(kBytes);
+    auto* signal = reinterpret_cast<uint64_t*>(seg + bytes);
+    auto* credit = reinterpret_cast<uint64_t*>(seg + bytes + 8);
     uint64_t word = 0;
-    for (int r = 1; r <= kRounds; ++r) {
+    for (int r = 1; r <= rounds; ++r) {
+      uint64_t* wait_on = rank == 0 ? credit : signal;
+      const uint64_t want = rank == 0 ? static_cast<uint64_t>(r - 1) : static_cast<uint64_t>(r);
+      const auto deadline = steady_clock::now() + seconds(30);
+      while (__atomic_load_n(wait_on, __ATOMIC_ACQUIRE) != want)
+        ASSERT_LT(steady_clock::now(), deadline) << "no " << (rank == 0 ? "credit" : "signal") << " for round " << r;
+      word = r;
       if (rank == 0) {
-        const auto deadline = steady_clock::now() + seconds(30);
-        while (__atomic_load_n(credit, __ATOMIC_ACQUIRE) != static_cast<uint64_t>(r - 1))
-          ASSERT_LT(steady_clock::now(), deadline) << "no credit for round " << r;
+        send(engine, r, word);
+        if (::testing::Test::HasFatalFailure()) return;
+      } else {
+        check(seg, r);
+        if (::testing::Test::HasFatalFailure()) return;
+        auto b = engine.submit({{Opcode::kWrite, &word, 0, 3, bytes + 8, 8}});
+        ASSERT_TRUE(b->wait(seconds(30)));
+        ASSERT_FALSE(b->failed()) << b->error();
+      }
+    }
+    storeBarrier(*store, "done", 2, seconds(30));
+  });
+}
+
+// A signal written after a striped write is applied after all of its parts: the receiver that
+// sees the signal sees every byte of the data, round after round.
+TEST(TcpStriping, SignalAfterStripedWriteSeesAllData) {
+  constexpr uint64_t kBytes = 3 << 20;
+  std::vector<char> data(kBytes);
+  creditRounds(
+      4, 64 << 10, kBytes, 60,
+      [&](TransferEngine& engine, int r, uint64_t& word) {
         std::memset(data.data(), r, kBytes);
-        word = r;
         // Data and signal in one batch in even rounds, in two batches in odd ones.
         if (r % 2 == 0) {
           auto b = engine.submit({{Opcode::kWrite, data.data(), 1, 3, 0, kBytes},
@@ -118,62 +145,39 @@ TEST(TcpStriping, SignalAfterStripedWriteSeesAllData) {
           ASSERT_TRUE(b1->wait(seconds(30)) && b2->wait(seconds(30)));
           ASSERT_FALSE(b1->failed() || b2->failed()) << b1->error() << b2->error();
         }
-      } else {
-        const auto deadline = steady_clock::now() + seconds(30);
-        while (__atomic_load_n(signal, __ATOMIC_ACQUIRE) != static_cast<uint64_t>(r))
-          ASSERT_LT(steady_clock::now(), deadline) << "no signal for round " << r;
+      },
+      [&](const char* seg, int r) {
         for (uint64_t i = 0; i < kBytes; ++i)
           ASSERT_EQ(static_cast<uint8_t>(seg[i]), static_cast<uint8_t>(r)) << "round " << r << " byte " << i;
-        word = r;
-        auto b = engine.submit({{Opcode::kWrite, &word, 0, 3, kBytes + 8, 8}});
-        ASSERT_TRUE(b->wait(seconds(30)));
-        ASSERT_FALSE(b->failed()) << b->error();
-      }
-    }
-    storeBarrier(*store, "done", 2, seconds(30));
-  });
+      });
 }
 
 // Writes marked unordered (TransferRequest::unordered, as the EP proxy sends its rows) spread
 // over the streams whatever their size, and a signal after them still lands after all of them;
 // the same writes in order all travel on the first stream.
 TEST(TcpStriping, UnorderedWritesSpreadAndSignalAfterThem) {
-  constexpr int kStreams = 4, kRounds = 30;
+  constexpr int kStreams = 4, kRounds = 30, kRepeat = 12;
   const std::vector<uint64_t> sizes{1, 100, 128, 129, 0, 7168, 7169, 70000, 200000};
   uint64_t span = 0;
-  for (uint64_t s : sizes) span += s + 64;
-  constexpr int kRepeat = 12;
+  for (uint64_t s : sizes) span += s + 64;  // each write, then a gap that stays untouched
   const uint64_t bytes = span * kRepeat;
-  auto store = std::make_shared<InProcessStore>();
-  runRanks(2, [&](int rank) {
-    TransferEngine engine(store, striped(rank, 2, kStreams, 1ull << 40));  // nothing striped for its size
-    char* seg = static_cast<char*>(engine.allocateSegment(5, bytes + 64));
-    storeBarrier(*store, "alloc", 2, seconds(10));
-    engine.openSegment(1 - rank, 5);
-    auto* signal = reinterpret_cast<uint64_t*>(seg + bytes);
-    auto* credit = reinterpret_cast<uint64_t*>(seg + bytes + 8);
-    std::vector<char> data(bytes);
-    uint64_t word = 0;
-    for (int r = 1; r <= 2 * kRounds; ++r) {
-      const bool unordered = r <= kRounds;
-      const char fill = static_cast<char>(r);
-      if (rank == 0) {
-        const auto deadline = steady_clock::now() + seconds(30);
-        while (__atomic_load_n(credit, __ATOMIC_ACQUIRE) != static_cast<uint64_t>(r - 1))
-          ASSERT_LT(steady_clock::now(), deadline) << "no credit for round " << r;
+  std::vector<char> data(bytes);
+  creditRounds(
+      kStreams, 1ull << 40, bytes, 2 * kRounds,  // nothing striped for its size
+      [&](TransferEngine& engine, int r, uint64_t& word) {
+        const bool unordered = r <= kRounds;
         const std::vector<uint64_t> before = engine.tcpSentPerStream();
-        std::memset(data.data(), fill, bytes);
+        std::memset(data.data(), r, bytes);
         std::vector<TransferRequest> batch;
         uint64_t at = 0;
         for (int k = 0; k < kRepeat; ++k)
           for (uint64_t s : sizes) {
-            TransferRequest w{Opcode::kWrite, data.data() + at, 1, 5, at, s};
+            TransferRequest w{Opcode::kWrite, data.data() + at, 1, 3, at, s};
             w.unordered = unordered;
             batch.push_back(w);
-            at += s + 64;  // gaps stay untouched
+            at += s + 64;
           }
-        word = r;
-        const TransferRequest sig{Opcode::kWrite, &word, 1, 5, bytes, 8, true};
+        const TransferRequest sig{Opcode::kWrite, &word, 1, 3, bytes, 8, true};
         if (r % 2 == 0) {
           batch.push_back(sig);
           auto b = engine.submit(batch);
@@ -194,28 +198,19 @@ TEST(TcpStriping, UnorderedWritesSpreadAndSignalAfterThem) {
           else
             EXPECT_EQ(moved, 0u) << "round " << r << ": stream " << s << " carried an ordered write";
         }
-      } else {
-        const auto deadline = steady_clock::now() + seconds(30);
-        while (__atomic_load_n(signal, __ATOMIC_ACQUIRE) != static_cast<uint64_t>(r))
-          ASSERT_LT(steady_clock::now(), deadline) << "no signal for round " << r;
+      },
+      [&](const char* seg, int r) {
         uint64_t at = 0;
         for (int k = 0; k < kRepeat; ++k)
           for (uint64_t s : sizes) {
-            for (uint64_t i = 0; i < s; ++i) ASSERT_EQ(seg[at + i], fill) << "round " << r << " write of " << s;
+            for (uint64_t i = 0; i < s; ++i)
+              ASSERT_EQ(seg[at + i], static_cast<char>(r)) << "round " << r << " write of " << s;
             for (uint64_t i = s; i < s + 64; ++i) ASSERT_EQ(seg[at + i], 0) << "round " << r << " gap after " << s;
             at += s + 64;
           }
-        word = r;
-        auto b = engine.submit({{Opcode::kWrite, &word, 0, 5, bytes + 8, 8}});
-        ASSERT_TRUE(b->wait(seconds(30)));
-        ASSERT_FALSE(b->failed()) << b->error();
-      }
-    }
-    storeBarrier(*store, "done", 2, seconds(30));
-  });
+      });
 }
 
-// Receive redirection covers the whole striped write: every part lands at the destination.
 TEST(TcpStriping, ExpectedStripedWriteLandsAtDestination) {
   constexpr uint64_t kBytes = 1 << 20;
   auto store = std::make_shared<InProcessStore>();
@@ -243,18 +238,33 @@ TEST(TcpStriping, ExpectedStripedWriteLandsAtDestination) {
   });
 }
 
+// Two engines over 4 tcp streams (writes of `stripe` bytes striped) where rank 0 opened rank 1's
+// segment 1 at `opened` bytes, which rank 1 then registered again as `small` (`now` bytes): rank
+// 0 passes writes that the receiver then rejects.
+struct ShrunkSegment {
+  ShrunkSegment(uint64_t stripe, uint64_t opened, uint64_t now)
+      : store(std::make_shared<InProcessStore>()),
+        e0(std::make_unique<TransferEngine>(store, striped(0, 2, 4, stripe))),
+        e1(std::make_unique<TransferEngine>(store, striped(1, 2, 4, stripe))),
+        big(opened, 0),
+        small(now, 0) {
+    e1->registerSegment(1, big.data(), big.size());
+    e0->allocateSegment(1, 64);
+    e0->openSegment(1, 1);
+    e1->unregisterSegment(1);
+    e1->registerSegment(1, small.data(), small.size());
+  }
+  std::shared_ptr<InProcessStore> store;
+  std::unique_ptr<TransferEngine> e0, e1;
+  std::vector<char> big, small;
+};
+
 // A striped write outside the receiver's segment fails with the receiver's reason, touches
 // nothing, and the pair keeps working.
 TEST(TcpStriping, OutOfBoundsStripedWriteFails) {
-  auto store = std::make_shared<InProcessStore>();
-  auto e0 = std::make_unique<TransferEngine>(store, striped(0, 2, 4, 64 << 10));
-  auto e1 = std::make_unique<TransferEngine>(store, striped(1, 2, 4, 64 << 10));
-  std::vector<char> big(4 << 20, 0), small(1 << 20, 0);
-  e1->registerSegment(1, big.data(), big.size());
-  e0->allocateSegment(1, 64);
-  e0->openSegment(1, 1);
-  e1->unregisterSegment(1);
-  e1->registerSegment(1, small.data(), small.size());  // smaller than what rank 0 opened
+  ShrunkSegment s(64 << 10, 4 << 20, 1 << 20);
+  auto& e0 = s.e0;
+  const std::vector<char>& small = s.small;
   std::vector<char> buf(2 << 20, 9);
   auto b = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, buf.size()}});
   ASSERT_TRUE(b->wait(seconds(10)));
@@ -272,15 +282,9 @@ TEST(TcpStriping, OutOfBoundsStripedWriteFails) {
 // receiver rejects touches nothing and breaks the pair, with the receiver's reason, at the sender:
 // the requests after it assumed it landed.
 TEST(TcpStriping, RejectedUnacknowledgedUnorderedWriteBreaksThePair) {
-  auto store = std::make_shared<InProcessStore>();
-  auto e0 = std::make_unique<TransferEngine>(store, striped(0, 2, 4, 1ull << 40));
-  auto e1 = std::make_unique<TransferEngine>(store, striped(1, 2, 4, 1ull << 40));
-  std::vector<char> big(1 << 20, 0), small(64 << 10, 0);
-  e1->registerSegment(1, big.data(), big.size());
-  e0->allocateSegment(1, 64);
-  e0->openSegment(1, 1);
-  e1->unregisterSegment(1);
-  e1->registerSegment(1, small.data(), small.size());  // smaller than what rank 0 opened
+  ShrunkSegment s(1ull << 40, 1 << 20, 64 << 10);
+  auto& e0 = s.e0;
+  const std::vector<char>& small = s.small;
   std::vector<char> buf(8 << 10, 9);
   TransferRequest row{Opcode::kWrite, buf.data(), 1, 1, small.size() + 4096, buf.size()};
   row.unordered = row.no_ack = true;

@@ -241,6 +241,9 @@ class TcpTransport::Impl {
   bool startFrame(Conn& c);
 
   void finishPayload(Conn& c);
+  // The receiver's answer to the write (or part) just received: its acknowledgement with its
+  // status, unless it asked for none and was applied.
+  void answerWrite(Conn& c);
 
   // order.cpp: an ordered request on a primary connection takes its turn (true), waits for it
   // (false, the connection parked in kOrder) or breaks the connection (false, closed).

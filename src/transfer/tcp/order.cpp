@@ -197,15 +197,7 @@ void TcpTransport::Impl::finishPart(Conn& c) {
   if (notify) c.loop->ring = true;
   // The primary on this loop (streams of one lane per loop share loop 0) resumes in this pass.
   if (wake_loop) wake(*wake_loop);
-  // A part sent without asking for an acknowledgement (an unordered write's) gets one only
-  // when rejected, which breaks the pair at the sender (the writes after it assumed it landed).
-  if (!(h.flags & wire::kNoAck) || c.reply_status != wire::kOk) {
-    wire::FrameHeader a = h;
-    a.type = wire::kWriteAck;
-    a.status = c.reply_status;
-    a.flags = 0;
-    c.out.push_back(makeFrame(a, nullptr, 0));
-  }
+  answerWrite(c);
   c.reply_status = wire::kOk;
 }
 

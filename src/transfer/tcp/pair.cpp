@@ -215,13 +215,7 @@ void TcpTransport::Impl::finishPayload(Conn& c) {
     if (c.signal) shm::orderedCopy(c.dst, c.sigbuf, 8);
     c.signal = false;
     if ((h.flags & wire::kNotify) && c.reply_status == wire::kOk) c.loop->ring = true;
-    if (!(h.flags & wire::kNoAck) || c.reply_status != wire::kOk) {
-      wire::FrameHeader a = h;
-      a.type = wire::kWriteAck;
-      a.status = c.reply_status;
-      a.flags = 0;
-      c.out.push_back(makeFrame(a, nullptr, 0));
-    }
+    answerWrite(c);
   } else if (h.type == wire::kReadData) {
     auto it = c.pending.find(h.request_id);
     if (it != c.pending.end() && c.reply_status == wire::kOk) {
@@ -231,6 +225,17 @@ void TcpTransport::Impl::finishPayload(Conn& c) {
     }
     c.reply_status = wire::kOk;
   }
+}
+
+void TcpTransport::Impl::answerWrite(Conn& c) {
+  // One sent without asking for an acknowledgement (kNoAck) gets one only when rejected, which
+  // breaks the pair at the sender (the writes after it assumed it landed).
+  if ((c.cur.flags & wire::kNoAck) && c.reply_status == wire::kOk) return;
+  wire::FrameHeader a = c.cur;
+  a.type = wire::kWriteAck;
+  a.status = c.reply_status;
+  a.flags = 0;
+  c.out.push_back(makeFrame(a, nullptr, 0));
 }
 
 bool TcpTransport::Impl::protocolError(Conn& c, const std::string& what) {
