@@ -154,12 +154,13 @@ TEST(TcpStriping, SignalAfterStripedWriteSeesAllData) {
 }
 
 // Writes marked unordered (TransferRequest::unordered, as the EP proxy sends its rows) spread
-// over the streams whatever their size (one part below two parts' size, several above), with
+// over the streams from 2 KiB (one part below two parts' size, several above; smaller ones stay
+// in order on the first stream), with
 // or without their acknowledgements, and a signal after them still lands after all of them; the
 // same writes in order all travel on the first stream.
 TEST(TcpStriping, UnorderedWritesSpreadAndSignalAfterThem) {
   constexpr int kStreams = 4, kRounds = 30, kRepeat = 12;
-  const std::vector<uint64_t> sizes{1, 100, 128, 129, 0, 7168, 7169, 70000, 200000};
+  const std::vector<uint64_t> sizes{1, 100, 128, 129, 0, 2047, 2048, 7168, 7169, 70000, 200000};
   uint64_t span = 0;
   for (uint64_t s : sizes) span += s + 64;  // each write, then a gap that stays untouched
   const uint64_t bytes = (span * kRepeat + 63) / 64 * 64;  // the signal after them 8-byte aligned

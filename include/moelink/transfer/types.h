@@ -45,8 +45,8 @@ struct TransferRequest {
   bool no_ack = false;
   // A write that may land before earlier requests to the peer and beside later ones, as a
   // striped write does (every request after it is still applied after all of it): over tcp with
-  // several streams such writes spread over the streams whatever their size, so that many
-  // small writes (an EP proxy's rows) move at the streams' bandwidth, not one connection's.
+  // several streams such writes of at least 2 KiB spread over the streams, so that many small
+  // writes (an EP proxy's rows) move at the streams' bandwidth, not one connection's.
   // Other transports apply it in order. no_ack applies to it as to any write (a rejection then
   // breaks the pair); it neither covers an earlier write's acknowledgement nor is covered by a
   // later one's.

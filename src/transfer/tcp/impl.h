@@ -99,6 +99,12 @@ constexpr size_t kBufferedRead = 64 << 10;
 // Parts of a striped write are at least this large (a smaller write goes in fewer parts).
 constexpr uint64_t kMinPart = 64 << 10;
 
+// Unordered writes (TransferRequest::unordered) below this size travel in order on the first
+// connection: for them a part's bookkeeping costs more than the wire saves, and the bound keeps
+// the unordered writes a session can have in flight (what the sockets' buffers hold) far below
+// kMaxStripesInFlight.
+constexpr uint64_t kMinUnordered = 2 << 10;
+
 // More striped writes above a session's frontier than this is a protocol error (the sender's
 // number of writes in flight is bounded by its callers' credits, far below).
 constexpr size_t kMaxStripesInFlight = 1 << 16;

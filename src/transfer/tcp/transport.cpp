@@ -151,8 +151,9 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
   h.offset = req.offset;
   h.length = req.length;
   const int lanes = static_cast<int>(loops_.size());
-  const bool striped = req.op == Opcode::kWrite && lanes > 1 && req.length > 0 &&
-                       ((req.length >= tuning_.stripe_bytes && req.length >= 2 * kMinPart) || req.unordered);
+  const bool striped = req.op == Opcode::kWrite && lanes > 1 &&
+                       ((req.length >= tuning_.stripe_bytes && req.length >= 2 * kMinPart) ||
+                        (req.unordered && req.length >= kMinUnordered));
   std::lock_guard<std::mutex> g(mu_);
   if (auto it = dead_.find(req.peer); it != dead_.end()) {
     batch->fail(index, it->second);
@@ -178,7 +179,8 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
   // below two parts' size is one part).
   const int parts = static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(lanes, req.length / kMinPart)));
   const uint64_t per = (req.length / parts + 4095) / 4096 * 4096;
-  auto shared = std::make_shared<StripeSend>(parts);
+  // (a write of one part settles as a whole write does)
+  auto shared = parts > 1 ? std::make_shared<StripeSend>(parts) : nullptr;
   h.type = wire::kWritePart;
   // Each part is acknowledged, but those of an unordered write that needs no acknowledgement:
   // they complete once sent (the request after it is applied after all of it).
