@@ -243,52 +243,51 @@ OpSpec railAllgatherPieces(const AlgoContext& ctx, const PieceRing& ring, const 
   return railOp(ctx, std::move(op), step, missing);
 }
 
+namespace {
+
+// Appends the pieces of a reduce-scatter among c's ranks to `op`: each piece's block for the rank
+// at active index i leaves from row i of its slot when `by_position`, else from row r (its rank),
+// and lands at row i of the receiver's; the slot's plan then reduces the rows received.
+void appendReduceScatterPieces(OpSpec& op, const AlgoContext& c, const PieceRing& ring,
+                               const std::vector<HostPiece>& ps, uint64_t e, uint64_t row, int world, int rank,
+                               bool by_position) {
+  const int m = static_cast<int>(c.ranks.size()), me = static_cast<int>(collective::indexOf(c, rank));
+  std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
+  for (const HostPiece& pc : ps) {
+    std::fill(sb.begin(), sb.end(), 0);
+    std::fill(rb.begin(), rb.end(), 0);
+    for (int i = 0; i < m; ++i) {
+      const int r = c.ranks[i];
+      if (r == rank) continue;
+      so[r] = static_cast<uint64_t>(by_position ? i : r) * row;
+      ro[r] = static_cast<uint64_t>(i) * row;
+      sb[r] = rb[r] = pc.len * e;
+    }
+    append(op, ring, collective::alltoallOp(c, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
+           publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, 0, pc.len * e, row, m, me}));
+  }
+}
+
+}  // namespace
+
 OpSpec railReduceScatterPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
                                uint64_t count, uint64_t per, DType t, ReduceOp rop, int world, int rank,
                                const RailStep& step) {
   std::string missing;
   const AlgoContext rail = railContext(ctx, step, &missing);
-  const uint64_t e = collective::elementSize(t), row = per * e;
+  const uint64_t e = collective::elementSize(t);
   OpSpec op = pipelineOp(OpKind::kReduceScatter, t, rop, -1, 0);
-  const int m = static_cast<int>(rail.ranks.size()), me = static_cast<int>(collective::indexOf(rail, rank));
-  std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
-  for (const HostPiece& pc : ps) {
-    std::fill(sb.begin(), sb.end(), 0);
-    std::fill(rb.begin(), rb.end(), 0);
-    // Packed by position on the rail, received by active index: the same, as every rank of the
-    // rail is active (or `missing` fails the op before a piece goes).
-    for (int i = 0; i < m; ++i) {
-      const int r = rail.ranks[i];
-      if (r == rank) continue;
-      so[r] = ro[r] = static_cast<uint64_t>(i) * row;
-      sb[r] = rb[r] = pc.len * e;
-    }
-    append(op, ring, collective::alltoallOp(rail, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
-           publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, 0, pc.len * e, row, m, me}));
-  }
+  // Packed by position on the rail, received by active index: the same, as every rank of the
+  // rail is active (or `missing` fails the op before a piece goes).
+  appendReduceScatterPieces(op, rail, ring, ps, e, per * e, world, rank, true);
   return railOp(ctx, std::move(op), step, missing);
 }
 
 OpSpec reduceScatterPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
                            uint64_t count, uint64_t per, DType t, ReduceOp rop, int world, int rank) {
-  const uint64_t e = collective::elementSize(t), row = per * e;
+  const uint64_t e = collective::elementSize(t);
   OpSpec op = pipelineOp(OpKind::kReduceScatter, t, rop, -1, count * e * static_cast<uint64_t>(world));
-  const int m = static_cast<int>(ctx.ranks.size()), me = static_cast<int>(collective::indexOf(ctx, rank));
-  std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
-  for (const HostPiece& pc : ps) {
-    std::fill(sb.begin(), sb.end(), 0);
-    std::fill(rb.begin(), rb.end(), 0);
-    for (int i = 0; i < m; ++i) {
-      const int r = ctx.ranks[i];
-      if (r == rank) continue;
-      so[r] = static_cast<uint64_t>(r) * row;  // packed by rank
-      sb[r] = pc.len * e;
-      ro[r] = static_cast<uint64_t>(i) * row;  // received by active index
-      rb[r] = pc.len * e;
-    }
-    append(op, ring, collective::alltoallOp(ctx, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
-           publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, 0, pc.len * e, row, m, me}));
-  }
+  appendReduceScatterPieces(op, ctx, ring, ps, e, per * e, world, rank, false);  // packed by rank
   return op;
 }
 
