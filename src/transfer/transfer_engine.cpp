@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -48,10 +49,12 @@ void* LocalSegments::resolve(SegmentId id, uint64_t offset, uint64_t length) con
 void LocalSegments::expect(SegmentId id, uint64_t offset, void* dest, uint64_t length) {
   std::lock_guard<std::mutex> g(expect_mu_);
   expected_[{id, offset}] = Expectation{dest, length, false};
+  expecting_.store(expected_.size());
 }
 
 void* LocalSegments::resolveIncomingWrite(SegmentId id, uint64_t offset, uint64_t length) {
-  {
+  // (an expectation is installed before its writer may send: one that matters here was counted)
+  if (expecting_.load() != 0) {
     std::lock_guard<std::mutex> g(expect_mu_);
     if (!expected_.empty()) {
       auto it = expected_.find({id, offset});
@@ -70,6 +73,7 @@ void* LocalSegments::claim(SegmentId id, uint64_t offset) {
   if (it == expected_.end()) return nullptr;
   void* dest = it->second.used ? it->second.dest : nullptr;
   expected_.erase(it);
+  expecting_.store(expected_.size());
   return dest;
 }
 
@@ -77,6 +81,7 @@ void LocalSegments::clearExpectations(SegmentId id) {
   std::lock_guard<std::mutex> g(expect_mu_);
   for (auto it = expected_.begin(); it != expected_.end();)
     it = it->first.first == id ? expected_.erase(it) : std::next(it);
+  expecting_.store(expected_.size());
 }
 
 std::string localHostId() {
@@ -574,10 +579,12 @@ BatchPtr TransferEngine::submit(const std::vector<TransferRequest>& requests) {
       next_write[requests[i].peer] = remote[i]->via;
     }
   }
+  std::vector<Transport*> posted;  // the transports given requests, to flush
   for (size_t i = 0; i < n; ++i) {
     RemoteSegment* seg = remote[i];
     if (!seg) continue;
     const TransferRequest& r = requests[i];
+    if (std::find(posted.begin(), posted.end(), seg->via) == posted.end()) posted.push_back(seg->via);
     if (covered[i] && !r.no_ack) {
       TransferRequest unacknowledged = r;
       unacknowledged.no_ack = true;
@@ -591,6 +598,7 @@ BatchPtr TransferEngine::submit(const std::vector<TransferRequest>& requests) {
         ringDoorbell(static_cast<DoorbellWord*>(bell->mapped));
     }
   }
+  for (Transport* t : posted) t->flush();
   return batch;
 }
 

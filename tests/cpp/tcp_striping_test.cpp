@@ -415,6 +415,73 @@ TEST(TcpStriping, PrimaryWaitsForEarlierStripedWrite) {
   close(lane2);
 }
 
+// Writes of one part (unordered writes: each lands whole on whichever connection carries it, the
+// primary included) are recorded in the session in bunches; a later request still waits for each.
+TEST(TcpStriping, PrimaryWaitsForEarlierWritesOfOnePart) {
+  auto store = std::make_shared<InProcessStore>();
+  TransferEngine engine(store, striped(0, 2, 2));
+  char* seg = static_cast<char*>(engine.allocateSegment(3, 4096));
+  const uint64_t session = 992;
+  int primary = rawAuthenticated(engine, 1, 0, session), lane = rawAuthenticated(engine, 1, 1, session);
+  ASSERT_GE(primary, 0);
+  ASSERT_GE(lane, 0);
+  // Request 1 on the primary itself, then request 3 behind it and behind request 2, still to come.
+  sendPart(primary, 1, 0, 8, 0, "PRIMARY1");
+  sendWrite(primary, 3, 1000, "SIGNAL!!");
+  w::FrameHeader ack{};
+  ASSERT_TRUE(readWithTimeout(primary, &ack, sizeof ack, 5000));
+  EXPECT_EQ(ack.request_id, 1u);
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_EQ(seg[1000], 0) << "request 3 landed before request 2";
+  sendPart(lane, 2, 8, 8, 0, "LANE---2");
+  ASSERT_TRUE(readWithTimeout(lane, &ack, sizeof ack, 5000));
+  EXPECT_EQ(ack.request_id, 2u);
+  EXPECT_EQ(ack.status, w::kOk);
+  ASSERT_TRUE(readWithTimeout(primary, &ack, sizeof ack, 5000)) << "request 3 never applied";
+  EXPECT_EQ(ack.request_id, 3u);
+  EXPECT_EQ(std::string(seg, 16), "PRIMARY1LANE---2");
+  EXPECT_EQ(std::string(seg + 1000, 8), "SIGNAL!!");
+  // More of them than a connection records at once, then a request after all of them.
+  std::string burst;
+  for (uint64_t n = 4; n < 4 + 200; ++n) {
+    w::FrameHeader h{w::kWritePart, 0, n, 3, w::kNoAck, 2048 + 8 * (n - 4), 8};
+    w::PartHeader p{8, 0};
+    burst.append(reinterpret_cast<const char*>(&h), sizeof h);
+    burst.append(reinterpret_cast<const char*>(&p), sizeof p);
+    burst.append("ROW-" + std::to_string(1000 + n - 4));
+  }
+  sendWrite(primary, 204, 1008, "SIGNAL-2");
+  ASSERT_EQ(send(lane, burst.data(), burst.size(), MSG_NOSIGNAL), static_cast<ssize_t>(burst.size()));
+  ASSERT_TRUE(readWithTimeout(primary, &ack, sizeof ack, 5000)) << "request 204 never applied";
+  EXPECT_EQ(ack.request_id, 204u);
+  for (int i = 0; i < 200; ++i) EXPECT_EQ(std::string(seg + 2048 + 8 * i, 8), "ROW-" + std::to_string(1000 + i));
+  EXPECT_EQ(std::string(seg + 1008, 8), "SIGNAL-2");
+  close(primary);
+  close(lane);
+}
+
+// A write of one part whose number the session has already applied closes its connection, and the
+// session's primary at its next request.
+TEST(TcpStriping, ReplayedWriteOfOnePartClosesTheSession) {
+  auto store = std::make_shared<InProcessStore>();
+  TransferEngine engine(store, striped(0, 2, 2));
+  char* seg = static_cast<char*>(engine.allocateSegment(3, 4096));
+  int primary = rawAuthenticated(engine, 1, 0, 993), lane = rawAuthenticated(engine, 1, 1, 993);
+  ASSERT_GE(primary, 0);
+  ASSERT_GE(lane, 0);
+  sendWrite(primary, 1, 0, "APPLIED!");
+  w::FrameHeader ack{};
+  ASSERT_TRUE(readWithTimeout(primary, &ack, sizeof ack, 5000));
+  sendPart(lane, 1, 8, 8, 0, "REPLAYED");
+  EXPECT_TRUE(closedWithin(lane, 5000)) << "the lane that replayed request 1 stayed open";
+  sendWrite(primary, 2, 16, "AFTER-IT");
+  EXPECT_TRUE(closedWithin(primary, 5000)) << "the primary of a broken session stayed open";
+  EXPECT_EQ(std::string(seg, 8), "APPLIED!");
+  EXPECT_EQ(seg[16], 0) << "a request of a broken session landed";
+  close(primary);
+  close(lane);
+}
+
 // Forged parts: each closes its connection (and the waiting primary of its session) without
 // touching memory outside what the write named.
 TEST(TcpStriping, ForgedPartsCloseTheSession) {
@@ -440,6 +507,11 @@ TEST(TcpStriping, ForgedPartsCloseTheSession) {
   attempt([](int lane) {
     sendPart(lane, 1, 0, 16, 0, "THE-WHOLE-WRITE!");
     sendPart(lane, 1, 0, 16, 0, "ONE-MORE");
+  });
+  // One request twice, whole each time.
+  attempt([](int lane) {
+    sendPart(lane, 1, 0, 8, 0, "WHOLE-01");
+    sendPart(lane, 1, 0, 8, 0, "AGAIN-01");
   });
   // Parts of one request naming different writes.
   attempt([](int lane) {

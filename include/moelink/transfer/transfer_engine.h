@@ -17,6 +17,7 @@
 // stops its progress thread, fails pending requests and unmaps/unlinks shared memory.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -68,6 +69,9 @@ class LocalSegments {
   std::map<SegmentId, Entry> entries_;
   std::mutex expect_mu_;
   std::map<std::pair<SegmentId, uint64_t>, Expectation> expected_;
+  // expected_.size(), readable without the lock: incoming writes of a rank that expects none
+  // (most of them) skip it.
+  std::atomic<size_t> expecting_{0};
 };
 
 struct EngineOptions {

@@ -48,6 +48,11 @@ class Transport {
   // Starts request `index` of `batch`. Requests are pre-validated by the engine.
   virtual void post(const TransferRequest& req, const RemoteSegment& seg, const BatchPtr& batch,
                     size_t index) = 0;
+  // Hands what post() queued to the transport's threads. The engine calls it once after posting a
+  // batch's requests, so that a batch of many small requests wakes each thread once, not once per
+  // request (tcp: a system call in the submitting thread for each wake). Any thread may call it;
+  // it wakes what any thread queued.
+  virtual void flush() {}
   // Why `peer` can no longer be reached through this transport (its connection broke), or ""
   // while nothing is known against it; losses() counts the peers lost so far (cheap to poll).
   virtual std::string lostReason(int peer) const { return ""; }

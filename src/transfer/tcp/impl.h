@@ -105,6 +105,11 @@ constexpr uint64_t kMinPart = 64 << 10;
 // kMaxStripesInFlight.
 constexpr uint64_t kMinUnordered = 2 << 10;
 
+// A connection records the requests of one part that landed on it in its session (taking the
+// session's lock, which every connection of the session shares) when its reads pause, or once
+// this many have landed.
+constexpr size_t kLandedBatch = 64;
+
 // More striped writes above a session's frontier than this is a protocol error (the sender's
 // number of writes in flight is bounded by its callers' credits, far below).
 constexpr size_t kMaxStripesInFlight = 1 << 16;
@@ -140,6 +145,10 @@ class TcpTransport::Impl {
     char sigbuf[8];
     size_t sigpos = 0;
     uint32_t reply_status = wire::kOk;
+    bool whole_part = false;   // the part in hand is all of its write (startPart)
+    // Requests of one part that landed on this connection, not yet recorded in the session (the
+    // session's lock is taken once for many of them: publishLanded).
+    std::vector<uint64_t> landed;
     std::chrono::steady_clock::time_point accepted;  // inbound, until authenticated
     std::string from;                                 // inbound: the remote address
     // send side
@@ -196,7 +205,9 @@ class TcpTransport::Impl {
   // reuse them.
   void connectPeer(const PeerInfo& peer);
 
+  // Queues the request on its loops; flush() wakes them.
   void post(const TransferRequest& req, const BatchPtr& batch, size_t index);
+  void flush();
 
  private:
   void addToEpoll(Loop& l, int fd, uint32_t events);
@@ -234,6 +245,7 @@ class TcpTransport::Impl {
 
   // Reads and handles everything available; false when the connection was closed.
   bool readConn(Conn& c);
+  bool readAvailable(Conn& c);
 
   // r <= 0 from recv: true when it is just "no more data now".
   bool handleRecvResult(Conn& c, ssize_t r);
@@ -259,6 +271,9 @@ class TcpTransport::Impl {
   // A part of a striped write: where it lands (false: the connection was closed).
   bool startPart(Conn& c);
   void finishPart(Conn& c);
+  // Records c.landed in the session, wakes the primary they let go on; false when the
+  // connection was closed (a number the session cannot take).
+  bool publishLanded(Conn& c);
   // An inbound connection of `s` closed: the session can no longer apply requests in order.
   void breakSession(Session& s);
   std::shared_ptr<Session> sessionFor(int peer, uint64_t id);
@@ -292,6 +307,8 @@ class TcpTransport::Impl {
   std::map<std::pair<int, uint64_t>, std::weak_ptr<Session>> sessions_;  // inbound, by (peer, id)
   std::atomic<uint64_t> losses_{0};  // entries added to dead_ (and peers forgotten)
   uint64_t stripe_turn_ = 0;        // which lane carries the next striped write's first part
+  uint32_t wake_due_ = 0;           // loops given submissions since the last flush(), one bit each
+  static_assert(kMaxStreams <= 32, "wake_due_ has a bit per loop");
 
   // Loop 0's thread only.
   size_t unauthenticated_ = 0;             // inbound connections still in their handshake

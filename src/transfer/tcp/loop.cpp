@@ -130,7 +130,7 @@ void TcpTransport::Impl::takeSubmissions(Loop& l) {
     addToEpoll(l, fd, EPOLLIN);
     // An inbound connection handed over with frames already buffered parses them now.
     Conn& moved = *l.conns[fd];
-    if (!moved.outbound && moved.rpos < moved.rlen) consumeBuffered(moved);
+    if (!moved.outbound && moved.rpos < moved.rlen && consumeBuffered(moved)) publishLanded(moved);
   }
   for (auto& s : subs) {
     auto it = l.outbound.find(s.peer);

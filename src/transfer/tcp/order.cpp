@@ -37,6 +37,25 @@ bool takeTurnLocked(Session& s, uint64_t n) {
   return true;
 }
 
+// Under s.mu: records the requests of one part that landed on a connection (Conn::landed) and
+// moves the frontier over what they complete; "" or why they cannot be requests of the session.
+std::string landLocked(Session& s, std::vector<uint64_t>& landed) {
+  std::string error;
+  for (uint64_t n : landed) {
+    if (n <= s.frontier) {
+      error = str("request ", n, ", which has been applied, again");
+    } else if (s.stripes.size() >= kMaxStripesInFlight) {
+      error = str("more than ", kMaxStripesInFlight, " striped writes in flight");
+    } else if (!s.stripes.emplace(n, Session::Stripe{}).second) {  // (all of it landed: nothing left)
+      error = str("parts of request ", n, " name different writes");
+    }
+    if (!error.empty()) break;
+  }
+  if (!landed.empty() && error.empty()) advance(s);
+  landed.clear();
+  return error;
+}
+
 }  // namespace
 
 std::shared_ptr<Session> TcpTransport::Impl::sessionFor(int peer, uint64_t id) {
@@ -69,6 +88,7 @@ bool TcpTransport::Impl::takeTurn(Conn& c) {
     std::lock_guard<std::mutex> g(s.mu);
     if (s.broken) {
       error = "another connection of its session broke";
+    } else if (error = landLocked(s, c.landed); !error.empty()) {
     } else if (n <= s.frontier) {
       error = str("request number ", n, " after ", s.frontier, " (numbers only grow)");
     }
@@ -123,6 +143,21 @@ bool TcpTransport::Impl::startPart(Conn& c) {
   Session& s = *c.in_session;
   const wire::FrameHeader& h = c.cur;
   const wire::PartHeader& p = c.part;
+  c.whole_part = p.part_offset == 0 && h.length == p.total;
+  if (c.whole_part) {
+    // All of its write (an unordered write of one part): it lands without the session's lock,
+    // which finishPart's record of it (publishLanded) takes once for many.
+    c.dst = static_cast<char*>(segs_.resolveIncomingWrite(h.segment, h.offset, h.length));
+    if (!c.dst)
+      LOG(WARNING) << "moelink tcp: rank " << c.peer << " wrote " << h.length << " bytes at offset " << h.offset
+                   << " of segment " << h.segment << ", outside every registered segment; rejected";
+    c.reply_status = c.dst ? wire::kOk : wire::kOutOfBounds;
+    c.signal = false;
+    c.remaining = h.length;
+    c.in = Conn::In::kPayload;
+    if (c.remaining == 0) finishPayload(c);
+    return true;
+  }
   std::string error;
   char* dst = nullptr;
   bool ok = false;
@@ -130,6 +165,7 @@ bool TcpTransport::Impl::startPart(Conn& c) {
     std::lock_guard<std::mutex> g(s.mu);
     if (s.broken) {
       error = "another connection of its session broke";
+    } else if (error = landLocked(s, c.landed); !error.empty()) {
     } else if (h.request_id <= s.frontier) {
       error = str("a part of request ", h.request_id, ", which has been applied");
     } else if (p.part_offset > p.total || h.length > p.total - p.part_offset) {
@@ -179,6 +215,15 @@ bool TcpTransport::Impl::startPart(Conn& c) {
 void TcpTransport::Impl::finishPart(Conn& c) {
   Session& s = *c.in_session;
   const wire::FrameHeader& h = c.cur;
+  if (c.whole_part) {
+    c.landed.push_back(h.request_id);
+    if ((h.flags & wire::kNotify) && c.reply_status == wire::kOk) c.loop->ring = true;
+    // (recorded when this connection's reads pause, or every kLandedBatch of them)
+    if (c.landed.size() >= kLandedBatch && !publishLanded(c)) return;  // closed
+    answerWrite(c);
+    c.reply_status = wire::kOk;
+    return;
+  }
   Loop* wake_loop = nullptr;
   bool notify = false;
   {
@@ -199,6 +244,23 @@ void TcpTransport::Impl::finishPart(Conn& c) {
   if (wake_loop) wake(*wake_loop);
   answerWrite(c);
   c.reply_status = wire::kOk;
+}
+
+bool TcpTransport::Impl::publishLanded(Conn& c) {
+  if (c.landed.empty() || c.fd < 0) return c.fd >= 0;
+  Session& s = *c.in_session;
+  Loop* wake_loop = nullptr;
+  std::string error;
+  {
+    std::lock_guard<std::mutex> g(s.mu);
+    if (!s.broken) error = landLocked(s, c.landed);
+    // (the primary on this loop resumes in this pass)
+    if (error.empty() && s.waits_for && s.frontier >= s.waits_for && s.primary != c.loop) wake_loop = s.primary;
+  }
+  c.landed.clear();
+  if (!error.empty()) return protocolError(c, error);
+  if (wake_loop) wake(*wake_loop);
+  return true;
 }
 
 }  // namespace moelink::transfer::tcp

@@ -22,8 +22,11 @@ namespace moelink::transfer::tcp {
 using namespace std::chrono;
 
 // Reads and handles everything available; false when the connection was closed.
-bool TcpTransport::Impl::readConn(Conn& c) {
+bool TcpTransport::Impl::readConn(Conn& c) { return readAvailable(c) && publishLanded(c); }
+
+bool TcpTransport::Impl::readAvailable(Conn& c) {
   while (true) {
+    if (c.fd < 0) return false;  // closed by what it read (finishPart's record of it)
     if (c.in == Conn::In::kOrder) return true;  // parked: it reads again when its turn comes
     // Large payload remainders go straight to their destination.
     if (c.in == Conn::In::kPayload && c.rpos == c.rlen && c.dst && !c.signal &&
@@ -54,6 +57,7 @@ bool TcpTransport::Impl::handleRecvResult(Conn& c, ssize_t r) {
 // Parses buffered bytes; false when the connection was closed.
 bool TcpTransport::Impl::consumeBuffered(Conn& c) {
   while (c.rpos < c.rlen) {
+    if (c.fd < 0) return false;  // closed by a frame it finished (finishPart's record of it)
     size_t avail = c.rlen - c.rpos;
     const char* p = c.rbuf.data() + c.rpos;
     if (c.in == Conn::In::kOrder) return true;
@@ -313,6 +317,7 @@ void TcpTransport::Impl::closeConn(Conn& c, const std::string& why, bool warn) {
   if (!c.pending.empty()) l.ring = true;
   c.pending.clear();
   c.out.clear();
+  c.landed.clear();
   if (c.in_session) breakSession(*c.in_session);
   if (c.outbound) {
     if (auto it = l.outbound.find(c.peer); it != l.outbound.end() && it->second == &c) l.outbound.erase(it);

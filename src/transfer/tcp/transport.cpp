@@ -171,7 +171,7 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
                            req.op == Opcode::kWrite ? req.length : 0)};
     Loop& l = *loops_[0];
     l.submissions.push_back(std::move(s));
-    if (l.submissions.size() == 1) wake(l);
+    wake_due_ |= 1u;
     return;
   }
   // Equal parts of whole 4 KiB pages (the last takes the rest), each on its own lane, starting
@@ -198,8 +198,21 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
     s.frame.head_len += sizeof ext;
     Loop& l = *loops_[(first + k) % lanes];
     l.submissions.push_back(std::move(s));
-    if (l.submissions.size() == 1) wake(l);
+    wake_due_ |= 1u << l.index;
   }
+}
+
+void TcpTransport::Impl::flush() {
+  uint32_t due;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    due = wake_due_;
+    wake_due_ = 0;
+  }
+  // (a flush that finds the bits cleared by another thread's comes after that one took them:
+  // that thread wakes the loops, after the submissions were queued)
+  for (size_t i = 0; due; ++i, due >>= 1)
+    if (due & 1) wake(*loops_[i]);
 }
 
 TcpTransport::TcpTransport(int rank, int world_size, uint64_t secret, LocalSegments& segments,
@@ -221,6 +234,8 @@ void TcpTransport::post(const TransferRequest& req, const RemoteSegment&, const 
                         size_t index) {
   impl_->post(req, batch, index);
 }
+
+void TcpTransport::flush() { impl_->flush(); }
 
 std::string TcpTransport::address() const { return impl_->address(); }
 

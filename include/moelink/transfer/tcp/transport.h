@@ -21,7 +21,10 @@
 // numbered below it has landed, which gives the engine's per-peer ordering contract (a signal
 // after a striped write is applied after all of its parts). The parts of a striped write land
 // as they arrive: they are not ordered against other striped writes in flight (see
-// TransferRequest). A write completes when the peer acknowledges it (each of its parts); a
+// TransferRequest). A write of one part (an unordered write below two parts' size: an EP proxy's
+// row) lands as a whole on its connection, which records it in the session's order later, for
+// many such writes at once (when its reads pause, or every 64 of them), so that connections
+// carrying many small writes do not queue on the session's lock for each. A write completes when the peer acknowledges it (each of its parts); a
 // read when its data has arrived. A broken connection fails all of its pending requests and
 // every later one to that peer.
 #pragma once
@@ -65,6 +68,7 @@ class TcpTransport : public Transport {
   void close(RemoteSegment& seg) override;
   void post(const TransferRequest& req, const RemoteSegment& seg, const BatchPtr& batch,
             size_t index) override;
+  void flush() override;
   std::string lostReason(int peer) const override;
   uint64_t losses() const override;
 
