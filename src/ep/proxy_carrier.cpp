@@ -210,12 +210,15 @@ void ProxyCarrier::run() {
       LOG(ERROR) << "moelink EP proxy (rank " << c_.rank << "): dropping a malformed request (kind " << e.kind
                  << ", peer " << e.peer << ", remote " << e.remote << ", length " << e.length << ")";
     }
+    uint64_t batch_bytes = 0;
+    for (const ProxyWave& wave : plan.waves) batch_bytes += wave.bytes;
+    const bool unordered = c_.spread && !plan.in_ring_order && batch_bytes >= c_.spread_bytes;
     {
       std::lock_guard<std::mutex> g(io_mu_);
       pending.clear();
       size_t next_value = 0;  // signal values live until the engine has applied them (the waits below)
       for (const ProxyWave& wave : plan.waves) {
-        carryData(wave, c_.spread && !plan.in_ring_order, pending);
+        carryData(wave, unordered, pending);
         if (wave.signals.empty()) continue;
         signals.clear();
         for (const ProxyWrite& w : wave.signals) {

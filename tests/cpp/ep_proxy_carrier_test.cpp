@@ -1,6 +1,6 @@
 // ProxyCarrier without a GPU: a thread posts what the EP kernels post (rows of tokens in a
 // shuffled order into the outbox, counts after some of them) into a small ring, and the peer,
-// a second engine over shm or tcp (one stream, or four that the rows spread over), checks that
+// a second engine over shm or tcp (one stream, or four that the rows spread over or not), checks that
 // every signal it sees finds the data posted before it in its inbox, round after round, with the
 // ring wrapping and filling up; carried by one thread, and by four with rows split between them.
 #include <gtest/gtest.h>
@@ -52,7 +52,8 @@ uint64_t signalValue(int round, uint64_t posted) { return (static_cast<uint64_t>
 
 // (transport, carrying threads): with several threads, waves of a few rows split over them.
 // "tcp4": four tcp streams, none striping a write for its size: the rows spread over them only
-// because the carrier sends them unordered.
+// because the carrier sends them unordered (every batch large enough to spread: spread_bytes 0);
+// "tcp4small": the same with no batch large enough (rows in order, on the first stream only).
 class ProxyCarrierTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
@@ -70,7 +71,8 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
     o.transport = transport == "shm" ? "shm" : "tcp";
     o.timeout = seconds(60);
     constexpr int kStreams = 4;
-    if (transport == "tcp4") o.tcp_tuning = transfer::tcp::TcpTuning{kStreams, 1ull << 40};
+    const bool four = transport == "tcp4" || transport == "tcp4small";
+    if (four) o.tcp_tuning = transfer::tcp::TcpTuning{kStreams, 1ull << 40};
     transfer::TransferEngine engine(store, o);
     if (rank == 1) {  // the receiver: checks each signal against the rows posted before it
       auto* inbox = static_cast<volatile uint8_t*>(engine.allocateSegment(kInbox, kSignalsAt + 8 * kMaxSignals));
@@ -127,7 +129,8 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
                                   .timeout = seconds(30),
                                   .threads = threads,
                                   .wave_bytes = threads > 1 ? 4 * kRow : kProxyWaveBytes,
-                                  .part_bytes = kRow / 2});
+                                  .part_bytes = kRow / 2,
+                                  .spread_bytes = transport == "tcp4small" ? ~0ull : 0});
     uint64_t ticket = 0;
     auto post = [&](int kind, uint64_t local, uint64_t remote, uint64_t length) {
       const auto deadline = steady_clock::now() + seconds(30);
@@ -157,18 +160,22 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
     }
     EXPECT_TRUE(carrier.settle(ticket));  // everything posted is carried out
     EXPECT_EQ(__atomic_load_n(&head, __ATOMIC_ACQUIRE), ticket);
-    if (transport == "tcp4") {
+    if (four) {
       const std::vector<uint64_t> sent = engine.tcpSentPerStream();
       ASSERT_EQ(sent.size(), static_cast<size_t>(kStreams));
-      for (int s = 0; s < kStreams; ++s)
-        EXPECT_GT(sent[s], kRounds * kTokens * kRow / (4 * kStreams)) << "stream " << s << " carried too little";
+      for (int s = 0; s < kStreams; ++s) {
+        if (transport == "tcp4")
+          EXPECT_GT(sent[s], kRounds * kTokens * kRow / (4 * kStreams)) << "stream " << s << " carried too little";
+        else if (s > 0)
+          EXPECT_EQ(sent[s], 0u) << "stream " << s << " carried rows of batches below spread_bytes";
+      }
     }
     transfer::storeBarrier(*store, "done", 2, seconds(60));
   });
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ProxyCarrierTest,
-                         ::testing::Combine(::testing::Values("shm", "tcp", "tcp4"), ::testing::Values(1, 4)),
+                         ::testing::Combine(::testing::Values("shm", "tcp", "tcp4", "tcp4small"), ::testing::Values(1, 4)),
                          [](const ::testing::TestParamInfo<std::tuple<std::string, int>>& i) {
                            return std::get<0>(i.param) + "_" + std::to_string(std::get<1>(i.param)) + "threads";
                          });

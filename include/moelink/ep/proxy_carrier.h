@@ -7,8 +7,8 @@
 // submitting thread, is split over `threads` threads (the carrier and its helpers) that
 // submit their parts at once (one core copies a few GB/s); data to peers
 // over tcp, whose own threads carry it, is one submission, its writes unordered (spread over
-// the tcp streams; the signals after them still land after all of them) unless `spread` is off
-// or the batch's writes overlap. The wave's signals are submitted
+// the tcp streams; the signals after them still land after all of them) unless `spread` is off,
+// the batch is small (`spread_bytes`) or its writes overlap. The wave's signals are submitted
 // once all of its data has been (the engine applies a peer's requests in submission order). EpProxy (proxy.h) gives it a ring and
 // an outbox in host memory that the GPU maps; tests give it plain memory and post from a
 // thread.
@@ -47,6 +47,11 @@ class ProxyCarrier {
     uint64_t wave_bytes = kProxyWaveBytes;  // planProxyBatch's
     uint64_t part_bytes = 64 << 10;     // the least data a thread takes from a wave
     bool spread = true;                 // tcp data writes unordered (TransferRequest::unordered)
+    // ... in a batch that carries at least this much data: below it the rows go in order on one
+    // connection, which woke fewer threads and moved a lone small batch sooner over loopback
+    // (docs/PERF.md, the tcp transport's rows: unordered 0.3-1.2x in order at 256 KiB, 0.9-2.9x
+    // from 1 MiB).
+    uint64_t spread_bytes = 1 << 20;
   };
   // Starts the thread. The engine outlives the carrier.
   ProxyCarrier(transfer::TransferEngine& engine, Config config);
