@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -16,6 +17,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -367,6 +369,30 @@ void sendPart(int fd, uint64_t number, uint64_t offset, uint64_t total, uint64_t
   send(fd, payload.data(), payload.size(), MSG_NOSIGNAL);
 }
 
+// The receiving engine of the tests below (rank 0 of 2, `streams` streams) and its segment 3.
+struct Receiver {
+  explicit Receiver(int streams)
+      : engine(store, striped(0, 2, streams)), seg(static_cast<char*>(engine.allocateSegment(3, 4096))) {}
+  std::shared_ptr<InProcessStore> store = std::make_shared<InProcessStore>();
+  TransferEngine engine;
+  char* seg;
+};
+
+// A sender's session made by hand (rank 1 of the engine's group): its primary connection and its
+// lanes 1..lanes, closed at the end of the scope.
+struct HandSession {
+  HandSession(TransferEngine& engine, uint64_t session, int lanes) {
+    for (int lane = 0; lane <= lanes; ++lane) fds.push_back(rawAuthenticated(engine, 1, lane, session));
+  }
+  ~HandSession() {
+    for (int fd : fds) close(fd);
+  }
+  bool connected() const { return std::all_of(fds.begin(), fds.end(), [](int fd) { return fd >= 0; }); }
+  int primary() const { return fds[0]; }
+  int lane(int i) const { return fds[static_cast<size_t>(i)]; }
+  std::vector<int> fds;
+};
+
 bool closedWithin(int fd, int ms) {
   const auto deadline = steady_clock::now() + milliseconds(ms);
   char sink[256];
@@ -382,15 +408,12 @@ bool closedWithin(int fd, int ms) {
 // The primary's request 2 waits for request 1, a striped write whose parts come on two lanes:
 // it lands only after both parts did, whichever order they come in.
 TEST(TcpStriping, PrimaryWaitsForEarlierStripedWrite) {
-  auto store = std::make_shared<InProcessStore>();
-  TransferEngine engine(store, striped(0, 2, 3));
-  char* seg = static_cast<char*>(engine.allocateSegment(3, 4096));
-  const uint64_t session = 991;
-  int primary = rawAuthenticated(engine, 1, 0, session), lane1 = rawAuthenticated(engine, 1, 1, session),
-      lane2 = rawAuthenticated(engine, 1, 2, session);
-  ASSERT_GE(primary, 0);
-  ASSERT_GE(lane1, 0);
-  ASSERT_GE(lane2, 0);
+  Receiver r(3);
+  TransferEngine& engine = r.engine;
+  char* seg = r.seg;
+  HandSession s(engine, 991, 2);
+  ASSERT_TRUE(s.connected());
+  const int primary = s.primary(), lane1 = s.lane(1), lane2 = s.lane(2);
   sendWrite(primary, 2, 1000, "SIGNAL!!");  // after request 1 (parts at 0..15)
   std::this_thread::sleep_for(milliseconds(100));
   EXPECT_EQ(seg[1000], 0) << "request 2 landed before request 1";
@@ -410,21 +433,17 @@ TEST(TcpStriping, PrimaryWaitsForEarlierStripedWrite) {
   EXPECT_EQ(ack.status, w::kOk);
   EXPECT_EQ(std::string(seg, 16), "AAAAAAAABBBBBBBB");
   EXPECT_EQ(std::string(seg + 1000, 8), "SIGNAL!!");
-  close(primary);
-  close(lane1);
-  close(lane2);
 }
 
 // Writes of one part (unordered writes: each lands whole on whichever connection carries it, the
 // primary included) are recorded in the session in bunches; a later request still waits for each.
 TEST(TcpStriping, PrimaryWaitsForEarlierWritesOfOnePart) {
-  auto store = std::make_shared<InProcessStore>();
-  TransferEngine engine(store, striped(0, 2, 2));
-  char* seg = static_cast<char*>(engine.allocateSegment(3, 4096));
-  const uint64_t session = 992;
-  int primary = rawAuthenticated(engine, 1, 0, session), lane = rawAuthenticated(engine, 1, 1, session);
-  ASSERT_GE(primary, 0);
-  ASSERT_GE(lane, 0);
+  Receiver r(2);
+  TransferEngine& engine = r.engine;
+  char* seg = r.seg;
+  HandSession s(engine, 992, 1);
+  ASSERT_TRUE(s.connected());
+  const int primary = s.primary(), lane = s.lane(1);
   // Request 1 on the primary itself, then request 3 behind it and behind request 2, still to come.
   sendPart(primary, 1, 0, 8, 0, "PRIMARY1");
   sendWrite(primary, 3, 1000, "SIGNAL!!");
@@ -456,19 +475,17 @@ TEST(TcpStriping, PrimaryWaitsForEarlierWritesOfOnePart) {
   EXPECT_EQ(ack.request_id, 204u);
   for (int i = 0; i < 200; ++i) EXPECT_EQ(std::string(seg + 2048 + 8 * i, 8), "ROW-" + std::to_string(1000 + i));
   EXPECT_EQ(std::string(seg + 1008, 8), "SIGNAL-2");
-  close(primary);
-  close(lane);
 }
 
 // A write of one part whose number the session has already applied closes its connection, and the
 // session's primary at its next request.
 TEST(TcpStriping, ReplayedWriteOfOnePartClosesTheSession) {
-  auto store = std::make_shared<InProcessStore>();
-  TransferEngine engine(store, striped(0, 2, 2));
-  char* seg = static_cast<char*>(engine.allocateSegment(3, 4096));
-  int primary = rawAuthenticated(engine, 1, 0, 993), lane = rawAuthenticated(engine, 1, 1, 993);
-  ASSERT_GE(primary, 0);
-  ASSERT_GE(lane, 0);
+  Receiver r(2);
+  TransferEngine& engine = r.engine;
+  char* seg = r.seg;
+  HandSession s(engine, 993, 1);
+  ASSERT_TRUE(s.connected());
+  const int primary = s.primary(), lane = s.lane(1);
   sendWrite(primary, 1, 0, "APPLIED!");
   w::FrameHeader ack{};
   ASSERT_TRUE(readWithTimeout(primary, &ack, sizeof ack, 5000));
@@ -478,28 +495,22 @@ TEST(TcpStriping, ReplayedWriteOfOnePartClosesTheSession) {
   EXPECT_TRUE(closedWithin(primary, 5000)) << "the primary of a broken session stayed open";
   EXPECT_EQ(std::string(seg, 8), "APPLIED!");
   EXPECT_EQ(seg[16], 0) << "a request of a broken session landed";
-  close(primary);
-  close(lane);
 }
 
 // Forged parts: each closes its connection (and the waiting primary of its session) without
 // touching memory outside what the write named.
 TEST(TcpStriping, ForgedPartsCloseTheSession) {
-  auto store = std::make_shared<InProcessStore>();
-  TransferEngine engine(store, striped(0, 2, 2));
-  char* seg = static_cast<char*>(engine.allocateSegment(3, 4096));
+  Receiver r(2);
+  TransferEngine& engine = r.engine;
+  char* seg = r.seg;
   uint64_t session = 5000;
   auto attempt = [&](const std::function<void(int)>& forge) {
-    ++session;
-    int primary = rawAuthenticated(engine, 1, 0, session), lane = rawAuthenticated(engine, 1, 1, session);
-    EXPECT_GE(primary, 0);
-    EXPECT_GE(lane, 0);
-    sendWrite(primary, 3, 2000, "PARKED!!");  // waits for requests 1 and 2
-    forge(lane);
-    EXPECT_TRUE(closedWithin(lane, 5000)) << "the lane with a forged part stayed open";
-    EXPECT_TRUE(closedWithin(primary, 5000)) << "the waiting primary of a broken session stayed open";
-    close(primary);
-    close(lane);
+    HandSession s(engine, ++session, 1);
+    EXPECT_TRUE(s.connected());
+    sendWrite(s.primary(), 3, 2000, "PARKED!!");  // waits for requests 1 and 2
+    forge(s.lane(1));
+    EXPECT_TRUE(closedWithin(s.lane(1), 5000)) << "the lane with a forged part stayed open";
+    EXPECT_TRUE(closedWithin(s.primary(), 5000)) << "the waiting primary of a broken session stayed open";
   };
   // A part past the write's end (bytes 12..19 of a 16-byte write).
   attempt([](int lane) { sendPart(lane, 1, 0, 16, 12, "PAST-END"); });
