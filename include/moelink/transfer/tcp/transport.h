@@ -24,7 +24,9 @@
 // TransferRequest). A write of one part (an unordered write below two parts' size: an EP proxy's
 // row) lands as a whole on its connection, which records it in the session's order later, for
 // many such writes at once (when its reads pause, or every 64 of them), so that connections
-// carrying many small writes do not queue on the session's lock for each. A write completes when the peer acknowledges it (each of its parts); a
+// carrying many small writes do not queue on the session's lock for each. Its number is checked
+// then: one the session has applied or seen closes the connection, after the write's bytes
+// (bounds-checked like any write's) landed. A write completes when the peer acknowledges it (each of its parts); a
 // read when its data has arrived. A broken connection fails all of its pending requests and
 // every later one to that peer.
 #pragma once
