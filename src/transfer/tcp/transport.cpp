@@ -203,14 +203,13 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
 }
 
 void TcpTransport::Impl::flush() {
-  uint32_t due;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    due = wake_due_;
-    wake_due_ = 0;
-  }
-  // (a flush that finds the bits cleared by another thread's comes after that one took them:
-  // that thread wakes the loops, after the submissions were queued)
+  // Under the lock: shutdown() marks the transport stopped, then holds the lock (settling what
+  // was submitted), then closes the loops' eventfds; a flush either wakes before that or finds
+  // it stopped. One that finds the bits cleared by another thread's comes after that one took
+  // them, and so after its wakes.
+  std::lock_guard<std::mutex> g(mu_);
+  uint32_t due = stopped_ ? 0 : wake_due_;
+  wake_due_ = 0;
   for (size_t i = 0; due; ++i, due >>= 1)
     if (due & 1) wake(*loops_[i]);
 }
