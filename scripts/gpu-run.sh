@@ -57,7 +57,7 @@ cudapdl       | 400 | the Lamport kernel's launch: 8-256 KiB graph replay beside
 cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, tcp between them) beside NCCL on its socket transport, 4 MiB-256 MiB, GPUS ranks, MOELINK_TCP_STREAMS 1 and the default
 cudabench2lvl | 500 | CUDA collectives over the two-level route (GPUS ranks, default 4, as virtual hosts of 2: NVLink inside, tcp between) beside NCCL with the same hosts (NCCL_HOSTID; NVLink inside, sockets between), 4 MiB-256 MiB, with MOELINK_HOST_TWO_LEVEL 1 and 0
 nvlinkbench   | 200 | the NVLink all-to-all ceiling by way of copying and SMs (examples/bench/nvlink.py), GPUS GPUs
-tcpbench      | 300 | the tcp transport's own loopback bandwidth by number of streams (examples/bench/tcp_transport.py), then of EP rows (7392 and 14336 bytes) in order and unordered
+tcpbench      | 300 | the tcp transport's own loopback bandwidth by number of streams (examples/bench/tcp_transport.py), then of EP rows (7392 and 14336 bytes) in order and unordered, with a signal after the batch and after every 256 KiB
 cpubench      | 500 | CPU collectives over tcp beside gloo, 4 ranks, 4 MiB-256 MiB, MOELINK_TCP_STREAMS 1 and the default
 mooncake      | 400 | Mooncake's API on moelink (moelink.compat.mooncake): its GPU tests, the migration example
 mooncakeown   | 400 | Mooncake's own EP test (its wheel's tests, .devdeps/anchors/mooncake-tests) on moelink, imports changed
@@ -210,11 +210,16 @@ stage_cudabench2lvl() {
 stage_nvlinkbench() { python3 examples/bench/nvlink.py --gpus "${GPUS:-2}" --build build-dev --out "$OUT/nvlink${GPUS:-2}.png"; }
 stage_tcpbench() {
   python3 examples/bench/tcp_transport.py --streams 1,2,4,8,16 --build build-dev --out "$OUT/tcp_transport.png"
-  # an EP FP8 dispatch row (7168 bytes and its scales) and a BF16 combine row
-  local row
-  for row in 7392 14336; do
-    python3 examples/bench/tcp_transport.py --streams 1,4,8,16 --rows $row --min-bytes 262144 --max-bytes 16777216 \
-      --build build-dev --out "$OUT/tcp_transport_rows$row.png"
+  # an EP FP8 dispatch row (7168 bytes and its scales) and a BF16 combine row; one signal after a
+  # batch, and one after every 256 KiB of it (the EP proxy's waves)
+  local row wave tag
+  for wave in 0 262144; do
+    tag=""
+    [ "$wave" = 0 ] || tag=-waves
+    for row in 7392 14336; do
+      python3 examples/bench/tcp_transport.py --streams 1,4,8,16 --rows $row --wave $wave --min-bytes 262144 \
+        --max-bytes 16777216 --build build-dev --out "$OUT/tcp_transport_rows$row$tag.png"
+    done
   done
 }
 stage_cpubench() {

@@ -2,14 +2,15 @@
 collectives' numbers over tcp (host route, CPU tensors) are read against.
 
     python examples/bench/tcp_transport.py [--streams 1,2,4,8] [--max-bytes 268435456] [--out tcp.png]
-    python examples/bench/tcp_transport.py --rows 14336 --min-bytes 262144 --max-bytes 16777216
+    python examples/bench/tcp_transport.py --rows 14336 --min-bytes 262144 --max-bytes 16777216 [--wave 262144]
 
 Runs build/moelink_tcp_bench (two transfer engines in one process, tcp forced, listening on
 127.0.0.1): for each number of streams (MOELINK_TCP_STREAMS: connections and progress threads per
 peer) and write size, the median time of one write until its acknowledgement, one way and both
 ways at once (each engine writing to the other; GB/s per direction). With --rows R the bytes go as
 rows of R bytes into every other slot of the peer, then a signal, in one batch (what the EP CPU
-proxy sends): in order (the first stream carries them) beside unordered (spread over the streams).
+proxy sends): in order (the first stream carries them) beside unordered (spread over the streams);
+--wave W puts a signal after every W bytes of rows too, as the proxy's waves have theirs.
 Prints the table and writes a PNG.
 """
 
@@ -29,17 +30,19 @@ def main():
     ap.add_argument("--max-bytes", type=int, default=256 << 20)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rows", type=int, default=0, help="bytes per row (0: one write per size)")
+    ap.add_argument("--wave", type=int, default=0, help="with --rows: a signal after every this many bytes of rows")
     ap.add_argument("--build", default=os.path.join(HERE, "..", "..", "build"))
     ap.add_argument("--out", default="tcp_transport.png")
     args = ap.parse_args()
     lines = run_built(args.build, "moelink_tcp_bench", ["--streams", args.streams, "--min-bytes", args.min_bytes,
                                                          "--max-bytes", args.max_bytes, "--iters", args.iters,
-                                                         "--rows", args.rows])
+                                                         "--rows", args.rows, "--wave", args.wave])
     rows = [(int(s), int(b), float(o), float(t)) for s, b, o, t in (line.split() for line in lines)]
     if args.rows:
         cols = ("in order", "unordered")
+        signals = f"a signal after every {fmt_bytes(args.wave)} of them" if args.wave else "a signal"
         print(f"# tcp transport over loopback, {os.cpu_count()} cores: GB/s of a batch of {fmt_bytes(args.rows)} "
-              f"rows and a signal (median of up to {args.iters}), one way")
+              f"rows and {signals} (median of up to {args.iters}), one way")
     else:
         cols = ("one way", "both ways")
         print(f"# tcp transport over loopback, {os.cpu_count()} cores: GB/s of one write (median of up to "
