@@ -49,7 +49,7 @@ class ProxyCarrier {
     bool spread = true;                 // tcp data writes unordered (TransferRequest::unordered)
     // ... in a batch that carries at least this much data: below it the rows go in order on one
     // connection, which woke fewer threads and moved a lone small batch sooner over loopback
-    // (docs/PERF.md, the tcp transport's rows: unordered 0.3-1.2x in order at 256 KiB, 0.9-2.9x
+    // (docs/PERF.md, the tcp transport's rows: unordered 0.5-1.1x in order at 256 KiB, 1.0-3.1x
     // from 1 MiB).
     uint64_t spread_bytes = 1 << 20;
   };
