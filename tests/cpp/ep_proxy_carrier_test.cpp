@@ -164,10 +164,11 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
       const std::vector<uint64_t> sent = engine.tcpSentPerStream();
       ASSERT_EQ(sent.size(), static_cast<size_t>(kStreams));
       for (int s = 0; s < kStreams; ++s) {
-        if (transport == "tcp4")
+        if (transport == "tcp4") {
           EXPECT_GT(sent[s], kRounds * kTokens * kRow / (4 * kStreams)) << "stream " << s << " carried too little";
-        else if (s > 0)
+        } else if (s > 0) {
           EXPECT_EQ(sent[s], 0u) << "stream " << s << " carried rows of batches below spread_bytes";
+        }
       }
     }
     transfer::storeBarrier(*store, "done", 2, seconds(60));
