@@ -13,4 +13,4 @@ cmake -S . -B "$DIR" -G Ninja -DMOELINK_BUILD_PYTHON=OFF -DCMAKE_CUDA_COMPILER=O
 ninja -C "$DIR" moelink_cpp_tests | tail -n 1
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$(pwd)/scripts/tsan.supp" \
   "$DIR/tests/cpp/moelink_cpp_tests" --gtest_brief=1 \
-  --gtest_filter='TransferEngine*:TcpTransport*:TcpStriping*:*/StripedWrites*:ShmTransport*:Collective*:All/CollectiveTest*:*/TransferEngineTest*:HostPieces*:All/HostPieces*'
+  --gtest_filter='MailboxLandings*:TransferEngine*:TcpTransport*:TcpStriping*:*/StripedWrites*:ShmTransport*:Collective*:All/CollectiveTest*:*/TransferEngineTest*:HostPieces*:All/HostPieces*'

@@ -1,6 +1,9 @@
 #include "moelink/collective/mailbox.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "moelink/common/error.h"
 
@@ -36,6 +39,7 @@ Mailbox::Mailbox(transfer::TransferEngine& engine, transfer::SegmentId id, uint6
   head_payload_.assign(n, nullptr);
   head_.resize(n);
   head_valid_.assign(n, 0);
+  lost_payload_.resize(n);
   credit_fault_.assign(n, 0);
   transports_.assign(n, "");
   tcp_.assign(n, 0);
@@ -94,6 +98,7 @@ void Mailbox::resetPeer(int peer) {
   out_acks_[peer] = 0;
   head_payload_[peer] = nullptr;
   head_valid_[peer] = 0;
+  lost_payload_[peer].clear();
   credit_fault_[peer] = 0;
   transports_[peer] = engine_.openSegment(peer, id_);
   tcp_[peer] = transports_[peer] == "tcp";
@@ -234,6 +239,12 @@ const char* Mailbox::payload(int peer, std::string* error, char* landing, uint64
     *error = str("no message from rank ", peer);
     return nullptr;
   }
+  if (auto& lost = lost_payload_[peer];
+      std::find(lost.begin(), lost.end(), consumed_[peer] + 1) != lost.end()) {
+    *error = str("rank ", peer, "'s message #", consumed_[peer] + 1, " was being received into the memory of an op "
+                 "that failed and had not arrived whole when that op ended: its data is lost");
+    return nullptr;
+  }
   const bool pulled = h->flags & kPull;
   if (!pulled || !landing) {
     if (h->bytes > chunk_) {
@@ -284,13 +295,37 @@ void Mailbox::landAhead(int peer, uint64_t ahead, void* dest, uint64_t length) {
   engine_.expectWrite(id_, slotOffset(peer, msg % ring_) + sizeof(MsgHeader), dest, length);
 }
 
-void Mailbox::clearLandings() { engine_.clearExpected(id_); }
+void Mailbox::clearLandings(std::chrono::milliseconds wait) {
+  const auto until = std::chrono::steady_clock::now() + wait;
+  for (const auto& used : engine_.clearExpected(id_)) {
+    // Whose slot, and which message: the only one that may be written there now is the next
+    // one due in it (a request is made for a message less than ring_ places ahead).
+    const uint64_t slot_index = (used.offset - sizeof(MsgHeader) - slots_off_) / slot_bytes_;
+    const int src = static_cast<int>(slot_index / ring_);
+    const uint64_t slot = slot_index % ring_, next = consumed_[src] + 1;
+    const uint64_t msg = next + (slot + ring_ - next % ring_) % ring_;
+    const auto* signal = reinterpret_cast<const uint64_t*>(base_ + signalOffset(src, slot));
+    // The signal follows the payload: once it is here, the whole payload is at used.dest.
+    while (__atomic_load_n(signal, __ATOMIC_ACQUIRE) != msg && engine_.lostReason(src).empty() &&
+           std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    if (__atomic_load_n(signal, __ATOMIC_ACQUIRE) != msg) {
+      lost_payload_[src].push_back(msg);
+      continue;
+    }
+    MsgHeader h;
+    std::memcpy(&h, base_ + slotOffset(src, slot), sizeof h);
+    std::memcpy(base_ + used.offset, used.dest, std::min({h.bytes, used.length, chunk_}));
+  }
+}
 
 void Mailbox::release(int peer, void* next_dest, uint64_t next_length) {
   // A landing request for this slot must not outlive its message (slotPayload() claims it).
   slotPayload(peer);
   head_payload_[peer] = nullptr;
   head_valid_[peer] = 0;
+  if (auto& lost = lost_payload_[peer]; !lost.empty())
+    lost.erase(std::remove(lost.begin(), lost.end(), consumed_[peer] + 1), lost.end());
   if (next_dest && next_length && tcp_[peer])
     engine_.expectWrite(id_, slotOffset(peer, (consumed_[peer] + 1 + depth_) % ring_) + sizeof(MsgHeader),
                         next_dest, next_length);

@@ -77,11 +77,19 @@ void* LocalSegments::claim(SegmentId id, uint64_t offset) {
   return dest;
 }
 
-void LocalSegments::clearExpectations(SegmentId id) {
+std::vector<LocalSegments::UsedExpectation> LocalSegments::clearExpectations(SegmentId id) {
+  std::vector<UsedExpectation> used;
   std::lock_guard<std::mutex> g(expect_mu_);
-  for (auto it = expected_.begin(); it != expected_.end();)
-    it = it->first.first == id ? expected_.erase(it) : std::next(it);
+  for (auto it = expected_.begin(); it != expected_.end();) {
+    if (it->first.first != id) {
+      ++it;
+      continue;
+    }
+    if (it->second.used) used.push_back({it->first.second, it->second.dest, it->second.length});
+    it = expected_.erase(it);
+  }
   expecting_.store(expected_.size());
+  return used;
 }
 
 std::string localHostId() {

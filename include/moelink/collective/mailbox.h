@@ -37,6 +37,7 @@
 // are checked by the consumer (message_check.h) before it uses the payload.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <string>
@@ -138,8 +139,12 @@ class Mailbox {
   // (0: the head itself), which may already be arriving: if the transport has started on
   // it, it simply lands in its slot. ahead < depth.
   void landAhead(int peer, uint64_t ahead, void* dest, uint64_t length);
-  // Drops every landing request (after a failed op: later messages go to the slots).
-  void clearLandings();
+  // Drops every landing request (after a failed op: later messages go to the slots). A
+  // message whose payload a request has already received elsewhere, not yet consumed, is
+  // put back in its slot once it has arrived whole (waiting up to `wait` for it), so that
+  // whatever consumes it reads it there and not from the failed op's memory; one that does not
+  // arrive in time (its sender alive) is lost: payload() refuses it, naming why.
+  void clearLandings(std::chrono::milliseconds wait = std::chrono::milliseconds(2000));
 
   // Where message `seq` from `src` goes in this rank's segment: its header (the payload follows
   // it) and its signal word. For tools that write a mailbox by hand (tests, fuzzers).
@@ -183,6 +188,7 @@ class Mailbox {
   std::vector<const char*> head_payload_;  // [peer]: resolved payload of the head message
   std::vector<MsgHeader> head_;            // [peer]: the head message's header, as first read
   std::vector<char> head_valid_;           // [peer]: head_ holds the current head
+  std::vector<std::vector<uint64_t>> lost_payload_;  // [peer]: messages whose data clearLandings lost
   mutable std::vector<char> credit_fault_;  // [peer]: its credit exceeded what was sent
   std::vector<std::string> transports_;
   std::vector<char> tcp_;  // [peer]: reached over tcp (receive redirection applies, acks always wake)

@@ -57,7 +57,15 @@ class LocalSegments {
   void* resolveIncomingWrite(SegmentId id, uint64_t offset, uint64_t length);
   // Removes the expectation at (id, offset); its destination if a write used it.
   void* claim(SegmentId id, uint64_t offset);
-  void clearExpectations(SegmentId id);
+  // An expectation that an incoming write has used (and nobody has claimed yet).
+  struct UsedExpectation {
+    uint64_t offset = 0;
+    void* dest = nullptr;
+    uint64_t length = 0;  // the most the write may have put there
+  };
+  // Removes every expectation of segment id; returns those that writes used: their bytes are
+  // at `dest`, not in the segment (the write may still be arriving).
+  std::vector<UsedExpectation> clearExpectations(SegmentId id);
 
  private:
   struct Expectation {
@@ -146,12 +154,13 @@ class TransferEngine {
   // is placed at `dest` instead, saving the copy out of the segment. claimExpected()
   // removes the expectation and tells whether a write used it (then the data is at
   // `dest`, else at (id, offset) as usual). The caller must install it before the writer
-  // can send (the mailbox does so before returning the credit for that slot).
+  // can send (the mailbox does so before returning the credit for that slot). clearExpected()
+  // drops them all and returns those that writes used, whose data is at their `dest`.
   void expectWrite(SegmentId id, uint64_t offset, void* dest, uint64_t length) {
     local_.expect(id, offset, dest, length);
   }
   void* claimExpected(SegmentId id, uint64_t offset) { return local_.claim(id, offset); }
-  void clearExpected(SegmentId id) { local_.clearExpectations(id); }
+  std::vector<LocalSegments::UsedExpectation> clearExpected(SegmentId id) { return local_.clearExpectations(id); }
 
   // Liveness of `peer`, independent of its collective progress: "" when it is alive, else
   // why not. A peer on this host (same pid namespace) is checked through /proc (a gone or
