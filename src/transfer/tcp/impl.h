@@ -279,6 +279,9 @@ class TcpTransport::Impl {
   std::shared_ptr<Session> sessionFor(int peer, uint64_t id);
 
   bool protocolError(Conn& c, const std::string& what);
+  // Where `peer`'s write of `length` bytes at (segment, offset) lands (an expected destination
+  // or the segment), or nullptr, said in the log, when it is outside every registered segment.
+  char* landingOf(int peer, SegmentId segment, uint64_t offset, uint64_t length);
 
   void flushConn(Conn& c);
 

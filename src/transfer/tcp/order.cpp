@@ -147,10 +147,7 @@ bool TcpTransport::Impl::startPart(Conn& c) {
   if (c.whole_part) {
     // All of its write (an unordered write of one part): it lands without the session's lock,
     // which finishPart's record of it (publishLanded) takes once for many.
-    c.dst = static_cast<char*>(segs_.resolveIncomingWrite(h.segment, h.offset, h.length));
-    if (!c.dst)
-      LOG(WARNING) << "moelink tcp: rank " << c.peer << " wrote " << h.length << " bytes at offset " << h.offset
-                   << " of segment " << h.segment << ", outside every registered segment; rejected";
+    c.dst = landingOf(c.peer, h.segment, h.offset, h.length);
     c.reply_status = c.dst ? wire::kOk : wire::kOutOfBounds;
     c.signal = false;
     c.remaining = h.length;
@@ -181,10 +178,7 @@ bool TcpTransport::Impl::startPart(Conn& c) {
           st.offset = h.offset;
           st.total = st.left = p.total;
           st.flags = h.flags;
-          st.base = static_cast<char*>(segs_.resolveIncomingWrite(h.segment, h.offset, p.total));
-          if (!st.base)
-            LOG(WARNING) << "moelink tcp: rank " << c.peer << " wrote " << p.total << " bytes at offset "
-                         << h.offset << " of segment " << h.segment << ", outside every registered segment; rejected";
+          st.base = landingOf(c.peer, h.segment, h.offset, p.total);
           it = s.stripes.emplace(h.request_id, st).first;
         }
       } else if (it->second.segment != h.segment || it->second.offset != h.offset || it->second.total != p.total) {

@@ -128,13 +128,9 @@ bool TcpTransport::Impl::startFrame(Conn& c) {
   switch (h.type) {
     case wire::kWrite: {
       if (c.outbound) return protocolError(c, "write frame on an outbound connection");
-      void* dst = segs_.resolveIncomingWrite(h.segment, h.offset, h.length);
+      char* dst = landingOf(c.peer, h.segment, h.offset, h.length);
       c.reply_status = dst ? wire::kOk : wire::kOutOfBounds;
-      if (!dst)
-        LOG(WARNING) << "moelink tcp: rank " << c.peer << " wrote " << h.length
-                     << " bytes at offset " << h.offset << " of segment " << h.segment
-                     << ", outside every registered segment; rejected";
-      c.dst = static_cast<char*>(dst);
+      c.dst = dst;
       c.signal = dst && h.length == 8 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0;
       c.sigpos = 0;
       c.remaining = h.length;
@@ -246,6 +242,14 @@ bool TcpTransport::Impl::protocolError(Conn& c, const std::string& what) {
   LOG(WARNING) << "moelink tcp: protocol error from rank " << c.peer << ": " << what;
   closeConn(c, "protocol error: " + what, true);
   return false;
+}
+
+char* TcpTransport::Impl::landingOf(int peer, SegmentId segment, uint64_t offset, uint64_t length) {
+  auto* dst = static_cast<char*>(segs_.resolveIncomingWrite(segment, offset, length));
+  if (!dst)
+    LOG(WARNING) << "moelink tcp: rank " << peer << " wrote " << length << " bytes at offset " << offset
+                 << " of segment " << segment << ", outside every registered segment; rejected";
+  return dst;
 }
 
 void TcpTransport::Impl::flushConn(Conn& c) {
