@@ -121,8 +121,9 @@ const std::vector<Setting> kSettings = {
          "all_reduce reduces among a host's ranks on the in-host kernels first and puts only each rank's block of "
          "the host's sum on the wire, to the ranks at its position on the other hosts; reduce_scatter likewise "
          "(each rank's rail's blocks reduced over the host, then over the rail); all_gather sends each rank's "
-         "block to those ranks only and gathers among a host's ranks on the in-host kernels (route "
-         "`host+nvlink`); `0`: every rank on the wire. Taken only where every rank sets it and maps its host's "
+         "block to those ranks only and gathers among a host's ranks on the in-host kernels; broadcast sends the "
+         "root's tensor to the ranks at its position on the other hosts, each of which passes it on to its host's "
+         "ranks on the in-host kernels (route `host+nvlink`); `0`: every rank on the wire. Taken only where every rank sets it and maps its host's "
          "peers"),
     number("MOELINK_RANKS_PER_HOST", "collectives", 0, 1, 1u << 20,
            "CUDA collectives: group ranks into virtual hosts of this size (any split makes the group host-staged); "

@@ -316,6 +316,10 @@ void CudaCollectives::flat(Op& op, const Exchange& x, const at::Tensor& in, cons
 }
 
 void CudaCollectives::broadcastFlat(Op& op, const at::Tensor& buf, int root) {
+  if (!inHost() && twoLevel()) {
+    broadcastTwoLevel(op, buf, root);
+    return;
+  }
   const uint64_t bytes = nbytes(buf);
   const int n = static_cast<int>(members_.size());
   if (!inHost() || !broadcastForwards(n, bytes, tuning_)) {

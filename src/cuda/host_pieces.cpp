@@ -243,6 +243,20 @@ OpSpec railAllgatherPieces(const AlgoContext& ctx, const PieceRing& ring, const 
   return railOp(ctx, std::move(op), step, missing);
 }
 
+OpSpec railBroadcastPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
+                           uint64_t bytes, int root, const RailStep& step) {
+  std::string missing;
+  const AlgoContext rail = railContext(ctx, step, &missing);
+  // Off the root's rail (or with the root gone, which `missing` says before a piece goes) the
+  // pieces have nothing to move: each is its gate and its hand-back.
+  const bool carries = std::binary_search(rail.ranks.begin(), rail.ranks.end(), root);
+  OpSpec op = pipelineOp(OpKind::kBroadcast, DType::kBytes, ReduceOp::kNone, root, bytes);
+  for (const HostPiece& pc : ps)
+    append(op, ring, carries ? collective::broadcastOp(rail, ring.in(pc.slot), pc.len, root) : OpSpec{}, pc.first,
+           nullptr);
+  return railOp(ctx, std::move(op), step, missing);
+}
+
 namespace {
 
 // Appends the pieces of a reduce-scatter among c's ranks to `op`: each piece's block for the rank

@@ -301,14 +301,17 @@ void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t 
   });
 }
 
-void HostPipeline::broadcast(const Call& c, char* buf, uint64_t bytes, int root) {
+void HostPipeline::broadcast(const Call& c, char* buf, uint64_t bytes, int root, const RailStep* rail) {
   const int depth = tuning_.depth;
+  const bool carries = !rail || std::binary_search(rail->rail.begin(), rail->rail.end(), root);
   const std::vector<HostPiece> ps =
-      cutPieces(bytes, tuning_.slot_bytes, depth, false, [&](int word) { return mark(c, word); });
+      cutPieces(carries ? bytes : 0, tuning_.slot_bytes, depth, false, [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
   for (const HostPiece& pc : ps) marks.push_back(pc.first);
   submit(c, OpKind::kBroadcast,
-         [r = ring(), ps, bytes, root](const AlgoContext& ctx) { return broadcastPieces(ctx, r, ps, bytes, root); },
+         [r = ring(), ps, bytes, root, step = rail ? std::make_optional(*rail) : std::nullopt](const AlgoContext& ctx) {
+           return step ? railBroadcastPieces(ctx, r, ps, bytes, root, *step) : broadcastPieces(ctx, r, ps, bytes, root);
+         },
          std::move(marks));
   const cudaStream_t s = c.stream;
   const bool is_root = rank_ == root;

@@ -85,7 +85,9 @@ class HostPipeline {
   // `out`: one block of `bytes` per rank. With `rail`, the cross-host step of a two-level
   // all_gather (railAllgatherPieces): one block per rank of the rail, by position on it.
   void allgather(const Call& c, const char* in, char* out, uint64_t bytes, const RailStep* rail = nullptr);
-  void broadcast(const Call& c, char* buf, uint64_t bytes, int root);
+  // With `rail`, the cross-host step of a two-level broadcast (railBroadcastPieces): only the
+  // ranks of the root's rail move the pieces; the others hand the worker one empty piece.
+  void broadcast(const Call& c, char* buf, uint64_t bytes, int root, const RailStep* rail = nullptr);
   // Pairs of any lengths (byte offsets and lengths per rank, in `in` and `out`).
   void alltoall(const Call& c, const char* in, char* out, const std::vector<uint64_t>& send_off,
                 const std::vector<uint64_t>& send_bytes, const std::vector<uint64_t>& recv_off,

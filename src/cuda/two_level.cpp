@@ -3,7 +3,10 @@
 // puts only each rank's block of the host's sum on the wire (to the ranks at its position on
 // the other hosts: its rail), and gathers the reduced blocks among the host's ranks again;
 // reduce_scatter reduces among the host's ranks (each gets its rail's blocks), then over the
-// rail; all_gather gathers each rail's blocks over the wire, then the host's ranks' among them.
+// rail; all_gather gathers each rail's blocks over the wire, then the host's ranks' among them;
+// broadcast sends the root's tensor over the root's rail (once to each other host), then each
+// host's rank on that rail passes it on to its host's ranks.
+#include <algorithm>
 #include <chrono>
 
 #include "moelink/cuda/two_level.h"
@@ -146,6 +149,24 @@ void CudaCollectives::allgatherTwoLevel(Op& op, const at::Tensor& in, const at::
   // Row p * hosts + j is the block of rank rails[p][j].
   const auto b = static_cast<int64_t>(bytes);
   out.view({-1}).view(at::kByte).view({size_, b}).index_copy_(0, tl.gather_rows, host_rows.view({n * hosts, b}));
+}
+
+void CudaCollectives::broadcastTwoLevel(Op& op, const at::Tensor& buf, int root) {
+  const TwoLevel& tl = *two_level_;
+  const TwoLevelRanks& h = tl.ranks;
+  const InHostSet local{tl.staging.get(), h.local, h.me, tl.tuning};
+  const int n = static_cast<int>(h.local.size());
+  const uint64_t bytes = nbytes(buf);
+  // The root's position on its host: the rail that carries the tensor between the hosts, and
+  // the rank that passes it on within each host.
+  int at = 0;
+  while (at < n && !std::binary_search(h.rails[at].begin(), h.rails[at].end(), root)) ++at;
+  TORCH_CHECK_VALUE(at < n, "moelink broadcast: root rank ", root, " is not in the group");
+  RailStep step{h.rail, h.local, bytes, railCheck(op, "broadcast", false)};
+  pipe_->broadcast(pipeCall(op), ptr(buf), bytes, root, &step);
+  launch(op, broadcastForwards(n, bytes, tl.tuning) ? exchangeBroadcastForward(n, h.me, bytes, at)
+                                                    : exchangeBroadcast(n, h.me, bytes, at),
+         local, ptr(buf), ptr(buf));
 }
 
 void CudaCollectives::reduceScatterTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out, ReduceOp rop) {

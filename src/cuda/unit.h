@@ -190,7 +190,7 @@ class CudaCollectives final : public Collectives {
     at::Tensor gather_rows;
   };
   void setUpTwoLevel(bool capturing);
-  // Every all_reduce, reduce_scatter and all_gather takes it while it is set up and the
+  // Every all_reduce, reduce_scatter, all_gather and broadcast takes it while it is set up and the
   // membership has not changed, whatever its size (small ones too, and empty blocks): ranks
   // that disagree about an op then still launch the same in-host kernels, whose header check
   // fails them at once.
@@ -200,6 +200,8 @@ class CudaCollectives final : public Collectives {
   void allgatherTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out);
   // `in`: contiguous, one block of out's elements per rank.
   void reduceScatterTwoLevel(Op& op, const at::Tensor& in, const at::Tensor& out, ReduceOp rop);
+  // `buf`: contiguous; `root`: a rank of the group.
+  void broadcastTwoLevel(Op& op, const at::Tensor& buf, int root);
   // What a two-level op's cross-host step asks before each piece (RailStep::check): that the
   // membership has not changed and, `after_in_host`, that the in-host step before it succeeded
   // (its status word, cleared on the op's stream here, before that step's launch).

@@ -12,7 +12,7 @@ import moelink
 import cases_fsdp
 import cases_funcol
 from cases_cuda_host import (host_graph_capture, host_pieces, two_level_all_gather,  # noqa: F401 (cases named in CASES)
-                             two_level_all_reduce, two_level_reduce_scatter)
+                             two_level_all_reduce, two_level_broadcast, two_level_reduce_scatter)
 from cases_cuda_broadcast import broadcast_disagreement, broadcast_forwarded  # noqa: F401 (cases named in CASES)
 from cases_cuda_lamport import lamport_two_shot, two_shot_disagreement  # noqa: F401 (cases named in CASES)
 from cases_cuda_allreduce import two_shot_staged, two_shot_staged_disagreement  # noqa: F401 (cases named in CASES)
@@ -690,6 +690,6 @@ def fsdp2_matches_local(rank, world):
 CASES = ["all_reduce_every_dtype_op_size", "movement_ops_every_dtype", "reduce_scatter_and_reduce",
          "uneven_all_to_all", "in_place_all_to_all", "all_to_all_mixed_protocols", "broadcast_forwarded", "broadcast_disagreement", "stream_order", "async_interleaved", "streams_sync_and_async", "small_op_burst",
          "round_size_disagreement", "lamport_boundaries", "lamport_two_shot", "two_shot_disagreement",
-         "two_shot_staged", "two_shot_staged_disagreement", "plain_launch_beside_dependent", "lamport_disagreement", "graph_capture", "host_pieces", "two_level_all_reduce", "two_level_all_gather", "two_level_reduce_scatter", "point_to_point", "against_nccl", "bad_input",
+         "two_shot_staged", "two_shot_staged_disagreement", "plain_launch_beside_dependent", "lamport_disagreement", "graph_capture", "host_pieces", "two_level_all_reduce", "two_level_all_gather", "two_level_broadcast", "two_level_reduce_scatter", "point_to_point", "against_nccl", "bad_input",
          "cpu_and_cuda_in_one_group", "ddp_matches_nccl", "c10d_extras", "sparse_all_reduce",
          "functional_and_dtensor", "fsdp2_matches_local"]

@@ -291,6 +291,63 @@ def two_level_all_gather(rank, world):
          "two-level all_gather after a disagreement")
 
 
+def two_level_broadcast(rank, world):
+    """broadcast in two levels (route `host+nvlink`: the root's tensor to the ranks at its position
+    on the other hosts through the host pipeline, then from each of them to its host's ranks on the
+    in-host kernels): exact for every dtype at every size (empty included) from every root, async
+    with two in flight from different roots, and captured in a CUDA graph beside an all_reduce;
+    ranks that disagree about the size fail it with the header check's words, and the group goes
+    on."""
+    if not two_level_group(world):
+        return
+    d = dev(rank)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8):
+        for i, n in enumerate((0, 1, 7, 1000, 100_003, (1 << 18) + 1)):
+            root = (i + world // 2) % world  # every position of both hosts
+            want = value(root, n, dtype, d, n % 5)
+            t = want.clone() if rank == root else torch.zeros(n, dtype=dtype, device=d)
+            dist.broadcast(t, src=root)
+            same(t, want, f"two-level broadcast {dtype} n={n} from {root}")
+    assert moelink.get_backend(dist.group.WORLD).cuda_path() == "host+nvlink", \
+        moelink.get_backend(dist.group.WORLD).cuda_path()
+    # a 2-D tensor, a view of a larger one (not contiguous)
+    base = torch.zeros(3, 2002, device=d)
+    if rank == 1:
+        base.copy_(value(1, 6006, torch.float32, d, 3).view(3, 2002))
+    dist.broadcast(base[:, ::2], src=1)
+    same(base[:, ::2], value(1, 6006, torch.float32, d, 3).view(3, 2002)[:, ::2], "two-level broadcast of a view")
+    # async, two in flight from roots on different hosts and positions
+    b1 = torch.full((70_001,), float(rank), device=d)
+    b2 = torch.full((9,), rank * 7, device=d, dtype=torch.int32)
+    w1 = dist.broadcast(b1, src=world - 1, async_op=True)
+    w2 = dist.broadcast(b2, src=0, async_op=True)
+    w1.wait()
+    w2.wait()
+    same(b1, torch.full_like(b1, float(world - 1)), "two-level async broadcast")
+    same(b2, torch.zeros_like(b2), "two-level async broadcast, small")
+    # captured beside an all_reduce: replayed with new inputs
+    x = torch.zeros(50_007, device=d)
+    y = torch.zeros(6, device=d)
+    root = world // 2 + 1
+    graph = capture(lambda: (dist.broadcast(x, src=root), dist.all_reduce(y)))
+    iota = torch.arange(x.numel(), device=d, dtype=torch.float32)
+    for it in range(3):
+        x.copy_(iota + 1000 * rank + it)
+        y.fill_(rank + it)
+        graph.replay()
+        torch.cuda.synchronize()
+        same(x, iota + 1000 * root + it, f"two-level broadcast in a graph {it}")
+        same(y, torch.full_like(y, float(sum(r + it for r in range(world)))), f"all_reduce in the same graph {it}")
+    # rank 0's tensor is smaller: every rank fails the op with the header check's words, and the
+    # next op is exact
+    m = 4096 if rank == 0 else 8192
+    w = dist.broadcast(torch.ones(m, device=d), src=world - 1, async_op=True)
+    fails_with(w, "a two-level broadcast that the ranks disagree about", "expects", "rank")
+    z = torch.full((5000,), float(rank), device=d)
+    dist.broadcast(z, src=1)
+    same(z, torch.full_like(z, 1.0), "two-level broadcast after a disagreement")
+
+
 def two_level_reduce_scatter(rank, world):
     """reduce_scatter in two levels (route `host+nvlink`: a reduce-scatter among a host's ranks on
     the in-host kernels, each rank getting its rail's blocks reduced over the host, then a

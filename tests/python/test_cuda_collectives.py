@@ -81,10 +81,11 @@ def test_cuda_collectives(world, path, case):
 def test_two_level_interleaved_hosts():
     """The two-level route on 2 hosts whose ranks interleave ({0, 2} and {1, 3}, MOELINK_HOST_ID per
     rank): a rank's rail and its host peers are not its neighbours; all_gather places every block
-    by rank, and reduce_scatter takes each rank's block from its place."""
+    by rank, reduce_scatter takes each rank's block from its place, and broadcast finds the root's
+    rail."""
     if GPUS < 4:
         pytest.skip(f"needs 4 GPUs (or MOELINK_TEST_SHARE_GPU=4 and one), found {GPUS}")
-    names = ["two_level_all_reduce", "two_level_all_gather", "two_level_reduce_scatter"]
+    names = ["two_level_all_reduce", "two_level_all_gather", "two_level_reduce_scatter", "two_level_broadcast"]
     env = {k: v for k, v in PIECES.items() if k != "MOELINK_RANKS_PER_HOST"}
     res = run_group(4, run_cases, kwargs={"cases_mod": "cases_cuda", "names": names}, env=env,
                     rank_env={r: {"MOELINK_HOST_ID": "interleaved-" + "AB"[r % 2]} for r in range(4)},

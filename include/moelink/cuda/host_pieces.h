@@ -132,6 +132,13 @@ collective::OpSpec railReduceScatterPieces(const collective::AlgoContext& c, con
 collective::OpSpec railAllgatherPieces(const collective::AlgoContext& c, const PieceRing& ring,
                                        const std::vector<HostPiece>& pieces, uint64_t bytes, uint64_t per, int world,
                                        int rank, const RailStep& step);
+// The cross-host step of a two-level broadcast, with the same header, gates and barrier: the
+// root's `in` pieces to every rank of the root's rail (the ranks at its position on every host);
+// a rank of another rail has one empty piece (cutPieces of 0 bytes) and nothing on the wire, and
+// its host's barrier waits for its host's rank on the root's rail to have had every piece.
+collective::OpSpec railBroadcastPieces(const collective::AlgoContext& c, const PieceRing& ring,
+                                       const std::vector<HostPiece>& pieces, uint64_t bytes, int root,
+                                       const RailStep& step);
 collective::OpSpec reduceScatterPieces(const collective::AlgoContext& c, const PieceRing& ring,
                                        const std::vector<HostPiece>& pieces, uint64_t count, uint64_t per,
                                        collective::DType t, collective::ReduceOp op, int world, int rank);

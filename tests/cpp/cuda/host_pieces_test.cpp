@@ -589,6 +589,51 @@ TEST(HostPieces, AllgatherAmongARail) {
   });
 }
 
+// The two-level broadcast's: the root's tensor reaches the ranks of its rail (its position on
+// each host) and nothing moves on the other rail, whose ranks hand the worker one empty piece
+// (as HostPipeline::broadcast does). The root moves from op to op over every position of both
+// hosts; where onRails has a rank fail or leave, it is rank 3, on the failing rank's rail, so
+// that every rank of both hosts depends on the failure.
+TEST(HostPieces, BroadcastAmongARail) {
+  onRails([](int rank, Rank& r, Ring& ring, RailStep& step, int) {
+    auto calls = std::make_shared<size_t>(0);
+    auto run = [=, &r, &ring, &step](uint64_t bytes, const std::vector<int>& active, const std::string& failed) {
+      // onRails' calls: 4 exact sizes, rank 1 failing, one after, a disagreement, one after, rank 2 gone.
+      static const int roots[] = {0, 3, 2, 1, 3, 1, 0, 2, 3};
+      const int root = roots[std::min<size_t>((*calls)++, std::size(roots) - 1)];
+      const bool carries = std::find(step.rail.begin(), step.rail.end(), root) != step.rail.end();
+      step.check = [failed] { return failed; };
+      step.op_bytes = bytes;
+      std::vector<uint8_t> buf(bytes);
+      for (uint64_t i = 0; i < bytes; ++i) buf[i] = rank == root ? moelink::testing::pattern(root, i) : 0xee;
+      auto ps = cutPieces(carries ? bytes : 0, kSlotBytes, kDepth, false, [&](int word) { return ring.mark(word); });
+      EXPECT_TRUE(carries || (ps.size() == 1 && ps[0].len == 0)) << "rank " << rank;
+      PieceRing view = ring.view();
+      auto done = submit(r, ring, [=](const AlgoContext& c) {
+        return railBroadcastPieces(c, view, ps, bytes, root, step);
+      }, marksOf(ps, false), active);
+      auto open = [&](const HostPiece& pc) {
+        if (rank == root) copy(view.in(pc.slot), buf.data() + pc.off, pc.len);
+        ring.raise(pc.first);
+      };
+      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) open(ps[p]);
+      for (size_t p = 0; p < ps.size(); ++p) {
+        ring.wait(ps[p].first);
+        if (rank != root) copy(buf.data() + ps[p].off, view.in(ps[p].slot), ps[p].len);
+        if (p + kDepth < ps.size()) open(ps[p + kDepth]);
+      }
+      const std::string err = done.get();
+      if (err.empty()) {
+        uint64_t i = 0;
+        while (i < bytes && buf[i] == (carries ? moelink::testing::pattern(root, i) : 0xee)) ++i;
+        EXPECT_EQ(i, bytes) << "rank " << rank << " root " << root << " bytes " << bytes << ": differs from byte " << i;
+      }
+      return err;
+    };
+    return std::make_pair(kSlotBytes, RailRun(run));
+  });
+}
+
 // An all_to_all whose ranks disagree on a pair's length (rank 0 sends rank 1 more than rank 1
 // expects) fails on both ranks with the pair's sizes named, without a hang, and the group's
 // next op is exact.
