@@ -497,6 +497,65 @@ TEST(TcpStriping, ReplayedWriteOfOnePartClosesTheSession) {
   EXPECT_EQ(seg[16], 0) << "a request of a broken session landed";
 }
 
+// A sender that leaves closes its connections one by one, and the receiver may see a lane's end
+// before it has read the primary's last requests: those still land in order (a lane's parts that
+// landed before it closed count), as they would on one connection.
+TEST(TcpStriping, PrimaryGoesOnAfterALaneClosed) {
+  Receiver r(2);
+  TransferEngine& engine = r.engine;
+  char* seg = r.seg;
+  HandSession s(engine, 994, 1);
+  ASSERT_TRUE(s.connected());
+  sendPart(s.lane(1), 1, 0, 8, 0, "LANE-ROW");
+  close(s.lane(1));
+  s.fds[1] = -1;
+  std::this_thread::sleep_for(milliseconds(100));  // the lane's end is seen first
+  sendWrite(s.primary(), 2, 8, "PRIMARY!");
+  w::FrameHeader ack{};
+  ASSERT_TRUE(readWithTimeout(s.primary(), &ack, sizeof ack, 5000)) << "request 2 was refused";
+  EXPECT_EQ(ack.request_id, 2u);
+  EXPECT_EQ(std::string(seg, 8), "LANE-ROW");
+  EXPECT_EQ(std::string(seg + 8, 8), "PRIMARY!");
+  // A request that waits for one that no lane is left to bring fails: the primary closes.
+  sendWrite(s.primary(), 4, 16, "NEVER!!!");
+  EXPECT_TRUE(closedWithin(s.primary(), 5000)) << "the primary waits for request 3, which cannot come";
+  EXPECT_EQ(seg[16], 0);
+}
+
+// A second primary connection for a session is refused; the first one goes on.
+TEST(TcpStriping, SecondPrimaryIsRefused) {
+  Receiver r(2);
+  HandSession s(r.engine, 996, 1);
+  ASSERT_TRUE(s.connected());
+  EXPECT_EQ(rawAuthenticated(r.engine, 1, 0, 996), -1) << "a second primary was taken";
+  sendWrite(s.primary(), 1, 0, "FIRST-OK");
+  w::FrameHeader ack{};
+  ASSERT_TRUE(readWithTimeout(s.primary(), &ack, sizeof ack, 5000)) << "the first primary stopped";
+  EXPECT_EQ(std::string(r.seg, 8), "FIRST-OK");
+}
+
+// A lane that closes leaves the primary waiting for the lanes still open: the request it waits
+// for comes on one of them, and it lands after it.
+TEST(TcpStriping, PrimaryWaitsForALaneStillOpen) {
+  Receiver r(3);
+  TransferEngine& engine = r.engine;
+  char* seg = r.seg;
+  HandSession s(engine, 995, 2);
+  ASSERT_TRUE(s.connected());
+  close(s.lane(2));
+  s.fds[2] = -1;
+  std::this_thread::sleep_for(milliseconds(50));
+  sendWrite(s.primary(), 2, 16, "WAITING!");  // after request 1
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_EQ(seg[16], 0) << "request 2 landed before request 1";
+  sendPart(s.lane(1), 1, 0, 16, 0, "FROM-LANE-ONE-16");
+  w::FrameHeader ack{};
+  ASSERT_TRUE(readWithTimeout(s.primary(), &ack, sizeof ack, 5000)) << "request 2 never applied";
+  EXPECT_EQ(ack.request_id, 2u);
+  EXPECT_EQ(std::string(seg, 16), "FROM-LANE-ONE-16");
+  EXPECT_EQ(std::string(seg + 16, 8), "WAITING!");
+}
+
 // Forged parts: each closes its connection (and the waiting primary of its session) without
 // touching memory outside what the write named.
 TEST(TcpStriping, ForgedPartsCloseTheSession) {

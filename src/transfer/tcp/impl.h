@@ -274,8 +274,9 @@ class TcpTransport::Impl {
   // Records c.landed in the session, wakes the primary they let go on; false when the
   // connection was closed (a number the session cannot take).
   bool publishLanded(Conn& c);
-  // An inbound connection of `s` closed: the session can no longer apply requests in order.
-  void breakSession(Session& s);
+  // An inbound connection of `s` closed (`lane` > 0: a lane): its whole parts that landed are
+  // recorded, and a primary that waits wakes (to go on, or to fail if it can no longer).
+  void breakSession(Session& s, int lane, std::vector<uint64_t>& landed);
   std::shared_ptr<Session> sessionFor(int peer, uint64_t id);
 
   bool protocolError(Conn& c, const std::string& what);
@@ -343,6 +344,10 @@ struct Session {
   std::map<uint64_t, Stripe> stripes;  // striped writes above the frontier, by number
   uint64_t waits_for = 0;              // the primary waits until the frontier reaches this (0: not)
   TcpTransport::Impl::Loop* primary = nullptr;      // the loop that drives the primary connection
-  bool broken = false;                 // a connection of the session closed
+  int lanes_open = 0;                  // its lane connections (not the primary) that are open
+  // A connection of the session closed: what came in full before is applied in order, but a
+  // request that waits for an earlier one fails once no lane is left open to bring it.
+  bool broken = false;
+  bool tainted = false;  // a connection of the session broke the protocol: nothing more is applied
 };
 }  // namespace moelink::transfer::tcp

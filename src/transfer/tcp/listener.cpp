@@ -205,13 +205,19 @@ bool TcpTransport::Impl::authenticated(Conn& c, const wire::Hello& h) {
   compactPartial(c);
   c.rbuf.resize(kReadBuffer);
   c.in_session = sessionFor(h.rank, h.session);
-  if (h.lane == 0) {
+  {
     std::lock_guard<std::mutex> g(c.in_session->mu);
-    if (c.in_session->primary) {  // one primary per session
-      closeConn(c, "a second primary connection for a session", true);
-      return false;
+    if (h.lane == 0 && c.in_session->primary) {  // one primary per session
+      c.in_session.reset();  // (not one of the session's connections)
+    } else if (h.lane == 0) {
+      c.in_session->primary = c.loop;
+    } else {
+      ++c.in_session->lanes_open;
     }
-    c.in_session->primary = c.loop;
+  }
+  if (!c.in_session) {
+    closeConn(c, "a second primary connection for a session", true);
+    return false;
   }
   OutFrame f;
   uint64_t magic = wire::kHelloMagic;

@@ -69,11 +69,24 @@ std::shared_ptr<Session> TcpTransport::Impl::sessionFor(int peer, uint64_t id) {
   return s;
 }
 
-void TcpTransport::Impl::breakSession(Session& s) {
+namespace {
+
+// Under s.mu: a request that has not had its turn never will: a connection of the session broke
+// the protocol, or one closed and no lane is left to bring the requests it waits for.
+bool hopeless(const Session& s) { return s.tainted || (s.broken && s.lanes_open == 0); }
+
+constexpr const char* kStuck = "its session's other connections closed before the requests this one follows came";
+
+}  // namespace
+
+void TcpTransport::Impl::breakSession(Session& s, int lane, std::vector<uint64_t>& landed) {
   Loop* wake_loop = nullptr;
   {
     std::lock_guard<std::mutex> g(s.mu);
-    if (s.broken) return;
+    // What landed whole before it closed (a peer that left sent it all) counts; a number that
+    // cannot be the session's taints it.
+    if (!s.tainted && !landLocked(s, landed).empty()) s.tainted = true;
+    if (lane > 0) --s.lanes_open;
     s.broken = true;
     if (s.waits_for) wake_loop = s.primary;
   }
@@ -84,10 +97,11 @@ bool TcpTransport::Impl::takeTurn(Conn& c) {
   Session& s = *c.in_session;
   const uint64_t n = c.cur.request_id;
   std::string error;
+  bool stuck = false;
   {
     std::lock_guard<std::mutex> g(s.mu);
-    if (s.broken) {
-      error = "another connection of its session broke";
+    if (s.tainted) {
+      error = "another connection of its session broke the protocol";
     } else if (error = landLocked(s, c.landed); !error.empty()) {
     } else if (n <= s.frontier) {
       error = str("request number ", n, " after ", s.frontier, " (numbers only grow)");
@@ -96,11 +110,16 @@ bool TcpTransport::Impl::takeTurn(Conn& c) {
     // them (a sender that skipped numbers it never sends only stalls its own session).
     if (error.empty()) {
       if (takeTurnLocked(s, n)) return true;
-      s.waits_for = n - 1;
+      stuck = hopeless(s);
+      if (!stuck) s.waits_for = n - 1;
     }
   }
   if (!error.empty()) {
     protocolError(c, error);
+    return false;
+  }
+  if (stuck) {
+    closeConn(c, kStuck, false);
     return false;
   }
   c.in = Conn::In::kOrder;
@@ -117,14 +136,14 @@ void TcpTransport::Impl::resumeWaiting(Loop& l) {
     if (c->fd < 0 || c->in != Conn::In::kOrder) continue;
     Session& s = *c->in_session;
     const uint64_t n = c->cur.request_id;
-    bool go = false, broken = false;
+    bool go = false, stuck = false;
     {
       std::lock_guard<std::mutex> g(s.mu);
-      broken = s.broken;
-      go = !broken && takeTurnLocked(s, n);
+      go = !s.tainted && takeTurnLocked(s, n);
+      stuck = !go && hopeless(s);
     }
-    if (broken) {
-      closeConn(*c, "another connection of its session broke", false);
+    if (stuck) {
+      closeConn(*c, kStuck, false);
       continue;
     }
     if (!go) {
@@ -160,8 +179,8 @@ bool TcpTransport::Impl::startPart(Conn& c) {
   bool ok = false;
   {
     std::lock_guard<std::mutex> g(s.mu);
-    if (s.broken) {
-      error = "another connection of its session broke";
+    if (s.tainted) {
+      error = "another connection of its session broke the protocol";
     } else if (error = landLocked(s, c.landed); !error.empty()) {
     } else if (h.request_id <= s.frontier) {
       error = str("a part of request ", h.request_id, ", which has been applied");
@@ -247,7 +266,7 @@ bool TcpTransport::Impl::publishLanded(Conn& c) {
   std::string error;
   {
     std::lock_guard<std::mutex> g(s.mu);
-    if (!s.broken) error = landLocked(s, c.landed);
+    if (!s.tainted) error = landLocked(s, c.landed);
     // (the primary on this loop resumes in this pass)
     if (error.empty() && s.waits_for && s.frontier >= s.waits_for && s.primary != c.loop) wake_loop = s.primary;
   }

@@ -240,6 +240,10 @@ void TcpTransport::Impl::answerWrite(Conn& c) {
 
 bool TcpTransport::Impl::protocolError(Conn& c, const std::string& what) {
   LOG(WARNING) << "moelink tcp: protocol error from rank " << c.peer << ": " << what;
+  if (c.in_session) {
+    std::lock_guard<std::mutex> g(c.in_session->mu);
+    c.in_session->tainted = true;
+  }
   closeConn(c, "protocol error: " + what, true);
   return false;
 }
@@ -321,8 +325,8 @@ void TcpTransport::Impl::closeConn(Conn& c, const std::string& why, bool warn) {
   if (!c.pending.empty()) l.ring = true;
   c.pending.clear();
   c.out.clear();
+  if (c.in_session) breakSession(*c.in_session, c.lane, c.landed);
   c.landed.clear();
-  if (c.in_session) breakSession(*c.in_session);
   if (c.outbound) {
     if (auto it = l.outbound.find(c.peer); it != l.outbound.end() && it->second == &c) l.outbound.erase(it);
     std::lock_guard<std::mutex> g(mu_);

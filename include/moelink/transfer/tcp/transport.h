@@ -28,7 +28,13 @@
 // then: one the session has applied or seen closes the connection, after the write's bytes
 // (bounds-checked like any write's) landed. A write completes when the peer acknowledges it (each of its parts); a
 // read when its data has arrived. A broken connection fails all of its pending requests and
-// every later one to that peer.
+// every later one to that peer. On the receiving side a session whose connection closed (a
+// sender that left closes them one by one) still applies, in order, every request that came in
+// full before, as one connection would; a request that waits for an earlier one fails once no
+// lane is left open to bring it, and a protocol error on any connection of the session stops it
+// applying anything more. A transport that shuts down first waits (up to 1 s) for its sockets'
+// sent bytes to be acknowledged, reading and dropping what comes in, so that closing does not
+// reset the connections and drop what the peers have not received yet.
 #pragma once
 
 #include <functional>
