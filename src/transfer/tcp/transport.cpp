@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/epoll.h>
+#include <linux/sockios.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/resource.h>
@@ -12,6 +14,7 @@
 #include <glog/logging.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "impl.h"
 #include "moelink/common/error.h"
@@ -89,11 +92,40 @@ TcpTransport::Impl::Impl(int rank, int world, uint64_t secret, LocalSegments& se
   for (auto& l : loops_) l->thread = std::thread([this, lp = l.get()] { loop(*lp); });
 }
 
+namespace {
+
+// Before the connections close: what their sockets still hold for the peers gets there. A socket
+// closed with unread data resets its connection, which drops what it had not sent yet (the last
+// messages of ops that completed here once their bytes were handed to the socket); so what comes
+// in is read and dropped until every socket's sent bytes are acknowledged, or `limit` passes.
+void lingerForPeers(const std::vector<int>& fds, milliseconds limit) {
+  const auto until = steady_clock::now() + limit;
+  char sink[4096];
+  for (;;) {
+    bool unsent = false;
+    for (int fd : fds) {
+      while (::recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0) {
+      }
+      int queued = 0;
+      if (::ioctl(fd, SIOCOUTQ, &queued) == 0 && queued > 0) unsent = true;
+    }
+    if (!unsent || steady_clock::now() >= until) return;
+    std::this_thread::sleep_for(milliseconds(1));
+  }
+}
+
+}  // namespace
+
 void TcpTransport::Impl::shutdown() {
   if (stopped_.exchange(true)) return;
   for (auto& l : loops_) wake(*l);
   for (auto& l : loops_)
     if (l->thread.joinable()) l->thread.join();
+  std::vector<int> fds;
+  for (auto& l : loops_)
+    for (auto& [fd, c] : l->conns)
+      if (c->fd >= 0) fds.push_back(c->fd);
+  lingerForPeers(fds, milliseconds(1000));
   for (auto& l : loops_) {
     for (auto& [fd, c] : l->conns) closeConn(*c, "transport shut down", false);
     l->conns.clear();
