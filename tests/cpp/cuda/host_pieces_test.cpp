@@ -159,6 +159,22 @@ void streamAllreduce(Ring& ring, const std::vector<HostPiece>& ps, char* buf, Re
   }
 }
 
+// The stream's side of a broadcast of `buf`, as HostPipeline::broadcast orders it: the root packs
+// each piece before its ready word, the others copy each piece back once it is done.
+void streamBroadcast(Ring& ring, const std::vector<HostPiece>& ps, uint8_t* buf, bool is_root) {
+  const PieceRing view = ring.view();
+  auto open = [&](const HostPiece& pc) {
+    if (is_root) copy(view.in(pc.slot), buf + pc.off, pc.len);
+    ring.raise(pc.first);
+  };
+  for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) open(ps[p]);
+  for (size_t p = 0; p < ps.size(); ++p) {
+    ring.wait(ps[p].first);
+    if (!is_root) copy(buf + ps[p].off, view.in(ps[p].slot), ps[p].len);
+    if (p + kDepth < ps.size()) open(ps[p + kDepth]);
+  }
+}
+
 class HostPieces : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
 
 TEST_P(HostPieces, EveryOpThroughTheRing) {
@@ -279,16 +295,7 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
       PieceRing view = ring.view();
       auto done = submit(r, ring, [=](const AlgoContext& c) { return broadcastPieces(c, view, ps, bytes, root); },
                          marksOf(ps, false), active);
-      auto open = [&](const HostPiece& pc) {
-        if (rank == root) copy(view.in(pc.slot), buf.data() + pc.off, pc.len);
-        ring.raise(pc.first);
-      };
-      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) open(ps[p]);
-      for (size_t p = 0; p < ps.size(); ++p) {
-        ring.wait(ps[p].first);
-        if (rank != root) copy(buf.data() + ps[p].off, view.in(ps[p].slot), ps[p].len);
-        if (p + kDepth < ps.size()) open(ps[p + kDepth]);
-      }
+      streamBroadcast(ring, ps, buf.data(), rank == root);
       ASSERT_EQ("", done.get());
       for (uint64_t i = 0; i < bytes; ++i)
         ASSERT_EQ(buf[i], moelink::testing::pattern(root, i)) << "broadcast bytes " << bytes << " byte " << i;
@@ -612,16 +619,7 @@ TEST(HostPieces, BroadcastAmongARail) {
       auto done = submit(r, ring, [=](const AlgoContext& c) {
         return railBroadcastPieces(c, view, ps, bytes, root, step);
       }, marksOf(ps, false), active);
-      auto open = [&](const HostPiece& pc) {
-        if (rank == root) copy(view.in(pc.slot), buf.data() + pc.off, pc.len);
-        ring.raise(pc.first);
-      };
-      for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) open(ps[p]);
-      for (size_t p = 0; p < ps.size(); ++p) {
-        ring.wait(ps[p].first);
-        if (rank != root) copy(buf.data() + ps[p].off, view.in(ps[p].slot), ps[p].len);
-        if (p + kDepth < ps.size()) open(ps[p + kDepth]);
-      }
+      streamBroadcast(ring, ps, buf.data(), rank == root);
       const std::string err = done.get();
       if (err.empty()) {
         uint64_t i = 0;
