@@ -239,8 +239,8 @@ const char* Mailbox::payload(int peer, std::string* error, char* landing, uint64
     *error = str("no message from rank ", peer);
     return nullptr;
   }
-  if (auto& lost = lost_payload_[peer];
-      std::find(lost.begin(), lost.end(), consumed_[peer] + 1) != lost.end()) {
+  if (const auto& lost = lost_payload_[peer];
+      !lost.empty() && std::find(lost.begin(), lost.end(), consumed_[peer] + 1) != lost.end()) {
     *error = str("rank ", peer, "'s message #", consumed_[peer] + 1, " was being received into the memory of an op "
                  "that failed and had not arrived whole when that op ended: its data is lost");
     return nullptr;

@@ -104,7 +104,8 @@ void lingerForPeers(const std::vector<int>& fds, milliseconds limit) {
   for (;;) {
     bool unsent = false;
     for (int fd : fds) {
-      while (::recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0) {
+      // (a peer that keeps sending does not hold this past `limit`)
+      while (::recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0 && steady_clock::now() < until) {
       }
       int queued = 0;
       if (::ioctl(fd, SIOCOUTQ, &queued) == 0 && queued > 0) unsent = true;
