@@ -13,7 +13,8 @@ import tempfile
 
 os.environ["BACKEND"] = "gloo"  # read by the suite at import: gloo's selection of cases
 os.environ.setdefault("WORLD_SIZE", "2")
-os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="moelink-torch-suite-"))
+if "TEMP_DIR" not in os.environ:  # (the spawned ranks inherit it: only a runner started by hand makes one)
+    os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="moelink-torch-suite-")
 
 import moelink  # noqa: E402,F401  (registers backend "ep")
 import torch.testing._internal.distributed.distributed_test as suite  # noqa: E402
