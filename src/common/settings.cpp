@@ -84,7 +84,7 @@ const std::vector<Setting> kSettings = {
     number("MOELINK_CUDA_ROUND_BYTES", "collectives", 0, 64 * kKiB, 1ull << 32,
            "staging bytes per (source, destination) pair and round (a multiple of 16); the staging area is 2 x "
            "ranks x this",
-           "per group size (`moelink.cuda_tuning(n)`): 8388608 at every size"),
+           "per group size (`moelink.cuda_tuning(n)`): 16777216 for 2 ranks, 8388608 above"),
     number("MOELINK_CUDA_ONESHOT_BYTES", "collectives", 0, 0, UINT64_MAX,
            "up to this size allreduce and broadcast are one exchange, above it allreduce is a reduce-scatter + "
            "all-gather in one launch (each rank's reduced pieces go on to the peers as they are reduced) and, in "

@@ -245,8 +245,10 @@ const ExchangeDefaults& exchangeDefaults(int n) {
       // sends as many bytes either way; the two-shot reduces half of them and does not hold its
       // pushing blocks behind the reductions in place: even at 4 MiB, 13 / 8 % ahead at 16 / 32
       // MiB in a graph, 2-3 % at 256 MiB-1 GiB, 4 % behind at 64 MiB); a broadcast has no rank to
-      // forward through (one exchange).
-      {2, kLamportMaxBytes, 0, 4 << 20, 64, 8 << 20, 64 << 10, 512,
+      // forward through (one exchange). 16 MiB rounds: the two-shot all_reduce moves half a round
+      // per pair and round, and gains 10 % at 512 MiB-1 GiB over 8 MiB rounds; the other ops move
+      // as fast with either (the 8 / 16 MiB sweep at 2 ranks).
+      {2, kLamportMaxBytes, 0, 4 << 20, 64, 16 << 20, 64 << 10, 512,
        "2x H200 (nvidia-h200-x2 and GPUs 0-1 of nvidia-h100-x4)"},
       // 4 ranks: Lamport ahead at every size it carries; 64 blocks and 8 MiB rounds the best of
       // the 32-64 blocks, 8-32 MiB rounds sweep at 1 GiB; more exchanges above 1 MiB (all_reduce's

@@ -92,7 +92,7 @@ def test_cuda_tuning_by_group_size(monkeypatch):
         monkeypatch.delenv(name, raising=False)
         assert settings.value(name) in (None, True)  # unset: the group's row decides (split: a flag)
     two, four, eight = (moelink.cuda_tuning(n) for n in (2, 4, 8))
-    assert two == {"lamport_bytes": 262144, "lamport_two_shot_bytes": 0, "one_shot_bytes": 4 << 20, "blocks": 64, "round_bytes": 8 << 20,
+    assert two == {"lamport_bytes": 262144, "lamport_two_shot_bytes": 0, "one_shot_bytes": 4 << 20, "blocks": 64, "round_bytes": 16 << 20,
                    "split": True, "lamport_narrow_bytes": 65536,
                    "lamport_threads": 512, "defaults_measured_on": two["defaults_measured_on"]}
     assert "H200" in two["defaults_measured_on"] and "H200" in four["defaults_measured_on"]
