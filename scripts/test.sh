@@ -2,8 +2,9 @@
 # Runs every test: the C++ tests (GoogleTest through ctest, then again under ASan + UBSan,
 # scripts/sanitize.sh, and the engine's and worker's under TSan, scripts/tsan.sh), the Python
 # tests (pytest, multi-process groups over backend "ep"), then the fuzzers (the tcp wire, and the
-# messages peers write into a rank's memory) for a bounded time each (scripts/fuzz.sh).
-# Installs and builds first. GPU tests skip cleanly without a GPU.
+# messages peers write into a rank's memory) for a bounded time each (scripts/fuzz.sh), and the
+# build without a CUDA compiler (scripts/cpu_only.sh: the module builds, imports and runs the
+# quickstart). Installs and builds first. GPU tests skip cleanly without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -20,6 +21,10 @@ fi
 echo "[moelink test] Python tests"
 export PYTHONPATH="$(pwd)/integration${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -m pytest tests/python -q "$@"
+if [ "${MOELINK_SKIP_CPU_ONLY:-0}" != 1 ]; then
+  echo "[moelink test] the build without a CUDA compiler"
+  bash scripts/cpu_only.sh
+fi
 if [ "${MOELINK_SKIP_FUZZ:-0}" != 1 ]; then
   echo "[moelink test] fuzzers, ${MOELINK_FUZZ_SECONDS:-60} s each"
   bash scripts/fuzz.sh "${MOELINK_FUZZ_SECONDS:-60}"

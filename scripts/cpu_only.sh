@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The build on a machine without a CUDA compiler: the Python module must build, import and run
+# the CPU collectives without the CUDA unit and the EP kernels. A separate build (build-cpu/,
+# CUDA off, no C++ tests) places its module in a copy of the package and of the quickstart
+# under build-cpu/tree/, so the main build's module stays where it is; then the quickstart runs
+# 2 ranks on it. Run by scripts/test.sh (after install.sh); MOELINK_SKIP_CPU_ONLY=1 skips it there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DIR=${MOELINK_CPU_BUILD_DIR:-build-cpu}
+TREE="$(pwd)/$DIR/tree"
+rm -rf "$TREE" && mkdir -p "$TREE/integration" "$TREE/examples"
+cp -r integration/moelink "$TREE/integration/"
+rm -f "$TREE"/integration/moelink/*.so "$TREE/integration/moelink/_build_info.py"
+cp examples/quickstart.py "$TREE/examples/"
+cmake -S . -B "$DIR" -G Ninja -DCMAKE_CUDA_COMPILER=OFF -DMOELINK_BUILD_TESTS=OFF \
+  -DPython3_EXECUTABLE="$(command -v "$PY")" -DMOELINK_MODULE_DIR="$TREE/integration/moelink" >/dev/null
+ninja -C "$DIR" moelink_python | tail -n 1
+# The quickstart puts its own ../integration first on the path: this copy's package.
+"$PY" -c "
+import sys; sys.path.insert(0, '$TREE/integration')
+import moelink
+assert moelink.__file__.startswith('$TREE'), moelink.__file__
+print('cpu-only module:', moelink._C.__file__)
+"
+"$PY" -m torch.distributed.run --nproc-per-node 2 "$TREE/examples/quickstart.py"
