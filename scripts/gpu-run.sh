@@ -58,6 +58,7 @@ cudabenchhost | 500 | CUDA collectives over the host route (virtual hosts of 1, 
 cudabench2lvl | 500 | CUDA collectives over the two-level route (GPUS ranks, default 4, as virtual hosts of 2: NVLink inside, tcp between) beside NCCL with the same hosts (NCCL_HOSTID; NVLink inside, sockets between), 4 MiB-256 MiB, with MOELINK_HOST_TWO_LEVEL 1 and 0
 nvlinkbench   | 200 | the NVLink all-to-all ceiling by way of copying and SMs (examples/bench/nvlink.py), GPUS GPUs
 tcpbench      | 300 | the tcp transport's own loopback bandwidth by number of streams (examples/bench/tcp_transport.py), then of EP rows (7392 and 14336 bytes) in order and unordered, with a signal after the batch and after every 256 KiB
+proxybench    | 200 | the EP proxy's carrier over loopback tcp (examples/bench/proxy_carrier.py): bursts of 7392- and 14336-byte rows posted one by one, beside one batch of the same rows
 cpubench      | 500 | CPU collectives over tcp beside gloo, 4 ranks, 4 MiB-256 MiB, MOELINK_TCP_STREAMS 1 and the default
 mooncake      | 400 | Mooncake's API on moelink (moelink.compat.mooncake): its GPU tests, the migration example
 mooncakeown   | 400 | Mooncake's own EP test (its wheel's tests, .devdeps/anchors/mooncake-tests) on moelink, imports changed
@@ -220,6 +221,12 @@ stage_tcpbench() {
       python3 examples/bench/tcp_transport.py --streams 1,4,8,16 --rows $row --wave $wave --min-bytes 262144 \
         --max-bytes 16777216 --build build-dev --out "$OUT/tcp_transport_rows$row$tag.png"
     done
+  done
+}
+stage_proxybench() {
+  local row
+  for row in 7392 14336; do
+    python3 examples/bench/proxy_carrier.py --row-bytes "$row" --build build-dev --out "$OUT/proxy_carrier$row.png"
   done
 }
 stage_cpubench() {

@@ -151,7 +151,7 @@ const std::vector<Setting> kSettings = {
            "one per 16 cores the process may run on, 1 to 4"),
     flag("MOELINK_EP_PROXY_SPREAD", "ep", true,
          "`0`: the CPU proxy sends its rows to a peer over tcp in order on one connection, instead of spreading them "
-         "over the tcp streams (`MOELINK_TCP_STREAMS`) in batches of 1 MiB or more"),
+         "over the tcp streams (`MOELINK_TCP_STREAMS`) once 256 KiB or more of them are with the engine"),
     flag("MOELINK_EP_TMA", "ep", true,
          "`0`: the low-latency dispatch and the normal-mode combine's sender write token rows with warp stores "
          "instead of bulk copies (TMA)"),

@@ -92,7 +92,7 @@ bool EpProxy::settle() {
 void EpProxy::reopen(int peer) {
   MOELINK_CHECK(std::find(peers_.begin(), peers_.end(), peer) != peers_.end(), "moelink EP proxy: rank ", peer,
                 " is not a proxy peer of rank ", rank_);
-  std::lock_guard<std::mutex> g(carrier_->io());
+  auto g = carrier_->quiesce();
   engine_->forgetPeer(peer);
   engine_->openSegment(peer, kInboxSegment);  // the new process's (its incarnation's) inbox
 }

@@ -4,6 +4,7 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <deque>
 #include <string>
 
 #include "moelink/transfer/transfer_engine.h"
@@ -174,78 +175,141 @@ void ProxyCarrier::carryData(const ProxyWave& wave, bool unordered, std::vector<
   }
 }
 
+// A batch with the engine: the ring entries it carries end at ticket `end`; its signals' values
+// live here until the engine has applied them.
+struct ProxyCarrier::InFlight {
+  uint64_t end = 0;
+  uint64_t bytes = 0;  // its data
+  std::chrono::steady_clock::time_point since;
+  std::vector<transfer::BatchPtr> batches;
+  std::vector<uint64_t> values;
+};
+
+std::unique_lock<std::mutex> ProxyCarrier::quiesce() {
+  io_wanted_.fetch_add(1, std::memory_order_acq_rel);
+  std::unique_lock<std::mutex> g(io_mu_);
+  io_wanted_.fetch_sub(1, std::memory_order_acq_rel);
+  return g;
+}
+
 void ProxyCarrier::run() {
   // Its idle sleeps are 20 us: with the default timer slack (50 us) each lasted ~70 us, which a
   // GPU waiting on the first request after a pause paid.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   uint64_t head = __atomic_load_n(c_.head, __ATOMIC_ACQUIRE);
+  uint64_t taken = head;  // entries handed to the engine (head: those it has finished)
+  uint64_t flying_bytes = 0;
   std::vector<kernels::ProxyEntry> entries;
   std::vector<transfer::TransferRequest> signals;
-  std::vector<uint64_t> values(kMaxBatch);
-  std::vector<transfer::BatchPtr> pending;
+  std::deque<InFlight> flying;
   entries.reserve(kMaxBatch);
   signals.reserve(kMaxBatch);
+  std::unique_lock<std::mutex> io(io_mu_, std::defer_lock);
   const ProxyLimits limits{c_.peers, c_.outbox_bytes};
   auto idle_since = std::chrono::steady_clock::now();
+  // Retires the oldest batch once the engine has finished it, or (`block`) waits for it; one
+  // that fails, or is not done within the timeout, is logged and passed, as the peer's waits
+  // will report it. False: not finished yet (only without `block`).
+  auto retireOldest = [&](bool block) {
+    InFlight& f = flying.front();
+    const auto deadline = f.since + c_.timeout;
+    std::string error;
+    for (const transfer::BatchPtr& batch : f.batches) {
+      if (!batch->done()) {
+        const auto now = std::chrono::steady_clock::now();
+        if (!block && now < deadline) return false;
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+        if (now >= deadline || !batch->wait(left + std::chrono::milliseconds(1))) {
+          error = "timed out";
+          break;
+        }
+      }
+      if (batch->failed()) {
+        error = batch->error();
+        break;
+      }
+    }
+    if (!error.empty()) {
+      LOG_EVERY_N(ERROR, 100) << "moelink EP proxy (rank " << c_.rank << "): transfer failed: " << error;
+    }
+    head = f.end;
+    flying_bytes -= f.bytes;
+    __atomic_store_n(c_.head, head, __ATOMIC_RELEASE);
+    flying.pop_front();
+    if (flying.empty() && io.owns_lock()) io.unlock();
+    return true;
+  };
   while (!stop_.load(std::memory_order_relaxed)) {
+    while (!flying.empty() && retireOldest(false)) {
+    }
+    // Room for another batch, and nobody waiting to change the engine's peers (they get the
+    // lock once the batches in flight are done).
+    if (flying.size() >= kMaxInFlight || (io_wanted_.load(std::memory_order_acquire) > 0 && !flying.empty())) {
+      retireOldest(true);
+      continue;
+    }
+    if (io_wanted_.load(std::memory_order_acquire) > 0 && !io.owns_lock()) {
+      std::this_thread::yield();
+      continue;
+    }
     entries.clear();
     while (entries.size() < kMaxBatch) {
-      const uint64_t ticket = head + entries.size();
+      const uint64_t ticket = taken + entries.size();
       const kernels::ProxyEntry& e = c_.entries[ticket % c_.capacity];
       if (__atomic_load_n(&e.seq, __ATOMIC_ACQUIRE) != ticket + 1) break;
       entries.push_back(e);
     }
     if (entries.empty()) {
-      // Spin while traffic is recent (the GPU waits on us), then back off to short sleeps.
-      if (std::chrono::steady_clock::now() - idle_since < kSpinFor) {
+      // Spin while traffic is recent or with the engine (the GPU waits on us), then back off
+      // to short sleeps.
+      if (!flying.empty() || std::chrono::steady_clock::now() - idle_since < kSpinFor) {
         cpuRelax();
       } else {
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
       continue;
     }
+    if (!io.owns_lock()) io.lock();
     const ProxyPlan plan = planProxyBatch(entries.data(), entries.size(), limits, c_.wave_bytes);
     for (size_t i : plan.dropped) {
       const kernels::ProxyEntry& e = entries[i];
       LOG(ERROR) << "moelink EP proxy (rank " << c_.rank << "): dropping a malformed request (kind " << e.kind
                  << ", peer " << e.peer << ", remote " << e.remote << ", length " << e.length << ")";
     }
-    uint64_t batch_bytes = 0;
-    for (const ProxyWave& wave : plan.waves) batch_bytes += wave.bytes;
-    const bool unordered = c_.spread && !plan.in_ring_order && batch_bytes >= c_.spread_bytes;
-    {
-      std::lock_guard<std::mutex> g(io_mu_);
-      pending.clear();
-      size_t next_value = 0;  // signal values live until the engine has applied them (the waits below)
-      for (const ProxyWave& wave : plan.waves) {
-        carryData(wave, unordered, pending);
-        if (wave.signals.empty()) continue;
-        signals.clear();
-        for (const ProxyWrite& w : wave.signals) {
-          values[next_value] = w.local;
-          transfer::TransferRequest r;
-          r.op = transfer::Opcode::kWrite;
-          r.peer = w.peer;
-          r.segment = c_.inbox;
-          r.offset = w.remote;
-          r.length = w.length;
-          r.local = &values[next_value++];
-          signals.push_back(r);
-        }
-        pending.push_back(engine_.submit(signals));
-      }
-      for (const transfer::BatchPtr& batch : pending) {
-        if (!batch->wait(c_.timeout) || batch->failed()) {
-          LOG_EVERY_N(ERROR, 100) << "moelink EP proxy (rank " << c_.rank << "): transfer failed: "
-                                  << (batch->failed() ? batch->error() : std::string("timed out"));
-          break;
-        }
-      }
+    InFlight f;
+    f.end = taken + entries.size();
+    f.since = std::chrono::steady_clock::now();
+    size_t num_signals = 0;
+    for (const ProxyWave& wave : plan.waves) {
+      f.bytes += wave.bytes;
+      num_signals += wave.signals.size();
     }
-    head += entries.size();
-    __atomic_store_n(c_.head, head, __ATOMIC_RELEASE);
+    const bool unordered = c_.spread && !plan.in_ring_order && f.bytes + flying_bytes >= c_.spread_bytes;
+    f.values.reserve(num_signals);  // never reallocated: the requests point into it
+    for (const ProxyWave& wave : plan.waves) {
+      carryData(wave, unordered, f.batches);
+      if (wave.signals.empty()) continue;
+      signals.clear();
+      for (const ProxyWrite& w : wave.signals) {
+        f.values.push_back(w.local);
+        transfer::TransferRequest r;
+        r.op = transfer::Opcode::kWrite;
+        r.peer = w.peer;
+        r.segment = c_.inbox;
+        r.offset = w.remote;
+        r.length = w.length;
+        r.local = &f.values.back();
+        signals.push_back(r);
+      }
+      f.batches.push_back(engine_.submit(signals));
+    }
+    taken = f.end;
+    flying_bytes += f.bytes;
+    flying.push_back(std::move(f));
     idle_since = std::chrono::steady_clock::now();
   }
+  // What is with the engine still reads the outbox and these values.
+  while (!flying.empty()) retireOldest(true);
 }
 
 }  // namespace moelink::ep

@@ -12,6 +12,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -172,6 +173,74 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
       }
     }
     transfer::storeBarrier(*store, "done", 2, seconds(60));
+  });
+}
+
+// Whoever changes the engine's peers (EpProxy::reopen) gets its turn while a poster keeps the
+// carrier busy (the carrier takes new batches without waiting for the earlier ones, so it may
+// never be idle), and while it holds the turn nothing is with the engine and nothing new is
+// taken: the ring's head stands still.
+TEST(ProxyCarrier, QuiesceGetsItsTurnUnderSteadyTraffic) {
+  auto store = std::make_shared<transfer::InProcessStore>();
+  constexpr uint64_t kRows = 256;
+  testing::runRanks(2, [&](int rank) {
+    transfer::EngineOptions o;
+    o.rank = rank;
+    o.world_size = 2;
+    o.transport = "tcp";
+    o.timeout = seconds(60);
+    transfer::TransferEngine engine(store, o);
+    if (rank == 1) {
+      engine.allocateSegment(kInbox, kRows * kRow);
+      transfer::storeBarrier(*store, "inbox", 2, seconds(60));
+      transfer::storeBarrier(*store, "done", 2, seconds(120));
+      return;
+    }
+    std::vector<ProxyEntry> ring(kCapacity);
+    std::memset(static_cast<void*>(ring.data()), 0, ring.size() * sizeof(ProxyEntry));
+    uint64_t head = 0;
+    std::vector<char> outbox(kRows * kRow, 7);
+    transfer::storeBarrier(*store, "inbox", 2, seconds(60));
+    engine.openSegment(1, kInbox);
+    ProxyCarrier carrier(engine, {.rank = 0,
+                                  .peers = {1},
+                                  .inbox = kInbox,
+                                  .entries = ring.data(),
+                                  .head = &head,
+                                  .capacity = kCapacity,
+                                  .outbox = outbox.data(),
+                                  .outbox_bytes = outbox.size(),
+                                  .timeout = seconds(30)});
+    std::atomic<bool> stop{false};
+    std::atomic<uint64_t> posted{0};
+    std::thread poster([&] {
+      for (uint64_t ticket = 0; !stop.load(std::memory_order_acquire); ++ticket) {
+        while (ticket - __atomic_load_n(&head, __ATOMIC_ACQUIRE) >= kCapacity)
+          if (stop.load(std::memory_order_acquire)) return;
+        ProxyEntry& e = ring[ticket % kCapacity];
+        e.kind = kernels::kProxyData;
+        e.peer = 1;
+        e.local = e.remote = (ticket % kRows) * kRow;
+        e.length = kRow;
+        __atomic_store_n(&e.seq, ticket + 1, __ATOMIC_RELEASE);
+        posted.store(ticket + 1, std::memory_order_release);
+      }
+    });
+    for (int turn = 0; turn < 20; ++turn) {
+      std::this_thread::sleep_for(milliseconds(2));
+      const auto asked = steady_clock::now();
+      auto held = carrier.quiesce();
+      EXPECT_LT(steady_clock::now() - asked, seconds(10)) << "turn " << turn;
+      const uint64_t at = __atomic_load_n(&head, __ATOMIC_ACQUIRE), was_posted = posted.load();
+      std::this_thread::sleep_for(milliseconds(3));
+      EXPECT_EQ(__atomic_load_n(&head, __ATOMIC_ACQUIRE), at) << "turn " << turn << ": a batch finished while held";
+      EXPECT_GE(posted.load(), was_posted);
+    }
+    stop.store(true, std::memory_order_release);
+    poster.join();
+    EXPECT_TRUE(carrier.settle(posted.load()));
+    EXPECT_GT(__atomic_load_n(&head, __ATOMIC_ACQUIRE), kCapacity) << "the poster's rows were not carried";
+    transfer::storeBarrier(*store, "done", 2, seconds(120));
   });
 }
 

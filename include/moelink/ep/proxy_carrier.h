@@ -1,14 +1,17 @@
 // ProxyCarrier: the CPU proxy's threads (plain C++: no CUDA, no torch). The carrier takes what
 // has been posted into the ring (proxy_ring.h) as a batch, plans it into waves
 // (planProxyBatch: data, rows of consecutive tokens merged, then the signals that follow it)
-// and hands the writes to the transfer engine, into each peer's inbox segment; when the
-// engine has carried the batch, it advances the ring's head, which frees the entries for the
-// poster. A wave's data to peers over shared memory, where the engine copies in the
+// and hands the writes to the transfer engine, into each peer's inbox segment, then takes the
+// next batch without waiting for this one (up to kMaxInFlight batches with the engine: the
+// engine applies a peer's requests in submission order, so a later batch's signals still land
+// after every earlier row); as the engine finishes the batches, in ring order, it advances the
+// ring's head, which frees their entries and outbox bytes for the poster. A poster that posts
+// rows one by one (a GPU's warps) thus never waits for a round trip per batch. A wave's data to peers over shared memory, where the engine copies in the
 // submitting thread, is split over `threads` threads (the carrier and its helpers) that
 // submit their parts at once (one core copies a few GB/s); data to peers
 // over tcp, whose own threads carry it, is one submission, its writes unordered (spread over
 // the tcp streams; the signals after them still land after all of them) unless `spread` is off,
-// the batch is small (`spread_bytes`) or its writes overlap. The wave's signals are submitted
+// the batch and those in flight are small (`spread_bytes`) or its writes overlap. The wave's signals are submitted
 // once all of its data has been (the engine applies a peer's requests in submission order). EpProxy (proxy.h) gives it a ring and
 // an outbox in host memory that the GPU maps; tests give it plain memory and post from a
 // thread.
@@ -47,15 +50,17 @@ class ProxyCarrier {
     uint64_t wave_bytes = kProxyWaveBytes;  // planProxyBatch's
     uint64_t part_bytes = 64 << 10;     // the least data a thread takes from a wave
     bool spread = true;                 // tcp data writes unordered (TransferRequest::unordered)
-    // ... in a batch that carries at least this much data: below it the rows go in order on one
-    // connection, which woke fewer threads and moved a lone small batch sooner over loopback
-    // (docs/PERF.md, the tcp transport's rows: unordered 0.5-1.1x in order at 256 KiB, 1.0-3.1x
-    // from 1 MiB).
-    uint64_t spread_bytes = 1 << 20;
+    // ... in a batch that carries at least this much data together with the batches still in
+    // flight: below it the rows go in order on one connection, which wakes fewer threads for a
+    // lone small batch (docs/PERF.md, the tcp transport's rows: unordered 0.5-1.1x in order for
+    // one batch of 256 KiB, 1.0-3.1x from 1 MiB; the carrier's own benchmark: a burst of rows
+    // posted one by one arrives sooner spread from 256 KiB than from 1 MiB).
+    uint64_t spread_bytes = 256 << 10;
   };
   // Starts the thread. The engine outlives the carrier.
   ProxyCarrier(transfer::TransferEngine& engine, Config config);
-  // Stops the threads after the batch in hand (settle() first to deliver everything posted).
+  // Stops the threads once the batches in hand are done (settle() first to deliver everything
+  // posted).
   ~ProxyCarrier();
   ProxyCarrier(const ProxyCarrier&) = delete;
   ProxyCarrier& operator=(const ProxyCarrier&) = delete;
@@ -63,10 +68,15 @@ class ProxyCarrier {
   // Waits (up to the timeout) until the first `tail` entries are carried out. False if the
   // time ran out.
   bool settle(uint64_t tail) const;
-  // Held while a batch is with the engine: whoever changes the engine's peers takes it.
-  std::mutex& io() { return io_mu_; }
+  // Batches carried so far but not yet finished, at most.
+  static constexpr size_t kMaxInFlight = 32;
+  // Whoever changes the engine's peers holds this lock meanwhile: the carrier holds it while
+  // any batch is with the engine, takes no new batch while someone waits for it, and lets it go
+  // once those in flight are done.
+  std::unique_lock<std::mutex> quiesce();
 
  private:
+  struct InFlight;
   void run();
   void help(size_t part);
   // Submits a wave's data, split into parts over the threads; returns once every part has
@@ -80,6 +90,7 @@ class ProxyCarrier {
   Config c_;
   std::atomic<bool> stop_{false};
   std::mutex io_mu_;
+  std::atomic<int> io_wanted_{0};  // threads waiting in quiesce()
   // Work for the helpers: part i + 1 of the current wave is parts_[i + 1] (part 0 is the
   // carrier's); a new wave raises `round_`, each helper lowers `busy_` when its part is submitted.
   std::vector<std::vector<transfer::TransferRequest>> parts_;
