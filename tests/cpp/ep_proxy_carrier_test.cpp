@@ -51,6 +51,28 @@ std::vector<uint64_t> postOrder(int round) {
 // A signal after every 7th token of the order: (round + 1) << 32 | tokens posted before it.
 uint64_t signalValue(int round, uint64_t posted) { return (static_cast<uint64_t>(round) + 1) << 32 | posted; }
 
+// The poster's side: a ring, its head and an outbox in plain memory, as EpProxy has them
+// mapped, and a carrier's settings for them (rank 0 writing to rank 1's inbox).
+struct Poster {
+  std::vector<ProxyEntry> ring;
+  uint64_t head = 0;
+  std::vector<char> outbox;
+  Poster(uint64_t outbox_bytes, char fill) : ring(kCapacity), outbox(outbox_bytes, fill) {
+    std::memset(static_cast<void*>(ring.data()), 0, ring.size() * sizeof(ProxyEntry));
+  }
+  ProxyCarrier::Config config() {
+    return {.rank = 0,
+            .peers = {1},
+            .inbox = kInbox,
+            .entries = ring.data(),
+            .head = &head,
+            .capacity = kCapacity,
+            .outbox = outbox.data(),
+            .outbox_bytes = outbox.size(),
+            .timeout = seconds(30)};
+  }
+};
+
 // (transport, carrying threads): with several threads, waves of a few rows split over them.
 // "tcp4": four tcp streams, none striping a write for its size: the rows spread over them only
 // because the carrier sends them unordered (every batch large enough to spread: spread_bytes 0);
@@ -112,26 +134,18 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
       transfer::storeBarrier(*store, "done", 2, seconds(60));
       return;
     }
-    // The poster: a ring, its head and an outbox in plain memory, as EpProxy has them mapped.
-    std::vector<ProxyEntry> ring(kCapacity);
-    std::memset(static_cast<void*>(ring.data()), 0, ring.size() * sizeof(ProxyEntry));
-    uint64_t head = 0;
-    std::vector<char> outbox(kTokens * kRow);
+    Poster p(kTokens * kRow, 0);
+    uint64_t& head = p.head;
+    std::vector<ProxyEntry>& ring = p.ring;
+    std::vector<char>& outbox = p.outbox;
     transfer::storeBarrier(*store, "inbox", 2, seconds(60));
     engine.openSegment(1, kInbox);
-    ProxyCarrier carrier(engine, {.rank = 0,
-                                  .peers = {1},
-                                  .inbox = kInbox,
-                                  .entries = ring.data(),
-                                  .head = &head,
-                                  .capacity = kCapacity,
-                                  .outbox = outbox.data(),
-                                  .outbox_bytes = outbox.size(),
-                                  .timeout = seconds(30),
-                                  .threads = threads,
-                                  .wave_bytes = threads > 1 ? 4 * kRow : kProxyWaveBytes,
-                                  .part_bytes = kRow / 2,
-                                  .spread_bytes = transport == "tcp4small" ? ~0ull : 0});
+    ProxyCarrier::Config config = p.config();
+    config.threads = threads;
+    config.wave_bytes = threads > 1 ? 4 * kRow : kProxyWaveBytes;
+    config.part_bytes = kRow / 2;
+    config.spread_bytes = transport == "tcp4small" ? ~0ull : 0;
+    ProxyCarrier carrier(engine, config);
     uint64_t ticket = 0;
     auto post = [&](int kind, uint64_t local, uint64_t remote, uint64_t length) {
       const auto deadline = steady_clock::now() + seconds(30);
@@ -196,21 +210,12 @@ TEST(ProxyCarrier, QuiesceGetsItsTurnUnderSteadyTraffic) {
       transfer::storeBarrier(*store, "done", 2, seconds(120));
       return;
     }
-    std::vector<ProxyEntry> ring(kCapacity);
-    std::memset(static_cast<void*>(ring.data()), 0, ring.size() * sizeof(ProxyEntry));
-    uint64_t head = 0;
-    std::vector<char> outbox(kRows * kRow, 7);
+    Poster p(kRows * kRow, 7);
+    uint64_t& head = p.head;
+    std::vector<ProxyEntry>& ring = p.ring;
     transfer::storeBarrier(*store, "inbox", 2, seconds(60));
     engine.openSegment(1, kInbox);
-    ProxyCarrier carrier(engine, {.rank = 0,
-                                  .peers = {1},
-                                  .inbox = kInbox,
-                                  .entries = ring.data(),
-                                  .head = &head,
-                                  .capacity = kCapacity,
-                                  .outbox = outbox.data(),
-                                  .outbox_bytes = outbox.size(),
-                                  .timeout = seconds(30)});
+    ProxyCarrier carrier(engine, p.config());
     std::atomic<bool> stop{false};
     std::atomic<uint64_t> posted{0};
     std::thread poster([&] {
