@@ -91,6 +91,9 @@ class ProxyCarrier {
   std::atomic<bool> stop_{false};
   std::mutex io_mu_;
   std::atomic<int> io_wanted_{0};  // threads waiting in quiesce()
+  // The signal values of batches passed on a timeout (the engine may still read them): kept
+  // as long as the carrier.
+  std::vector<std::vector<uint64_t>> passed_values_;
   // Work for the helpers: part i + 1 of the current wave is parts_[i + 1] (part 0 is the
   // carrier's); a new wave raises `round_`, each helper lowers `busy_` when its part is submitted.
   std::vector<std::vector<transfer::TransferRequest>> parts_;
