@@ -207,6 +207,7 @@ void ProxyCarrier::run() {
   std::unique_lock<std::mutex> io(io_mu_, std::defer_lock);
   const ProxyLimits limits{c_.peers, c_.outbox_bytes};
   auto idle_since = std::chrono::steady_clock::now();
+  unsigned spins = 0;
   // Retires the oldest batch once the engine has finished it, or (`block`) waits for it; one
   // that fails, or is not done within the timeout, is logged and passed, as the peer's waits
   // will report it. False: not finished yet (only without `block`).
@@ -262,10 +263,11 @@ void ProxyCarrier::run() {
       entries.push_back(e);
     }
     if (entries.empty()) {
-      // Spin while traffic is recent or with the engine (the GPU waits on us), then back off
-      // to short sleeps.
+      // Spin while traffic is recent or with the engine (the GPU waits on us; every 64th turn
+      // a yield, for the engine's threads on a host with few cores), then back off to short
+      // sleeps.
       if (!flying.empty() || std::chrono::steady_clock::now() - idle_since < kSpinFor) {
-        cpuRelax();
+        spinTurn(spins);
       } else {
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       }
