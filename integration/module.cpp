@@ -13,6 +13,7 @@
 #include "moelink/common/settings.h"
 #include "moelink/cuda/exchange.h"
 #include "moelink/ep/ibgda/probe.h"
+#include "moelink/ep/layout.h"
 #include "moelink/ep/routes.h"
 #ifdef MOELINK_WITH_CUDA
 #include "moelink/ep/low_latency_buffer.h"
@@ -282,6 +283,21 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       "two-hop route: ('nvlink' | 'group' | 'ask', int). `impl`: the GPU buffer when the call's tensors are on "
       "its GPU, else None; `connected`: that buffer is connected at the group's membership epoch. 'ask': the "
       "two-hop route if every rank sees the same ranks per host (see agreed_ranks_per_host), else the group path.");
+  m.def(
+      "ep_buffer_size_hint",
+      [](int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts) {
+        try {
+          return static_cast<int64_t>(moelink::ep::EpLayout::make(static_cast<int>(num_ranks),
+                                                                  static_cast<int>(num_experts),
+                                                                  static_cast<int>(max_tokens), static_cast<int>(hidden))
+                                          .totalBytes());
+        } catch (const moelink::Error& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      py::arg("num_ranks"), py::arg("max_tokens"), py::arg("hidden"), py::arg("num_experts"),
+      "Bytes of the low-latency EP buffer per rank for these sizes (built with or without CUDA); ValueError for "
+      "sizes the buffer does not take.");
   m.def("agreed_ranks_per_host", &moelink::ep::agreedRanksPerHost, py::arg("highest"), py::arg("lowest"),
         "The two-hop route's ranks per host given the largest and smallest that the group's ranks see (0: the "
         "group path).");
@@ -309,7 +325,6 @@ registered creator; use ``moelink.get_backend(group)`` to reach it.)")
       .def("settle", &LowLatencyBuffer::settle, py::call_guard<py::gil_scoped_release>())
       .def("update_members", &LowLatencyBuffer::updateMembers, py::arg("mask"), py::arg("nonces"), py::arg("generation"),
            py::call_guard<py::gil_scoped_release>())
-      .def_static("size_hint", &LowLatencyBuffer::sizeHint)
       .def("dispatch", &LowLatencyBuffer::dispatch)
       .def("dispatch_recv", &LowLatencyBuffer::dispatchRecv)
       .def("combine", &LowLatencyBuffer::combine)

@@ -74,7 +74,7 @@ class Buffer(LowLatencyMode, NormalMode, Routing):
     def get_buffer_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                              num_experts: int) -> int:
         """Bytes of GPU memory a Buffer of these sizes allocates on each rank."""
-        return _C.LowLatencyBuffer.size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        return _C.ep_buffer_size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def _gpu(self):
         if self._impl is None:

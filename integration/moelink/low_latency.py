@@ -117,7 +117,7 @@ class LowLatencyMode:
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
         """DeepEP's name for get_buffer_size_hint (bytes of the low-latency buffer per rank)."""
-        return _C.LowLatencyBuffer.size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        return _C.ep_buffer_size_hint(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def get_next_combine_buffer(self, handle) -> torch.Tensor:
         """A persistent [local experts, ranks * max tokens, hidden] bf16 tensor (one per buffer

@@ -121,12 +121,6 @@ struct LowLatencyBuffer::EmulatedRemotes {
   }
 };
 
-int64_t LowLatencyBuffer::sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts) {
-  return static_cast<int64_t>(EpLayout::make(static_cast<int>(num_ranks), static_cast<int>(num_experts),
-                                             static_cast<int>(max_tokens), static_cast<int>(hidden))
-                                  .totalBytes());
-}
-
 LowLatencyBuffer::LowLatencyBuffer(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                    const std::string& key, int64_t max_tokens, int64_t hidden, int64_t num_experts,
                                    const std::vector<int64_t>& active)

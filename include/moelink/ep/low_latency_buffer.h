@@ -52,8 +52,6 @@ class LowLatencyBuffer {
            int64_t max_tokens, int64_t hidden, int64_t num_experts, const std::vector<int64_t>& active = {});
   ~LowLatencyBuffer();
 
-  static int64_t sizeHint(int64_t num_ranks, int64_t max_tokens, int64_t hidden, int64_t num_experts);
-
   // Sends (and, unless launch_recv is false, receives) one dispatch round.
   DispatchOutputs dispatch(const at::Tensor& x, const at::Tensor& topk_idx, bool use_fp8,
                            bool round_scale, int64_t timeout_us,
