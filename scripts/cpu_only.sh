@@ -8,6 +8,7 @@
 # skips it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONPATH  # (scripts/test.sh sets it to the main build's package; this build has its own)
 PY=${PYTHON:-python3}
 DIR=${MOELINK_CPU_BUILD_DIR:-build-cpu}
 TREE="$(pwd)/$DIR/tree"
@@ -19,6 +20,8 @@ cp -r tests/python "$TREE/tests/"
 cmake -S . -B "$DIR" -G Ninja -DCMAKE_CUDA_COMPILER=OFF -DMOELINK_BUILD_TESTS=OFF \
   -DPython3_EXECUTABLE="$(command -v "$PY")" -DMOELINK_MODULE_DIR="$TREE/integration/moelink" >/dev/null
 ninja -C "$DIR" moelink_python | tail -n 1
+# (the build places them there itself only when it links the module anew)
+cp "$DIR"/_C*.so "$DIR/_build_info.py" "$TREE/integration/moelink/"
 # The quickstart puts its own ../integration first on the path: this copy's package.
 "$PY" -c "
 import sys; sys.path.insert(0, '$TREE/integration')
