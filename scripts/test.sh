@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs every test: the C++ tests (GoogleTest through ctest, then again under ASan + UBSan,
-# scripts/sanitize.sh, and the engine's and worker's under TSan, scripts/tsan.sh), the Python
-# tests (pytest, multi-process groups over backend "ep"), then the fuzzers (the tcp wire, and the
-# messages peers write into a rank's memory) for a bounded time each (scripts/fuzz.sh), and the
-# build without a CUDA compiler (scripts/cpu_only.sh: the module builds, imports and runs the
-# quickstart). Installs and builds first. GPU tests skip cleanly without a GPU.
+# scripts/sanitize.sh, and the engine's, worker's and EP proxy carrier's under TSan,
+# scripts/tsan.sh), the Python tests (pytest, multi-process groups over backend "ep"), the build
+# without a CUDA compiler (scripts/cpu_only.sh: the module builds, imports, runs the quickstart
+# and the EP buffer's CPU rounds), then the fuzzers (the tcp wire, and the messages peers write
+# into a rank's memory) for a bounded time each (scripts/fuzz.sh). Installs and builds first. GPU
+# tests skip cleanly without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -15,7 +16,7 @@ ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2
 if [ "${MOELINK_SKIP_SANITIZERS:-0}" != 1 ]; then
   echo "[moelink test] C++ tests under ASan + UBSan"
   bash scripts/sanitize.sh
-  echo "[moelink test] the engine's and the worker's C++ tests under TSan"
+  echo "[moelink test] the engine's, the worker's and the EP proxy carrier's C++ tests under TSan"
   bash scripts/tsan.sh
 fi
 echo "[moelink test] Python tests"
