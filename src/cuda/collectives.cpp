@@ -126,14 +126,8 @@ uint64_t CudaCollectives::restage(const char* opname, bool capturing, uint64_t s
     // Point-to-point ops (the receive stream) never use the areas, and one may wait for a
     // peer's later send: not waited for.
     drainGroupOps();
-    if (captured_since_stage_ && staging_) {
-      // Graphs captured over these areas may be replayed: keep them, their abort word raised.
-      __atomic_store_n(abort_->host(0), 1u, __ATOMIC_RELEASE);
-      retired_.emplace_back(std::move(staging_), std::move(abort_));
-      abort_ = std::make_unique<MappedArray<uint32_t>>(1);
-      abort_word_.store(abort_->host(0));
-      captured_since_stage_ = false;
-    }
+    if (captured_since_stage_ && staging_) retire(std::move(staging_));  // graphs may replay them
+    captured_since_stage_ = false;
     staging_.reset();
     // Each member publishes the number of the op it is issuing (a rank with no areas yet, a
     // replacement, publishes none): the new areas serve ops from the largest on.
@@ -181,6 +175,14 @@ uint64_t CudaCollectives::restage(const char* opname, bool capturing, uint64_t s
               << " rank(s) from epoch " << epoch << ", op #" << start;
     return seq;
   }
+}
+
+void CudaCollectives::retire(std::unique_ptr<ExchangeStaging> staging, at::Tensor keep) {
+  __atomic_store_n(abort_->host(0), 1u, __ATOMIC_RELEASE);
+  retired_.push_back(Retired{std::move(staging), std::move(abort_), std::move(keep)});
+  abort_ = std::make_unique<MappedArray<uint32_t>>(1);
+  __atomic_store_n(abort_->host(0), 1u, __ATOMIC_RELEASE);
+  abort_word_.store(abort_->host(0));
 }
 
 void CudaCollectives::drainGroupOps() {

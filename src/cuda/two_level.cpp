@@ -18,17 +18,34 @@
 namespace moelink::cuda {
 
 void CudaCollectives::setUpTwoLevel(bool capturing) {
-  two_level_decided_ = true;
+  collective::CollectiveWorker& w = *g_.worker;
+  const uint64_t epoch = w.epoch();
+  two_level_epoch_ = epoch;
   if (capable_) return;  // one host: the in-host kernels serve the whole group
   // Real hosts, cut into virtual ones of MOELINK_RANKS_PER_HOST ranks where it is set.
   const auto ranks = twoLevelRanks(size_, rank_, [&](int q) {
     return g_.host_of(q) + "#" + std::to_string(ranks_per_host_ > 0 ? q / ranks_per_host_ : 0);
   }, kExchangeMaxRanks);
   if (!ranks) return;  // the same answer on every rank: nothing to agree on
+  // The areas of an earlier epoch (its ops were failed by the change, or ran before it): once
+  // the group's ops issued so far have run, they go, or are kept for the graphs that name
+  // them. (A capture may not wait for them: they stay, unused, until a later epoch's first op.)
+  if (two_level_ && !capturing) {
+    drainGroupOps();
+    std::unique_ptr<TwoLevel> old;
+    {
+      std::lock_guard<std::mutex> g(mu_);  // path() reads it
+      old = std::move(two_level_);
+    }
+    if (two_level_captured_) retire(std::move(old->staging), old->gather_rows);
+    two_level_captured_ = false;
+  }
+  // Every rank of an epoch sees the same active ranks: while one is out, every rank runs flat
+  // without asking the others.
+  for (int q = 0; q < size_; ++q)
+    if (!w.isActive(q)) return;
   const int n = static_cast<int>(ranks->local.size());
-  collective::CollectiveWorker& w = *g_.worker;
-  bool ready = !capturing && w.epoch() == 0;
-  for (int q = 0; q < size_ && ready; ++q) ready = w.isActive(q);
+  bool ready = !capturing;
   try {
     ready = ready && settings::flag("MOELINK_HOST_TWO_LEVEL");
   } catch (const moelink::Error& e) {
@@ -49,17 +66,19 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
   // takes the route while a peer on another host does not would fail every op it runs. The wait
   // for a rank that does not answer ends when the membership changes or the store's timeout
   // passes, with no.
-  auto moved = [&w] { return w.epoch() != 0; };
+  // The keys and areas are the epoch's own: a replacement process answers afresh.
+  auto moved = [&w, epoch] { return w.epoch() != epoch; };
+  const std::string tag = "two_level/e" + std::to_string(epoch);
   C10dStore store(g_.store);
   const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(g_.store->getTimeout());
   auto everyRankSays = [&](const char* what, bool yes) {
-    return transfer::storeAllAgree(store, std::string("moelink_cuda/two_level/") + what, size_, yes, timeout, moved);
+    return transfer::storeAllAgree(store, "moelink_cuda/" + tag + "/" + what, size_, yes, timeout, moved);
   };
   if (!everyRankSays("ready", ready)) return;
   c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device_));
   std::string why;
   try {
-    t->staging = ExchangeStaging::open(g_.store, rank_, size_, t->tuning, &why, "two_level", t->ranks.local, moved);
+    t->staging = ExchangeStaging::open(g_.store, rank_, size_, t->tuning, &why, tag, t->ranks.local, moved);
   } catch (const std::exception& e) {  // the other ranks hear "no" below, as for any failure here
     why = e.what();
     t->staging.reset();
@@ -78,11 +97,25 @@ void CudaCollectives::setUpTwoLevel(bool capturing) {
     std::lock_guard<std::mutex> g(mu_);  // path() reads it
     two_level_ = std::move(t);
   }
-  VLOG(1) << "moelink: rank " << rank_ << " CUDA all_reduce in two levels: " << n << " ranks per host, "
-          << ranks->hosts << " hosts";
+  // The route's kernels and cross-host steps give up on the abort word, raised by the change
+  // that ended the last epoch: clear it, unless another change came meanwhile (the worker sets
+  // the epoch before it calls the listeners, which raise both again from here on).
+  __atomic_store_n(abort_->host(0), 0u, __ATOMIC_RELEASE);
+  changed_.store(false, std::memory_order_release);
+  if (w.epoch() != epoch) {
+    changed_.store(true, std::memory_order_release);
+    __atomic_store_n(abort_->host(0), 1u, __ATOMIC_RELEASE);
+  }
+  if (epoch == 0)
+    VLOG(1) << "moelink: rank " << rank_ << " CUDA collectives in two levels: " << n << " ranks per host, "
+            << ranks->hosts << " hosts";
+  else
+    LOG(INFO) << "moelink: rank " << rank_ << " CUDA collectives in two levels again from epoch " << epoch << ": "
+              << n << " ranks per host, " << ranks->hosts << " hosts";
 }
 
 std::function<std::string()> CudaCollectives::railCheck(Op& op, const char* what, bool after_in_host) {
+  if (op.captured) two_level_captured_ = true;  // (every two-level op asks this: a graph names the areas)
   // The in-host step's status word starts clear (a captured op's is the sink that every replay
   // shares), so that the cross-host step can ask whether it succeeded.
   ExchangeStatus* status = nullptr;
@@ -98,7 +131,8 @@ std::function<std::string()> CudaCollectives::railCheck(Op& op, const char* what
   return [abort, status, timeout_ms, peers, op_name]() -> std::string {
     if (__atomic_load_n(abort, __ATOMIC_ACQUIRE))
       return "the group's membership changed while this two-level " + op_name +
-             " ran (its in-host kernels give up; the next ops run with every rank on the wire)";
+             " ran (its in-host kernels give up; the next ops run with every rank on the wire until the group is "
+             "whole again)";
     if (!status || __atomic_load_n(&status->code, __ATOMIC_ACQUIRE) == ExchangeStatus::kOk) return "";
     ExchangeStatus s;
     std::memcpy(&s, status, sizeof s);

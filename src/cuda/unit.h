@@ -176,10 +176,12 @@ class CudaCollectives final : public Collectives {
   // this host's ranks on the in-host kernels; reduce_scatter as a reduce-scatter among this
   // host's ranks (each gets its rail's blocks) and one among the rail; all_gather as an
   // all-gather among the rail through the pipeline, then among this host's ranks on the in-host
-  // kernels. The wire carries each byte once per host instead of once per rank. Set up at the
-  // group's first collective op (every rank issues it) when every rank agrees
-  // (MOELINK_HOST_TWO_LEVEL, every rank active, areas mapped); after a membership change the
-  // group runs flat (every rank on the wire) from then on.
+  // kernels. The wire carries each byte once per host instead of once per rank. Decided at
+  // the group's first collective op in each membership epoch (every rank issues it, and every
+  // rank in an epoch sees the same active ranks): set up when every rank is active and agrees
+  // (MOELINK_HOST_TWO_LEVEL, not capturing, areas mapped), over areas of that epoch; while some
+  // rank is out the group runs flat (every rank on the wire), and once readmission makes it
+  // whole again, in two levels again.
   struct TwoLevel {
     std::unique_ptr<ExchangeStaging> staging;
     TwoLevelRanks ranks;    // this host's ranks, this rank's position among them, its rail
@@ -245,15 +247,27 @@ class CudaCollectives final : public Collectives {
   std::unique_ptr<MappedArray<uint32_t>> abort_;  // [0]: raised on a membership change; kernels give up
   std::atomic<uint32_t*> abort_word_{nullptr};    // abort_'s word (the membership listener raises it)
   std::atomic<bool> changed_{false};
-  // Staging areas (and their abort words, raised for good) that ops captured in CUDA graphs
-  // still name: kept, so that replaying such a graph after a membership change ends its
-  // kernels at once instead of touching freed memory (the graph must be captured again).
-  std::vector<std::pair<std::unique_ptr<ExchangeStaging>, std::unique_ptr<MappedArray<uint32_t>>>> retired_;
+  // Staging areas (and their abort words, raised for good, and the GPU tensors their ops
+  // read) that ops captured in CUDA graphs still name: kept, so that replaying such a graph
+  // after a membership change ends its kernels at once instead of touching freed memory (the
+  // graph must be captured again).
+  struct Retired {
+    std::unique_ptr<ExchangeStaging> staging;
+    std::unique_ptr<MappedArray<uint32_t>> abort;
+    at::Tensor keep;
+  };
+  std::vector<Retired> retired_;
+  // Keeps `staging` (and `keep`) for the graphs captured over it, with the current abort word
+  // raised; a fresh word (raised too, until new areas clear it) serves what comes next.
+  void retire(std::unique_ptr<ExchangeStaging> staging, at::Tensor keep = {});
   bool captured_since_stage_ = false;
   bool capable_ = false;      // every rank on this host: the in-host kernels can serve the group
   int ranks_per_host_ = 0;    // MOELINK_RANKS_PER_HOST (0: unset)
   std::unique_ptr<TwoLevel> two_level_;
-  bool two_level_decided_ = false;
+  // The epoch the two-level route was decided for (every rank decides at its first group op
+  // in an epoch), and whether an op captured in a CUDA graph used the areas set up then.
+  std::optional<uint64_t> two_level_epoch_;
+  bool two_level_captured_ = false;
   // The set of staging areas in use: the epoch it was set up in, its ranks (sorted) and this
   // rank's position among them.
   bool staged_ = false;
@@ -313,7 +327,7 @@ Work CudaCollectives::run(const Kind& k, Tensors outputs, const Tensors& used, R
                          "CUDA ops (epoch ", staged_epoch_, "), and another rank had issued this op before it saw the "
                          "change, where it failed; the ranks are in step again from op #", start_seq_);
   }
-  if (group && !two_level_decided_) setUpTwoLevel(cs != cudaStreamCaptureStatusNone);
+  if (group && two_level_epoch_ != g_.worker->epoch()) setUpTwoLevel(cs != cudaStreamCaptureStatusNone);
   const bool host = !group || !inHost();
   Op op;
   op.captured = cs != cudaStreamCaptureStatusNone;

@@ -354,9 +354,24 @@ def gpu_two_level(rank, world, port, victim=3, kill_iter=5, iters=14, replacemen
             out.append(x.unique().tolist() == [float(sum(r + 1 + base + k for r in range(world)))])
         return out
 
+    def graph_sums(base):
+        # an all_reduce captured over the areas of the group's current epoch, replayed with new inputs
+        from cuda_support import capture
+
+        x = torch.zeros(n, device="cuda")
+        graph = capture(lambda: dist.all_reduce(x))
+        out = []
+        for k in range(3):
+            x.fill_(float(rank + 1 + base + k))
+            graph.replay()
+            torch.cuda.synchronize()
+            out.append(x.unique().tolist() == [float(sum(r + 1 + base + k for r in range(world)))])
+        return out
+
     if replacement:
         res["full"] = full_sums(5000)
         res["path"] = moelink.get_backend().cuda_path()
+        res["graph"] = graph_sums(7000)
     else:
         outcomes, pending = {}, None
 
@@ -386,6 +401,7 @@ def gpu_two_level(rank, world, port, victim=3, kill_iter=5, iters=14, replacemen
         if pending:
             settle(pending)
         _survivor_after(res, outcomes, victim, full_sums)
+        res["graph"] = graph_sums(7000)
     dist.destroy_process_group()
     return res
 

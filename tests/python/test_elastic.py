@@ -270,7 +270,8 @@ def test_gpu_two_level_kill_and_rejoin():
     (route host+nvlink), when rank 3 dies with an op in flight: every op a survivor completes holds
     the full sum (before the change) or the survivors' (after it), never anything else; the ops
     after the change run with every rank on the wire (route host) and succeed; after a replacement
-    is readmitted the group sums over all four again."""
+    is readmitted the group is whole again and back on two levels, over areas set up afresh
+    (eager ops and a newly captured graph)."""
     import torch
 
     share = os.environ.get("MOELINK_TEST_SHARE_GPU") in ("1", "4")
@@ -294,7 +295,8 @@ def test_gpu_two_level_kill_and_rejoin():
         assert s["outcomes"][str(last)] == {"sum": [three(last)]}, (s["rank"], s["outcomes"])
         assert s["mask"] == [1, 1, 1, 0] and s["path_after"] == "host", (s["mask"], s["path_after"])
     for r in survivors + [res["new3"]]:
-        assert r["full"] == [True] * 3 and r["path"] == "host", r
+        assert r["full"] == [True] * 3 and r["path"] == "host+nvlink", r
+        assert r["graph"] == [True] * 3, r
 
 
 @pytest.mark.parametrize("path,world,victim,transport",
