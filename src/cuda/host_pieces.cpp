@@ -112,10 +112,21 @@ AlgoContext amongRanks(const AlgoContext& c, const std::vector<int>& among, std:
 }
 
 OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
-                       uint64_t count, DType t, ReduceOp rop, int world, int rank) {
+                       uint64_t count, DType t, ReduceOp rop, int world, int rank, bool one_exchange) {
   const uint64_t e = collective::elementSize(t), vec = vecOf(e);
   OpSpec op = pipelineOp(OpKind::kAllreduce, t, rop, -1, count * e);
   const int m = static_cast<int>(ctx.ranks.size()), me = static_cast<int>(collective::indexOf(ctx, rank));
+  if (one_exchange) {
+    // Of two ranks (or one left): the other's whole piece lands in row 0 of `out`.
+    MOELINK_CHECK(m <= 2, "an all_reduce in one exchange per piece among ", m, " ranks");
+    std::vector<uint64_t> zero(world, 0), bytes(world, 0);
+    for (const HostPiece& pc : ps) {
+      for (int r : ctx.ranks) bytes[r] = r == rank ? 0 : pc.len * e;
+      append(op, ring, collective::alltoallOp(ctx, ring.in(pc.slot), zero, bytes, ring.out(pc.slot), zero, bytes),
+             pc.first, publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, 0, pc.len * e, 0, m, me}));
+    }
+    return op;
+  }
   // The all-gather halves read and write the same slot, so the op is not pullable
   // (appendGatedPiece): no piece may be cut for pulled messages.
   AlgoContext c1 = ctx;
@@ -216,10 +227,11 @@ OpSpec railOp(const AlgoContext& ctx, OpSpec op, const RailStep& step, const std
 }  // namespace
 
 OpSpec railAllreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
-                           uint64_t count, DType t, ReduceOp rop, int world, int rank, const RailStep& step) {
+                           uint64_t count, DType t, ReduceOp rop, int world, int rank, const RailStep& step,
+                           bool one_exchange) {
   std::string missing;
   const AlgoContext rail = railContext(ctx, step, &missing);
-  return railOp(ctx, allreducePieces(rail, ring, ps, count, t, rop, world, rank), step, missing);
+  return railOp(ctx, allreducePieces(rail, ring, ps, count, t, rop, world, rank, one_exchange), step, missing);
 }
 
 OpSpec railAllgatherPieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,

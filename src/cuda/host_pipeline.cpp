@@ -193,18 +193,19 @@ void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, 
                              const RailStep* rail) {
   const uint64_t e = collective::elementSize(t);
   const int depth = tuning_.depth;
-  const std::vector<HostPiece> ps = cutPieces(count, allreducePieceElems(e, tuning_.slot_bytes), depth, true,
+  const bool one = allreduceInOneExchange(rail ? static_cast<int>(rail->rail.size()) : size_);
+  const std::vector<HostPiece> ps = cutPieces(count, allreducePieceElems(e, tuning_.slot_bytes), depth, !one,
                                               [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
   for (const HostPiece& pc : ps) {
     marks.push_back(pc.first);
-    marks.push_back(pc.second);
+    if (!one) marks.push_back(pc.second);
   }
   submit(c, OpKind::kAllreduce,
-         [r = ring(), ps, count, t, rop, world = size_, rank = rank_,
+         [r = ring(), ps, count, t, rop, world = size_, rank = rank_, one,
           step = rail ? std::make_optional(*rail) : std::nullopt](const AlgoContext& ctx) {
-           return step ? railAllreducePieces(ctx, r, ps, count, t, rop, world, rank, *step)
-                       : allreducePieces(ctx, r, ps, count, t, rop, world, rank);
+           return step ? railAllreducePieces(ctx, r, ps, count, t, rop, world, rank, *step, one)
+                       : allreducePieces(ctx, r, ps, count, t, rop, world, rank, one);
          },
          std::move(marks));
   const cudaStream_t s = c.stream;
@@ -212,6 +213,14 @@ void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, 
     copyAsync(inHost(pc.slot), buf + pc.off * e, pc.len * e, cudaMemcpyDeviceToHost, s);
     raiseReady(s, pc.first);
   };
+  if (one) {
+    // The other rank's piece arrives whole: reduced with this rank's, in place on the GPU.
+    streamPieces(ps, depth, pack, [&](const HostPiece& pc) {
+      waitDone(s, pc.first);
+      launchReduce(s, buf + pc.off * e, pc.slot, buf + pc.off * e, pc.first.ticket, pc.len * e, t, rop);
+    });
+    return;
+  }
   // Piece p's block is reduced (and its all-gather let go) as soon as its reduce-scatter is
   // in, ahead of the wait for piece p-1's all-gather: the wire need not wait for the stream.
   auto reduce = [&](const HostPiece& pc) {

@@ -16,7 +16,9 @@
 //   all_reduce      reduce-scatter (every active rank sends each its block of the piece),
 //                   the GPU reduces this rank's block, all-gather of the reduced blocks; the
 //                   worker runs piece p+1's reduce-scatter before piece p's all-gather, so the
-//                   wire stays busy while the GPU reduces;
+//                   wire stays busy while the GPU reduces; between two ranks (a group of
+//                   two, or a rail of two hosts) the whole piece to the other rank instead,
+//                   and the GPU reduces both in place (allreduceInOneExchange);
 //   reduce_scatter  the piece's rows (one per rank) to their ranks, the GPU reduces;
 //   all_gather      this rank's piece to every rank, copied back per rank;
 //   broadcast       the root's piece to every rank.

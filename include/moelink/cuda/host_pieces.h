@@ -93,11 +93,20 @@ struct RailStep {
   std::function<std::string()> check;
 };
 
+// Whether an all_reduce among `ranks` ranks (a group, or a rail of a two-level op) moves each
+// piece in one exchange: every rank sends its whole piece to the other, and each reduces both
+// on the GPU. Between two ranks that is what a reduce-scatter and an all-gather put on the wire,
+// in one step per piece instead of two, with no exchange waiting for a reduction. (Among more
+// ranks it would send the piece to every one of them.)
+inline bool allreduceInOneExchange(int ranks) { return ranks == 2; }
+
 // The collective the worker runs for each op, built when the op starts (from the ranks active
 // then; `rank` is this rank, `world` the group's size): one gated piece after another
 // (collective::appendGatedPiece). all_reduce: per piece a reduce-scatter by active rank into
 // the slot's `out` rows, then (after the next piece's) an all-gather of the reduced blocks in
-// the slot's `in` area; reduce_scatter: the `in` rows (by rank, `per` elements apart) to their
+// the slot's `in` area; with `one_exchange` (allreduceInOneExchange, pieces of one mark each),
+// the `in` piece to the other active rank, into row 0 of its `out` area, and a plan that reduces
+// the whole piece (stride 0: the one received row); reduce_scatter: the `in` rows (by rank, `per` elements apart) to their
 // ranks, received by active index; all_gather: the `in` piece to every rank, received by rank
 // (an inactive rank's row zeroed); broadcast: the root's `in` piece; all_to_all: piece p moves
 // bytes [p * per, (p + 1) * per) of every pair that has that many pieces (alltoallPairPieces;
@@ -105,7 +114,7 @@ struct RailStep {
 // rows (an inactive rank's row zeroed); this rank's own pair is the stream's.
 collective::OpSpec allreducePieces(const collective::AlgoContext& c, const PieceRing& ring,
                                    const std::vector<HostPiece>& pieces, uint64_t count, collective::DType t,
-                                   collective::ReduceOp op, int world, int rank);
+                                   collective::ReduceOp op, int world, int rank, bool one_exchange);
 // allreducePieces among `step.rail` (amongRanks), each piece held until step.check() is ""
 // (otherwise the op fails here before this rank sends that piece, and its peers with it: also
 // when a rank of the rail or of the host is not active), then a barrier among `step.local`
@@ -118,7 +127,8 @@ collective::OpSpec allreducePieces(const collective::AlgoContext& c, const Piece
 // flat route.
 collective::OpSpec railAllreducePieces(const collective::AlgoContext& c, const PieceRing& ring,
                                        const std::vector<HostPiece>& pieces, uint64_t count, collective::DType t,
-                                       collective::ReduceOp op, int world, int rank, const RailStep& step);
+                                       collective::ReduceOp op, int world, int rank, const RailStep& step,
+                                       bool one_exchange);
 // The cross-host step of a two-level reduce_scatter, with the same header, gates and barrier:
 // the `in` rows packed by position on the rail (`per` elements apart:
 // reduceScatterPieceElems(elem, slot, rail size)) to those ranks, received by active index.

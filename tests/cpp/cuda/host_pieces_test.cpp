@@ -159,6 +159,25 @@ void streamAllreduce(Ring& ring, const std::vector<HostPiece>& ps, char* buf, Re
   }
 }
 
+// The stream's side of an all_reduce of 4-byte elements in one exchange per piece
+// (allreduceInOneExchange), as HostPipeline::allreduce orders it: each piece packed, then,
+// once the other rank's piece has come, reduced in place (`reduce(slot, ticket, piece)`) and
+// its slot packed again.
+template <typename Reduce>
+void streamAllreduceOne(Ring& ring, const std::vector<HostPiece>& ps, char* buf, Reduce reduce) {
+  const PieceRing view = ring.view();
+  auto pack = [&](const HostPiece& pc) {
+    copy(view.in(pc.slot), buf + pc.off * 4, pc.len * 4);
+    ring.raise(pc.first);
+  };
+  for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
+  for (size_t p = 0; p < ps.size(); ++p) {
+    ring.wait(ps[p].first);
+    reduce(ps[p].slot, ps[p].first.ticket, buf + ps[p].off * 4);
+    if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
+  }
+}
+
 // The stream's side of a broadcast of `buf`, as HostPipeline::broadcast orders it: the root packs
 // each piece before its ready word, the others copy each piece back once it is done.
 void streamBroadcast(Ring& ring, const std::vector<HostPiece>& ps, uint8_t* buf, bool is_root) {
@@ -194,6 +213,9 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
     Ring ring(world);
     auto mark = [&](int word) { return ring.mark(word); };
     const uint64_t per_ar = allreducePieceElems(4, kSlotBytes);
+    // Two ranks also in one exchange per piece (allreduceInOneExchange).
+    for (bool one : {false, true}) {
+    if (one && !allreduceInOneExchange(world)) continue;
     for (uint64_t count : std::vector<uint64_t>{0, 1, per_ar - 1, per_ar, per_ar + 1, 5 * per_ar + 3}) {
       for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
         // all_reduce: float (SUM, AVG) or int32 (MAX), in place.
@@ -204,15 +226,22 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
           if (ints) reinterpret_cast<int32_t*>(buf.data())[i] = input<int32_t>(rank, i);
           else reinterpret_cast<float*>(buf.data())[i] = input<float>(rank, i);
         }
-        auto ps = cutPieces(count, per_ar, kDepth, true, mark);
+        auto ps = cutPieces(count, per_ar, kDepth, !one, mark);
         PieceRing view = ring.view();
         auto done = submit(r, ring, [=](const AlgoContext& c) {
-          return allreducePieces(c, view, ps, count, t, op, world, rank);
-        }, marksOf(ps, true), active);
-        streamAllreduce(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* mine) {
-          if (ints) ring.reduce<int32_t>(slot, ticket, view.in(slot), mine, op);
-          else ring.reduce<float>(slot, ticket, view.in(slot), mine, op);
-        }, microseconds(200));
+          return allreducePieces(c, view, ps, count, t, op, world, rank, one);
+        }, marksOf(ps, !one), active);
+        if (one) {
+          streamAllreduceOne(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* piece) {
+            if (ints) ring.reduce<int32_t>(slot, ticket, piece, piece, op);
+            else ring.reduce<float>(slot, ticket, piece, piece, op);
+          });
+        } else {
+          streamAllreduce(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* mine) {
+            if (ints) ring.reduce<int32_t>(slot, ticket, view.in(slot), mine, op);
+            else ring.reduce<float>(slot, ticket, view.in(slot), mine, op);
+          }, microseconds(200));
+        }
         ASSERT_EQ("", done.get());
         for (uint64_t i = 0; i < count; ++i) {
           if (ints) {
@@ -223,10 +252,12 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
             float want = 0;
             for (int q : active) want += input<float>(q, i);
             if (op == ReduceOp::kAvg) want /= static_cast<float>(m);
-            ASSERT_FLOAT_EQ(reinterpret_cast<float*>(buf.data())[i], want) << "all_reduce count " << count << " i " << i;
+            ASSERT_FLOAT_EQ(reinterpret_cast<float*>(buf.data())[i], want)
+                << "all_reduce count " << count << " i " << i << " one exchange " << one;
           }
         }
       }
+    }
     }
     // reduce_scatter (float SUM): rank q's block q of every active rank's input.
     const uint64_t per_rs = reduceScatterPieceElems(4, kSlotBytes, world);
@@ -403,20 +434,20 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
     Ring ring(2);
     const uint64_t count = 3000, per = rank == 0 ? 1024 : 512;
     std::vector<float> buf(count, static_cast<float>(rank + 1));
-    auto ps = cutPieces(count, per, kDepth, true, [&](int word) { return ring.mark(word); });
-    const std::vector<PieceMark> marks = marksOf(ps, true);
+    // (two ranks: one exchange per piece, as the pipeline runs them)
+    auto ps = cutPieces(count, per, kDepth, false, [&](int word) { return ring.mark(word); });
+    const std::vector<PieceMark> marks = marksOf(ps, false);
     PieceRing view = ring.view();
     auto done = submit(r, ring, [=](const AlgoContext& c) {
-      return allreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, 2, rank);
+      return allreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, 2, rank, true);
     }, marks, {0, 1});
     char* b = reinterpret_cast<char*>(buf.data());
     for (size_t p = 0; p < ps.size(); ++p) {  // the stream, one piece at a time
-      copy(view.in(ps[p].slot), b + ps[p].off * 4, ps[p].len * 4);
+      char* piece = b + ps[p].off * 4;
+      copy(view.in(ps[p].slot), piece, ps[p].len * 4);
       ring.raise(ps[p].first);
       ring.wait(ps[p].first);
-      ring.reduce<float>(ps[p].slot, ps[p].first.ticket, view.in(ps[p].slot), b + ps[p].off * 4, ReduceOp::kSum);
-      ring.raise(ps[p].second);
-      ring.wait(ps[p].second);
+      ring.reduce<float>(ps[p].slot, ps[p].first.ticket, piece, piece, ReduceOp::kSum);
     }
     const std::string err = done.get();
     EXPECT_NE(err.find("allreduce #1: rank " + std::to_string(1 - rank) + " sent a "), std::string::npos) << err;
@@ -479,8 +510,10 @@ void onRails(const RailRank& make) {
 }
 
 // The two-level all_reduce's: each rank gets its rail's sum and nothing of the other rail's.
-TEST(HostPieces, AllreduceAmongARail) {
-  onRails([](int rank, Rank& r, Ring& ring, RailStep& step, int) {
+// Rails of two hosts, as here, take one exchange per piece in the pipeline
+// (allreduceInOneExchange); the reduce-scatter and all-gather of longer rails run here too.
+void allreduceAmongARail(bool one) {
+  onRails([one](int rank, Rank& r, Ring& ring, RailStep& step, int) {
     const std::vector<int>& rail = step.rail;
     const uint64_t per = allreducePieceElems(4, kSlotBytes);
     auto run = [=, &r, &ring, &step](uint64_t count, const std::vector<int>& active, const std::string& failed) {
@@ -488,15 +521,21 @@ TEST(HostPieces, AllreduceAmongARail) {
       step.op_bytes = count * 4;
       std::vector<float> buf(count);
       for (uint64_t i = 0; i < count; ++i) buf[i] = input<float>(rank, i);
-      auto ps = cutPieces(count, per, kDepth, true, [&](int word) { return ring.mark(word); });
-      const std::vector<PieceMark> marks = marksOf(ps, true);
+      auto ps = cutPieces(count, per, kDepth, !one, [&](int word) { return ring.mark(word); });
+      const std::vector<PieceMark> marks = marksOf(ps, !one);
       PieceRing view = ring.view();
       auto done = submit(r, ring, [=](const AlgoContext& c) {
-        return railAllreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, kRailWorld, rank, step);
+        return railAllreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, kRailWorld, rank, step, one);
       }, marks, active);
-      streamAllreduce(ring, ps, reinterpret_cast<char*>(buf.data()), [&](int slot, uint32_t ticket, char* mine) {
-        ring.reduce<float>(slot, ticket, view.in(slot), mine, ReduceOp::kSum);
-      });
+      char* b = reinterpret_cast<char*>(buf.data());
+      if (one)
+        streamAllreduceOne(ring, ps, b, [&](int slot, uint32_t ticket, char* piece) {
+          ring.reduce<float>(slot, ticket, piece, piece, ReduceOp::kSum);
+        });
+      else
+        streamAllreduce(ring, ps, b, [&](int slot, uint32_t ticket, char* mine) {
+          ring.reduce<float>(slot, ticket, view.in(slot), mine, ReduceOp::kSum);
+        });
       const std::string err = done.get();
       if (err.empty()) {
         for (uint64_t i = 0; i < count; ++i)
@@ -508,6 +547,9 @@ TEST(HostPieces, AllreduceAmongARail) {
     return std::make_pair(per, RailRun(run));
   });
 }
+
+TEST(HostPieces, AllreduceAmongARail) { allreduceAmongARail(false); }
+TEST(HostPieces, AllreduceAmongARailInOneExchange) { allreduceAmongARail(true); }
 
 // The two-level reduce_scatter's: each rank's input holds a block per position on its rail;
 // it gets the sum of its position's blocks over its rail, and nothing of the other rail's.
