@@ -106,8 +106,8 @@ inline bool allreduceInOneExchange(int ranks) { return ranks == 2; }
 // the slot's `out` rows, then (after the next piece's) an all-gather of the reduced blocks in
 // the slot's `in` area; with `one_exchange` (allreduceInOneExchange, pieces of one mark each),
 // the `in` piece to the other active rank, into row 0 of its `out` area, and a plan that reduces
-// the whole piece (stride 0: the one received row); reduce_scatter: the `in` rows (by rank, `per` elements apart) to their
-// ranks, received by active index; all_gather: the `in` piece to every rank, received by rank
+// the whole piece (stride 0: the one received row); reduce_scatter: the `in` rows (by rank,
+// `per` elements apart) to their ranks, received by active index; all_gather: the `in` piece to every rank, received by rank
 // (an inactive rank's row zeroed); broadcast: the root's `in` piece; all_to_all: piece p moves
 // bytes [p * per, (p + 1) * per) of every pair that has that many pieces (alltoallPairPieces;
 // this rank's pieces: as many as its longest pair has), from the `in` rows to the peers' `out`
