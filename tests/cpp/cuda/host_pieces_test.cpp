@@ -215,49 +215,50 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
     const uint64_t per_ar = allreducePieceElems(4, kSlotBytes);
     // Two ranks also in one exchange per piece (allreduceInOneExchange).
     for (bool one : {false, true}) {
-    if (one && !allreduceInOneExchange(world)) continue;
-    for (uint64_t count : std::vector<uint64_t>{0, 1, per_ar - 1, per_ar, per_ar + 1, 5 * per_ar + 3}) {
-      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
-        // all_reduce: float (SUM, AVG) or int32 (MAX), in place.
-        const bool ints = op == ReduceOp::kMax;
-        const DType t = ints ? DType::kInt32 : DType::kFloat32;
-        std::vector<char> buf(count * 4);
-        for (uint64_t i = 0; i < count; ++i) {
-          if (ints) reinterpret_cast<int32_t*>(buf.data())[i] = input<int32_t>(rank, i);
-          else reinterpret_cast<float*>(buf.data())[i] = input<float>(rank, i);
-        }
-        auto ps = cutPieces(count, per_ar, kDepth, !one, mark);
-        PieceRing view = ring.view();
-        auto done = submit(r, ring, [=](const AlgoContext& c) {
-          return allreducePieces(c, view, ps, count, t, op, world, rank, one);
-        }, marksOf(ps, !one), active);
-        if (one) {
-          streamAllreduceOne(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* piece) {
-            if (ints) ring.reduce<int32_t>(slot, ticket, piece, piece, op);
-            else ring.reduce<float>(slot, ticket, piece, piece, op);
-          });
-        } else {
-          streamAllreduce(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* mine) {
-            if (ints) ring.reduce<int32_t>(slot, ticket, view.in(slot), mine, op);
-            else ring.reduce<float>(slot, ticket, view.in(slot), mine, op);
-          }, microseconds(200));
-        }
-        ASSERT_EQ("", done.get());
-        for (uint64_t i = 0; i < count; ++i) {
-          if (ints) {
-            int32_t want = INT32_MIN;
-            for (int q : active) want = std::max(want, input<int32_t>(q, i));
-            ASSERT_EQ(reinterpret_cast<int32_t*>(buf.data())[i], want) << "all_reduce MAX count " << count << " i " << i;
+      if (one && !allreduceInOneExchange(world)) continue;
+      for (uint64_t count : std::vector<uint64_t>{0, 1, per_ar - 1, per_ar, per_ar + 1, 5 * per_ar + 3}) {
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kAvg}) {
+          // all_reduce: float (SUM, AVG) or int32 (MAX), in place.
+          const bool ints = op == ReduceOp::kMax;
+          const DType t = ints ? DType::kInt32 : DType::kFloat32;
+          std::vector<char> buf(count * 4);
+          for (uint64_t i = 0; i < count; ++i) {
+            if (ints) reinterpret_cast<int32_t*>(buf.data())[i] = input<int32_t>(rank, i);
+            else reinterpret_cast<float*>(buf.data())[i] = input<float>(rank, i);
+          }
+          auto ps = cutPieces(count, per_ar, kDepth, !one, mark);
+          PieceRing view = ring.view();
+          auto done = submit(r, ring, [=](const AlgoContext& c) {
+            return allreducePieces(c, view, ps, count, t, op, world, rank, one);
+          }, marksOf(ps, !one), active);
+          if (one) {
+            streamAllreduceOne(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* piece) {
+              if (ints) ring.reduce<int32_t>(slot, ticket, piece, piece, op);
+              else ring.reduce<float>(slot, ticket, piece, piece, op);
+            });
           } else {
-            float want = 0;
-            for (int q : active) want += input<float>(q, i);
-            if (op == ReduceOp::kAvg) want /= static_cast<float>(m);
-            ASSERT_FLOAT_EQ(reinterpret_cast<float*>(buf.data())[i], want)
-                << "all_reduce count " << count << " i " << i << " one exchange " << one;
+            streamAllreduce(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* mine) {
+              if (ints) ring.reduce<int32_t>(slot, ticket, view.in(slot), mine, op);
+              else ring.reduce<float>(slot, ticket, view.in(slot), mine, op);
+            }, microseconds(200));
+          }
+          ASSERT_EQ("", done.get());
+          for (uint64_t i = 0; i < count; ++i) {
+            if (ints) {
+              int32_t want = INT32_MIN;
+              for (int q : active) want = std::max(want, input<int32_t>(q, i));
+              ASSERT_EQ(reinterpret_cast<int32_t*>(buf.data())[i], want)
+                  << "all_reduce MAX count " << count << " i " << i << " one exchange " << one;
+            } else {
+              float want = 0;
+              for (int q : active) want += input<float>(q, i);
+              if (op == ReduceOp::kAvg) want /= static_cast<float>(m);
+              ASSERT_FLOAT_EQ(reinterpret_cast<float*>(buf.data())[i], want)
+                  << "all_reduce count " << count << " i " << i << " one exchange " << one;
+            }
           }
         }
       }
-    }
     }
     // reduce_scatter (float SUM): rank q's block q of every active rank's input.
     const uint64_t per_rs = reduceScatterPieceElems(4, kSlotBytes, world);
