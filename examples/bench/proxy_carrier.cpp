@@ -107,14 +107,7 @@ int main(int argc, char** argv) {
                                      .outbox_bytes = outbox.size()});
     auto post = [&](int kind, uint64_t local, uint64_t remote, uint64_t length) {
       while (ticket - __atomic_load_n(&head, __ATOMIC_ACQUIRE) >= capacity) std::this_thread::yield();
-      ep::kernels::ProxyEntry& en = ring[ticket % capacity];
-      en.kind = kind;
-      en.peer = 1;
-      en.local = local;
-      en.remote = remote;
-      en.length = length;
-      __atomic_store_n(&en.seq, ticket + 1, __ATOMIC_RELEASE);
-      ++ticket;
+      ep::kernels::postProxyEntryFromHost(ring.data(), capacity, ticket++, kind, 1, local, remote, length);
     };
     for (double cd : counts) {
       const uint64_t n = static_cast<uint64_t>(cd);

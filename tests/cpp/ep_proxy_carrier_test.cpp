@@ -152,14 +152,7 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
       while (ticket - __atomic_load_n(&head, __ATOMIC_ACQUIRE) >= kCapacity) {
         if (steady_clock::now() > deadline) throw std::runtime_error("the carrier does not drain the ring");
       }
-      ProxyEntry& e = ring[ticket % kCapacity];
-      e.kind = kind;
-      e.peer = 1;
-      e.local = local;
-      e.remote = remote;
-      e.length = length;
-      __atomic_store_n(&e.seq, ticket + 1, __ATOMIC_RELEASE);
-      ++ticket;
+      kernels::postProxyEntryFromHost(ring.data(), kCapacity, ticket++, kind, 1, local, remote, length);
     };
     for (int round = 0; round < kRounds && checked.load() != kGaveUp; ++round) {
       while (checked.load(std::memory_order_acquire) < round) std::this_thread::yield();
@@ -222,12 +215,8 @@ TEST(ProxyCarrier, QuiesceGetsItsTurnUnderSteadyTraffic) {
       for (uint64_t ticket = 0; !stop.load(std::memory_order_acquire); ++ticket) {
         while (ticket - __atomic_load_n(&head, __ATOMIC_ACQUIRE) >= kCapacity)
           if (stop.load(std::memory_order_acquire)) return;
-        ProxyEntry& e = ring[ticket % kCapacity];
-        e.kind = kernels::kProxyData;
-        e.peer = 1;
-        e.local = e.remote = (ticket % kRows) * kRow;
-        e.length = kRow;
-        __atomic_store_n(&e.seq, ticket + 1, __ATOMIC_RELEASE);
+        const uint64_t at = (ticket % kRows) * kRow;
+        kernels::postProxyEntryFromHost(ring.data(), kCapacity, ticket, kernels::kProxyData, 1, at, at, kRow);
         posted.store(ticket + 1, std::memory_order_release);
       }
     });

@@ -36,6 +36,20 @@ struct alignas(16) ProxyEntry {
 constexpr int kProxyData = 1;
 constexpr int kProxySignal = 2;
 
+// A host thread's post into entry `ticket` of a ring of `capacity` (the poster has waited for
+// room), as the GPU's (kernels/sync.cuh) writes it: the fields, then `seq` with a release. For
+// host-side posters in place of the GPU (the carrier's tests and benchmark).
+inline void postProxyEntryFromHost(ProxyEntry* ring, uint64_t capacity, uint64_t ticket, int kind, int peer,
+                                   uint64_t local, uint64_t remote, uint64_t length) {
+  ProxyEntry& e = ring[ticket % capacity];
+  e.kind = kind;
+  e.peer = peer;
+  e.local = local;
+  e.remote = remote;
+  e.length = length;
+  __atomic_store_n(&e.seq, ticket + 1, __ATOMIC_RELEASE);
+}
+
 struct ProxyRing {
   ProxyEntry* entries = nullptr;            // host-mapped, `capacity` entries
   const uint64_t* head = nullptr;           // host-mapped: entries the proxy has consumed
