@@ -105,73 +105,96 @@ T applyFloatOp(T a, T b, ReduceOp op) {
   return applyOp(a, b, op);
 }
 
+// out[i] = f(a[i], b[i]), where `out` may be `a` or `b` (the same elements, never a partial
+// overlap): a loop per case, so that the compiler sees the alias and vectorizes each.
+template <typename T, typename F>
+void zip(T* out, const T* a, const T* b, size_t n, F f) {
+  if (out == a) {
+    for (size_t i = 0; i < n; ++i) out[i] = f(out[i], b[i]);
+  } else if (out == b) {
+    for (size_t i = 0; i < n; ++i) out[i] = f(a[i], out[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) out[i] = f(a[i], b[i]);
+  }
+}
+
 template <typename T>
-void reduceTyped(T* acc, const T* src, size_t n, ReduceOp op) {
-  switch (op) {  // the common cases as plain loops the compiler vectorizes
+void reduceTyped(T* out, const T* a, const T* b, size_t n, ReduceOp op) {
+  switch (op) {  // the common cases as loops the compiler vectorizes
     case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      for (size_t i = 0; i < n; ++i) acc[i] = static_cast<T>(acc[i] + src[i]);
-      return;
-    case ReduceOp::kProduct:
-      for (size_t i = 0; i < n; ++i) acc[i] = static_cast<T>(acc[i] * src[i]);
-      return;
+    case ReduceOp::kAvg: return zip(out, a, b, n, [](T x, T y) { return static_cast<T>(x + y); });
+    case ReduceOp::kProduct: return zip(out, a, b, n, [](T x, T y) { return static_cast<T>(x * y); });
     default:
       for (size_t i = 0; i < n; ++i) {
         if constexpr (std::is_floating_point_v<T>)
-          acc[i] = applyFloatOp(acc[i], src[i], op);
+          out[i] = applyFloatOp(a[i], b[i], op);
         else
-          acc[i] = applyOp(acc[i], src[i], op);
+          out[i] = applyOp(a[i], b[i], op);
       }
   }
 }
 
 template <typename T>
-void reduceComplex(std::complex<T>* acc, const std::complex<T>* src, size_t n, ReduceOp op) {
-  for (size_t i = 0; i < n; ++i) acc[i] = op == ReduceOp::kProduct ? acc[i] * src[i] : acc[i] + src[i];
+void reduceComplex(std::complex<T>* out, const std::complex<T>* a, const std::complex<T>* b, size_t n, ReduceOp op) {
+  for (size_t i = 0; i < n; ++i) out[i] = op == ReduceOp::kProduct ? a[i] * b[i] : a[i] + b[i];
 }
 
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
-void reduce16(uint16_t* acc, const uint16_t* src, size_t n, ReduceOp op) {
-  for (size_t i = 0; i < n; ++i) acc[i] = FromF(applyFloatOp(ToF(acc[i]), ToF(src[i]), op));
+void reduce16(uint16_t* out, const uint16_t* a, const uint16_t* b, size_t n, ReduceOp op) {
+  for (size_t i = 0; i < n; ++i) out[i] = FromF(applyFloatOp(ToF(a[i]), ToF(b[i]), op));
 }
 
-void reduceBool(uint8_t* acc, const uint8_t* src, size_t n, ReduceOp op) {
+void reduceBool(uint8_t* out, const uint8_t* x, const uint8_t* y, size_t n, ReduceOp op) {
   for (size_t i = 0; i < n; ++i) {
-    bool a = acc[i] != 0, b = src[i] != 0, r;
+    bool a = x[i] != 0, b = y[i] != 0, r;
     switch (op) {
       case ReduceOp::kSum: case ReduceOp::kMax: case ReduceOp::kBor: r = a || b; break;
       case ReduceOp::kProduct: case ReduceOp::kMin: case ReduceOp::kBand: r = a && b; break;
       case ReduceOp::kBxor: r = a != b; break;
       default: r = a;
     }
-    acc[i] = r;
+    out[i] = r;
   }
+}
+
+template <typename T>
+void typed(void* out, const void* a, const void* b, size_t n, ReduceOp op) {
+  reduceTyped(static_cast<T*>(out), static_cast<const T*>(a), static_cast<const T*>(b), n, op);
+}
+
+template <typename T>
+void complexTyped(void* out, const void* a, const void* b, size_t n, ReduceOp op) {
+  using C = std::complex<T>;
+  reduceComplex(static_cast<C*>(out), static_cast<const C*>(a), static_cast<const C*>(b), n, op);
 }
 
 }  // namespace
 
-void reduceInto(void* acc, const void* src, size_t n, DType t, ReduceOp op) {
+void reduceTwo(void* out, const void* a, const void* b, size_t n, DType t, ReduceOp op) {
+  auto* o16 = static_cast<uint16_t*>(out);
+  auto* a16 = static_cast<const uint16_t*>(a);
+  auto* b16 = static_cast<const uint16_t*>(b);
   switch (t) {
-    case DType::kFloat32: return reduceTyped(static_cast<float*>(acc), static_cast<const float*>(src), n, op);
-    case DType::kFloat64: return reduceTyped(static_cast<double*>(acc), static_cast<const double*>(src), n, op);
-    case DType::kFloat16:
-      return reduce16<halfToFloat, floatToHalf>(static_cast<uint16_t*>(acc), static_cast<const uint16_t*>(src), n, op);
-    case DType::kBFloat16:
-      return reduce16<bf16ToFloat, floatToBf16>(static_cast<uint16_t*>(acc), static_cast<const uint16_t*>(src), n, op);
-    case DType::kInt8: return reduceTyped(static_cast<int8_t*>(acc), static_cast<const int8_t*>(src), n, op);
-    case DType::kInt16: return reduceTyped(static_cast<int16_t*>(acc), static_cast<const int16_t*>(src), n, op);
-    case DType::kInt32: return reduceTyped(static_cast<int32_t*>(acc), static_cast<const int32_t*>(src), n, op);
-    case DType::kInt64: return reduceTyped(static_cast<int64_t*>(acc), static_cast<const int64_t*>(src), n, op);
-    case DType::kUInt8: return reduceTyped(static_cast<uint8_t*>(acc), static_cast<const uint8_t*>(src), n, op);
-    case DType::kBool: return reduceBool(static_cast<uint8_t*>(acc), static_cast<const uint8_t*>(src), n, op);
-    case DType::kComplex64:
-      return reduceComplex(static_cast<std::complex<float>*>(acc), static_cast<const std::complex<float>*>(src), n, op);
-    case DType::kComplex128:
-      return reduceComplex(static_cast<std::complex<double>*>(acc), static_cast<const std::complex<double>*>(src), n, op);
+    case DType::kFloat32: return typed<float>(out, a, b, n, op);
+    case DType::kFloat64: return typed<double>(out, a, b, n, op);
+    case DType::kFloat16: return reduce16<halfToFloat, floatToHalf>(o16, a16, b16, n, op);
+    case DType::kBFloat16: return reduce16<bf16ToFloat, floatToBf16>(o16, a16, b16, n, op);
+    case DType::kInt8: return typed<int8_t>(out, a, b, n, op);
+    case DType::kInt16: return typed<int16_t>(out, a, b, n, op);
+    case DType::kInt32: return typed<int32_t>(out, a, b, n, op);
+    case DType::kInt64: return typed<int64_t>(out, a, b, n, op);
+    case DType::kUInt8: return typed<uint8_t>(out, a, b, n, op);
+    case DType::kBool:
+      return reduceBool(static_cast<uint8_t*>(out), static_cast<const uint8_t*>(a), static_cast<const uint8_t*>(b), n,
+                        op);
+    case DType::kComplex64: return complexTyped<float>(out, a, b, n, op);
+    case DType::kComplex128: return complexTyped<double>(out, a, b, n, op);
     case DType::kBytes: break;
   }
   MOELINK_THROW("cannot reduce dtype ", dtypeName(t));
 }
+
+void reduceInto(void* acc, const void* src, size_t n, DType t, ReduceOp op) { reduceTwo(acc, acc, src, n, t, op); }
 
 void divideInPlace(void* buf, size_t n, DType t, double d) {
   switch (t) {
@@ -213,17 +236,24 @@ void divideInPlace(void* buf, size_t n, DType t, double d) {
 void reduceOrdered(void* out, const std::vector<const void*>& inputs, size_t count, DType t,
                    ReduceOp op, std::vector<char>& scratch) {
   if (inputs.empty() || count == 0) return;
-  size_t bytes = count * elementSize(t);
+  const size_t n = inputs.size(), bytes = count * elementSize(t);
+  if (n == 1) {
+    if (out != inputs[0]) std::memcpy(out, inputs[0], bytes);
+    return;
+  }
+  // The running result goes into `out` unless an input still to be read after the first
+  // step is `out` itself; then into scratch, with the last step writing `out`. No copies.
   bool aliased = false;
-  for (size_t i = 1; i < inputs.size(); ++i) aliased |= inputs[i] == out;
+  for (size_t i = 2; i < n; ++i) aliased |= inputs[i] == out;
   void* acc = out;
   if (aliased) {
     if (scratch.size() < bytes) scratch.resize(bytes);
     acc = scratch.data();
   }
-  if (acc != inputs[0]) std::memcpy(acc, inputs[0], bytes);
-  for (size_t i = 1; i < inputs.size(); ++i) reduceInto(acc, inputs[i], count, t, op);
-  if (acc != out) std::memcpy(out, acc, bytes);
+  const size_t last = aliased ? n - 1 : n;  // inputs reduced into acc (n >= 3 when aliased)
+  reduceTwo(acc, inputs[0], inputs[1], count, t, op);
+  for (size_t i = 2; i < last; ++i) reduceInto(acc, inputs[i], count, t, op);
+  if (aliased) reduceTwo(out, acc, inputs[n - 1], count, t, op);
 }
 
 }  // namespace moelink::collective

@@ -73,6 +73,62 @@ TEST(Reduce, OrderedHandlesAliasing) {
   EXPECT_EQ(x1, (std::vector<double>{111, 222}));
 }
 
+// In input order, bit for bit, wherever `out` is: a float sum whose value depends on the order
+// ((1e8 + 1) - 1e8 ... ), every count around the 64-byte blocks, `out` each input or none.
+TEST(Reduce, OrderedIsInInputOrderWhereverTheOutputIs) {
+  for (size_t n = 1; n <= 5; ++n)
+    for (size_t count : {1u, 15u, 16u, 17u, 33u, 100u})
+      for (size_t where = 0; where <= n; ++where) {  // out is inputs[where]; n: a buffer of its own
+        std::vector<std::vector<float>> in(n, std::vector<float>(count));
+        for (size_t j = 0; j < n; ++j)
+          for (size_t i = 0; i < count; ++i) in[j][i] = j % 2 ? -1e8f + static_cast<float>(i) : 1e8f * (j + 1) + 1.0f;
+        std::vector<float> want = in[0];
+        for (size_t j = 1; j < n; ++j)
+          for (size_t i = 0; i < count; ++i) want[i] = want[i] + in[j][i];
+        std::vector<float> own(count, 7.0f);
+        std::vector<const void*> ptrs;
+        for (auto& v : in) ptrs.push_back(v.data());
+        float* out = where < n ? in[where].data() : own.data();
+        std::vector<char> scratch;
+        reduceOrdered(out, ptrs, count, DType::kFloat32, ReduceOp::kSum, scratch);
+        for (size_t i = 0; i < count; ++i)
+          ASSERT_EQ(out[i], want[i]) << "n " << n << " count " << count << " out at " << where << " i " << i;
+      }
+}
+
+// reduceTwo with `out` as either operand or apart, against one element at a time: the blocked
+// loops and their tails for every width, and MIN's choice between +0 and -0 kept in order.
+TEST(Reduce, TwoOperandsWhereverTheOutputIs) {
+  auto check = [](auto zero, DType t, ReduceOp op) {
+    using T = decltype(zero);
+    for (size_t count : {1u, 7u, 8u, 63u, 64u, 65u, 200u}) {
+      std::vector<T> a(count), b(count);
+      for (size_t i = 0; i < count; ++i) {
+        a[i] = static_cast<T>((i * 7) % 13);
+        b[i] = static_cast<T>((i * 5) % 11 + 1);
+      }
+      std::vector<T> want(count);
+      for (size_t i = 0; i < count; ++i) want[i] = op == ReduceOp::kProduct ? static_cast<T>(a[i] * b[i]) : static_cast<T>(a[i] + b[i]);
+      for (int where = 0; where < 3; ++where) {
+        std::vector<T> x = a, y = b, o(count);
+        T* out = where == 0 ? x.data() : where == 1 ? y.data() : o.data();
+        reduceTwo(out, x.data(), y.data(), count, t, op);
+        for (size_t i = 0; i < count; ++i) ASSERT_EQ(out[i], want[i]) << "count " << count << " out " << where;
+      }
+    }
+  };
+  check(float{}, DType::kFloat32, ReduceOp::kSum);
+  check(double{}, DType::kFloat64, ReduceOp::kProduct);
+  check(int8_t{}, DType::kInt8, ReduceOp::kSum);
+  check(uint8_t{}, DType::kUInt8, ReduceOp::kProduct);
+  check(int64_t{}, DType::kInt64, ReduceOp::kSum);
+  float pz = 0.0f, nz = -0.0f, r;
+  reduceTwo(&r, &pz, &nz, 1, DType::kFloat32, ReduceOp::kMin);
+  EXPECT_FALSE(std::signbit(r));
+  reduceTwo(&r, &nz, &pz, 1, DType::kFloat32, ReduceOp::kMin);
+  EXPECT_TRUE(std::signbit(r));
+}
+
 TEST(Reduce, UnsupportedCombinationsAreNamed) {
   EXPECT_NE(reduceUnsupportedReason(DType::kFloat32, ReduceOp::kBand), "");
   EXPECT_NE(reduceUnsupportedReason(DType::kComplex64, ReduceOp::kMax), "");
