@@ -37,6 +37,16 @@ struct Pieces {
 
 uint64_t perChunk(const AlgoContext& c, size_t es) { return std::max<uint64_t>(1, c.chunk / es); }
 
+// Elements per piece of a reduction whose blocks hold about `block` elements
+// (AlgoContext::reduce_piece_min): every rank computes it from the op's size alone.
+uint64_t perReduce(const AlgoContext& c, size_t es, uint64_t block) {
+  const uint64_t slot = perChunk(c, es);
+  if (!c.reduce_piece_min || c.reduce_pieces < 2) return slot;
+  const uint64_t least = std::max<uint64_t>(1, c.reduce_piece_min / es);
+  const uint64_t want = (block + c.reduce_pieces - 1) / c.reduce_pieces;
+  return std::min(slot, std::max(least, want));
+}
+
 char* at(void* p, uint64_t off) { return static_cast<char*>(p) + off; }
 
 int worldOf(const AlgoContext& c) { return c.world ? c.world : static_cast<int>(c.ranks.size()); }
@@ -113,7 +123,7 @@ void recvBlocksFromAllPeers(const AlgoContext& c, Step& st, void* out, uint64_t 
 OpSpec ringAllreduce(const AlgoContext& c, OpSpec s, void* buf, uint64_t count, DType t, ReduceOp op) {
   const size_t es = elementSize(t), n = c.ranks.size(), me = indexOf(c, c.me);
   const int next = c.ranks[(me + 1) % n], prev = c.ranks[(me + n - 1) % n];
-  const uint64_t per = perChunk(c, es);
+  const uint64_t per = perReduce(c, es, count / n);
   auto block_start = [&](size_t b) { return count * b / n; };
   auto piece = [&](size_t b, size_t i, uint64_t* len) {
     Pieces pc{block_start(b + 1) - block_start(b), per};
@@ -242,11 +252,10 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
   OpSpec s = emptyOp(OpKind::kAllreduce, t, op, -1, count * es);
   s.inplace = true;
   auto scratch = std::make_shared<std::vector<char>>();
-  uint64_t per = perChunk(c, es);
   if (n == 1) return s;  // nothing to combine; AVG of one rank is the input
   if (count * es <= c.allreduce_small_bytes || count < n) {
     // Latency path: everyone sends everything to everyone and reduces locally.
-    Pieces pc{count, per};
+    Pieces pc{count, perChunk(c, es)};
     for (size_t i = 0; i < pc.count(); ++i) {
       Step st;
       char* p = at(buf, pc.off(i) * es);
@@ -263,6 +272,7 @@ OpSpec allreduceOp(const AlgoContext& c, void* buf, uint64_t count, DType t, Red
   std::vector<uint64_t> start(n + 1);
   for (size_t j = 0; j <= n; ++j) start[j] = count * j / n;
   size_t me = indexOf(c, c.me);
+  const uint64_t per = perReduce(c, es, count / n);
   auto block = [&](size_t j) { return Pieces{start[j + 1] - start[j], per}; };
   size_t steps = 0;
   for (size_t j = 0; j < n; ++j) steps = std::max(steps, block(j).count());
@@ -414,7 +424,7 @@ OpSpec reduceScatterOp(const AlgoContext& c, const void* in, void* out, uint64_t
   OpSpec s = emptyOp(OpKind::kReduceScatter, t, op, -1, count * es);
   auto scratch = std::make_shared<std::vector<char>>();
   uint64_t block = count * es;
-  Pieces pc{count, perChunk(c, es)};
+  Pieces pc{count, perReduce(c, es, count)};
   for (size_t i = 0; i < pc.count(); ++i) {
     Step st;
     uint64_t off = pc.off(i) * es, len = pc.len(i) * es;

@@ -44,6 +44,7 @@ WorkerOptions WorkerOptions::fromEnv(milliseconds timeout) {
   o.pull_chunk_bytes = settings::number("MOELINK_PULL_CHUNK_BYTES");
   if (auto v = settings::numberIfSet("MOELINK_CHAIN_BROADCAST_BYTES")) o.chain_broadcast_bytes = static_cast<int64_t>(*v);
   if (auto v = settings::numberIfSet("MOELINK_RING_ALLREDUCE_BYTES")) o.ring_allreduce_bytes = static_cast<int64_t>(*v);
+  if (auto v = settings::numberIfSet("MOELINK_REDUCE_PIECE_BYTES")) o.reduce_piece_bytes = static_cast<int64_t>(*v);
   o.timeout = timeout;
   return o;
 }
@@ -100,6 +101,8 @@ CollectiveWorker::CollectiveWorker(transfer::TransferEngine& engine,
                                : (spans_hosts ? (1u << 20) : 0);
   ring_allreduce_bytes_ = opts_.ring_allreduce_bytes >= 0 ? static_cast<uint64_t>(opts_.ring_allreduce_bytes)
                                                           : (tcp_group ? (4u << 20) : 0);
+  reduce_piece_bytes_ = opts_.reduce_piece_bytes >= 0 ? static_cast<uint64_t>(opts_.reduce_piece_bytes)
+                                                      : (tcp_group ? (256u << 10) : 0);
   live_ = active_;
   probed_loss_.assign(world_, 0);
   sends_.resize(world_);
@@ -210,6 +213,8 @@ AlgoContext CollectiveWorker::context() const {
   c.allreduce_small_bytes = opts_.allreduce_small_bytes;
   c.chain_broadcast_bytes = chain_broadcast_bytes_;
   c.ring_allreduce_bytes = ring_allreduce_bytes_;
+  c.reduce_piece_min = reduce_piece_bytes_;
+  c.reduce_pieces = coll_->depth();
   c.world = world_;
   {
     std::lock_guard<std::mutex> g(mu_);

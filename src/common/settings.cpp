@@ -73,6 +73,11 @@ const std::vector<Setting> kSettings = {
            "from this size (groups of 3 or more), allreduce is a pipelined ring instead of direct exchanges with "
            "every peer",
            "`4194304` in groups that use tcp (forced, or spanning hosts), else off"),
+    number("MOELINK_REDUCE_PIECE_BYTES", "collectives", 0, 0, UINT64_MAX,
+           "allreduce and reduce-scatter cut each rank's block into as many pieces as the mailbox is deep, of at "
+           "least this many bytes and at most a slot, so that receiving, reducing and sending the pieces overlap "
+           "(`0`: pieces are slots); the same on every rank",
+           "`262144` in groups that use tcp (forced, or spanning hosts), else 0"),
     number("MOELINK_CUDA_BLOCKS", "collectives", 0, 1, 64,
            "blocks of the in-host exchange kernel per role, 1..64, the same on every rank: the kernel runs up to this "
            "many pushing and this many consuming blocks (128 SMs at the default, in ops of more than one round; fewer "

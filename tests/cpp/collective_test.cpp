@@ -66,6 +66,63 @@ TEST_P(CollectiveTest, AllreduceMatchesLocalSum) {
   });
 }
 
+// Reductions in pieces smaller than a slot (AlgoContext::reduce_piece_min, on by default over
+// tcp): the reduce-scatter + allgather, the ring and reduce-scatter, with blocks that are not
+// a whole number of pieces and pieces of every rank's block cut alike.
+TEST_P(CollectiveTest, ReductionsInPiecesSmallerThanASlot) {
+  auto [transport, world] = GetParam();
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(world, [&, transport = transport, world = world](int rank) {
+    Rank r = makeRank(store, rank, world, transport);
+    AlgoContext c = r.worker->context();
+    c.reduce_piece_min = 512;  // 128 floats; slots hold 1024
+    c.reduce_pieces = 4;
+    const float ranksum = static_cast<float>(world * (world + 1) / 2);
+    for (uint64_t ring : {0ull, 1ull}) {
+      c.ring_allreduce_bytes = ring;
+      for (uint64_t count : {1023ull, 1024ull, 2047ull, 5000ull, 9001ull}) {
+        std::vector<float> x(count);
+        for (uint64_t i = 0; i < count; ++i) x[i] = static_cast<float>((rank + 1) * (i % 7));
+        ASSERT_EQ("", run(*r.worker, allreduceOp(c, x.data(), count, DType::kFloat32, ReduceOp::kSum)));
+        for (uint64_t i = 0; i < count; ++i)
+          ASSERT_EQ(x[i], ranksum * (i % 7)) << "ring " << ring << " count " << count << " i " << i;
+      }
+    }
+    for (uint64_t count : {127ull, 128ull, 129ull, 511ull, 1500ull, 4097ull}) {
+      std::vector<float> in(count * world), out(count);
+      for (uint64_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>((rank + 1) * (i % 5));
+      ASSERT_EQ("", run(*r.worker, reduceScatterOp(c, in.data(), out.data(), count, DType::kFloat32, ReduceOp::kSum)));
+      for (uint64_t i = 0; i < count; ++i)
+        ASSERT_EQ(out[i], ranksum * ((rank * count + i) % 5)) << "reduce_scatter count " << count << " i " << i;
+    }
+  });
+}
+
+// How many pieces a block becomes: up to reduce_pieces of at least reduce_piece_min bytes,
+// never more than a slot; off (0), the slots.
+TEST(Collective, ReductionPiecesFollowTheSettings) {
+  AlgoContext c;
+  c.me = 0;
+  c.ranks = {0, 1};
+  c.chunk = 4096;  // 1024 floats
+  c.allreduce_small_bytes = 1024;
+  auto steps = [&](uint64_t min, uint64_t count) {
+    c.reduce_piece_min = min;
+    c.reduce_pieces = 4;
+    return allreduceOp(c, nullptr, count, DType::kFloat32, ReduceOp::kSum).steps.size() / 2;  // per phase
+  };
+  EXPECT_EQ(2u, steps(0, 4096));     // blocks of 2048 floats: two slots
+  EXPECT_EQ(4u, steps(512, 4096));   // four pieces of 512
+  EXPECT_EQ(2u, steps(4096, 4096));  // at least a slot: the slots
+  EXPECT_EQ(4u, steps(512, 1024));   // blocks of 512: four pieces of 128, the least
+  EXPECT_EQ(3u, steps(512, 768));    // blocks of 384: three pieces of the least, 128
+  EXPECT_EQ(4u, steps(512, 8192));   // blocks of 4096: four slots
+  EXPECT_EQ(8u, steps(512, 16384));  // blocks of 8192: pieces are at most a slot
+  c.reduce_piece_min = 512;
+  EXPECT_EQ(4u, reduceScatterOp(c, nullptr, nullptr, 2048, DType::kFloat32, ReduceOp::kSum).steps.size());
+  EXPECT_EQ(3u, reduceScatterOp(c, nullptr, nullptr, 257, DType::kFloat32, ReduceOp::kSum).steps.size());
+}
+
 TEST_P(CollectiveTest, AlltoallUnevenAndBroadcast) {
   auto [transport, world] = GetParam();
   auto store = std::make_shared<InProcessStore>();

@@ -32,6 +32,12 @@ struct AlgoContext {
   // participant: over tcp a rank then keeps one stream in and one out, which costs less CPU
   // per byte than one per peer (chosen for groups that talk over tcp).
   uint64_t ring_allreduce_bytes = 0;
+  // Reductions (allreduce's reduce-scatter + allgather and ring, reduce-scatter) cut each
+  // rank's block into up to `reduce_pieces` pieces of at least `reduce_piece_min` bytes (at most
+  // `chunk`), rather than into slots: a block of a few slots then still flows as a pipeline,
+  // one piece on the wire while the one before is reduced (0: pieces of `chunk`).
+  uint64_t reduce_piece_min = 0;
+  uint64_t reduce_pieces = 1;
   // Pairs whose receiver reads the sender's memory itself (pulled messages, mailbox.h), per
   // rank: `reads_me[r]`, rank r reads this rank's; `i_read[r]`, this rank reads rank r's.
   // Both ends of a pair see the same answer. all_to_all cuts such a pair's data into pieces

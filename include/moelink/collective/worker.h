@@ -70,6 +70,9 @@ struct WorkerOptions {
   int64_t chain_broadcast_bytes = -1;
   // MOELINK_RING_ALLREDUCE_BYTES; unset: 4 MiB in groups that talk over tcp, else never.
   int64_t ring_allreduce_bytes = -1;
+  // MOELINK_REDUCE_PIECE_BYTES (AlgoContext::reduce_piece_min); unset: 256 KiB in groups that
+  // talk over tcp, else 0.
+  int64_t reduce_piece_bytes = -1;
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   bool raise_on_peer_failure = false;  // EpOptions(on_peer_failure="raise")
   // This process replaces a failed rank (or takes a reserved one): construction waits until
@@ -195,6 +198,7 @@ class CollectiveWorker {
   void failPeerP2P(int peer, const std::string& why);
   uint64_t chain_broadcast_bytes_ = 0;
   uint64_t ring_allreduce_bytes_ = 0;
+  uint64_t reduce_piece_bytes_ = 0;
   bool had_failure_ = false;  // worker thread: an op of this group has failed
 
   mutable std::mutex mu_;
