@@ -142,6 +142,11 @@ const std::vector<Setting> kSettings = {
            "how long that check waits for the connection before the peer counts as unreachable"),
     number("MOELINK_WORKER_SPIN", "collectives", 0, 0, 1u << 30, "busy-wait iterations before the worker sleeps on its doorbell",
            "`256`, or `0` when the host has fewer cores than ranks of the group on it (whatever transport they use)"),
+    number("MOELINK_WORKER_GATE_SPIN_US", "collectives", 0, 0, 1000000,
+           "microseconds the worker busy-waits for data that rings no doorbell (the CUDA host route's pieces coming "
+           "off the GPU, tcp sends completing) before it polls every 20 us; each such poll sleeps on a timer, "
+           "which on some hosts takes several times as long",
+           "`200` when the host has two cores for each rank of the group on it, else `0`"),
     number("MOELINK_EP_TIMEOUT_US", "ep", 30000000, 0, UINT64_MAX,
            "how long a receiver waits for a source (when the call passes `timeout_us=-1`) before masking it out; `0` "
            "waits forever"),

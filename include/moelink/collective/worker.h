@@ -29,7 +29,8 @@
 // on the doorbell (futex), so that several ranks share few cores without stealing each
 // other's time slices, and wakes within microseconds when something arrives. An op held
 // back by its `ready` gate, or a step by its own (Step::gate: data still being copied off a
-// GPU, which rings no doorbell), is polled every few tens of microseconds.
+// GPU, which rings no doorbell), is spun on for a while where the host has cores to spare
+// (MOELINK_WORKER_GATE_SPIN_US) and then polled every few tens of microseconds.
 #pragma once
 
 #include <atomic>
@@ -218,6 +219,7 @@ class CollectiveWorker {
   uint64_t losses_seen_ = 0;
   bool any_lost_ = false;
   int spin_;
+  std::chrono::microseconds gate_spin_{0};  // MOELINK_WORKER_GATE_SPIN_US
   std::thread thread_;
 };
 
