@@ -343,6 +343,8 @@ void CollectiveWorker::loop() {
         _mm_pause();
         continue;
       }
+    } else {
+      gated_since = {};  // the next wait on a gate gets its own spin
     }
     // Deadlines are checked at least every few milliseconds while work is pending.
     engine_.waitDoorbell(seen, gated ? microseconds(20) : busy ? microseconds(2000) : microseconds(100000));
