@@ -265,7 +265,7 @@ void CollectiveWorker::enqueue(std::unique_ptr<Collective> op, OpCallback done, 
 
 void CollectiveWorker::loop() {
   int idle = 0;
-  Clock::time_point gated_since{};  // when the thread last made progress while an op waited on a gate
+  Clock::time_point gated_since{};  // when the current wait on a gate began (unset: none is waited on)
   while (true) {
     // Read the bell before looking for work: a ring after this point ends the sleep below.
     uint32_t seen = engine_.doorbellValue();
