@@ -128,7 +128,8 @@ void creditRounds(int streams, uint64_t stripe, uint64_t bytes, int rounds,
 }
 
 // A signal written after a striped write is applied after all of its parts: the receiver that
-// sees the signal sees every byte of the data, round after round.
+// sees the signal sees every byte of the data, round after round, whether the data's parts are
+// acknowledged or complete once sent (a mailbox message's payload).
 TEST(TcpStriping, SignalAfterStripedWriteSeesAllData) {
   constexpr uint64_t kBytes = 3 << 20;
   std::vector<char> data(kBytes);
@@ -136,15 +137,19 @@ TEST(TcpStriping, SignalAfterStripedWriteSeesAllData) {
       4, 64 << 10, kBytes, 60,
       [&](TransferEngine& engine, int r, uint64_t& word) {
         std::memset(data.data(), r, kBytes);
-        // Data and signal in one batch in even rounds, in two batches in odd ones.
-        if (r % 2 == 0) {
+        // Data and signal in one batch (the data goes unacknowledged: the signal's acknowledgement
+        // covers it), in two batches, and in two batches of which neither is acknowledged.
+        if (r % 3 == 0) {
           auto b = engine.submit({{Opcode::kWrite, data.data(), 1, 3, 0, kBytes},
                                   {Opcode::kWrite, &word, 1, 3, kBytes, 8, true}});
           ASSERT_TRUE(b->wait(seconds(30)));
           ASSERT_FALSE(b->failed()) << b->error();
         } else {
-          auto b1 = engine.submit({{Opcode::kWrite, data.data(), 1, 3, 0, kBytes}});
-          auto b2 = engine.submit({{Opcode::kWrite, &word, 1, 3, kBytes, 8, true}});
+          TransferRequest payload{Opcode::kWrite, data.data(), 1, 3, 0, kBytes};
+          TransferRequest signal{Opcode::kWrite, &word, 1, 3, kBytes, 8, true};
+          payload.no_ack = signal.no_ack = r % 3 == 2;
+          auto b1 = engine.submit({payload});
+          auto b2 = engine.submit({signal});
           ASSERT_TRUE(b1->wait(seconds(30)) && b2->wait(seconds(30)));
           ASSERT_FALSE(b1->failed() || b2->failed()) << b1->error() << b2->error();
         }
@@ -304,6 +309,30 @@ TEST(TcpStriping, RejectedUnacknowledgedUnorderedWriteBreaksThePair) {
     if (next->failed()) why = next->error();
   }
   EXPECT_NE(why.find("rejected a write"), std::string::npos) << why;
+  for (size_t i = 8; i < small.size(); ++i) ASSERT_EQ(small[i], 0) << "byte " << i;
+}
+
+// The same for an ordered write striped over the streams without acknowledgements (a mailbox
+// message's payload): its parts complete once sent, and the receiver's rejection of any of them
+// breaks the pair with its reason; nothing outside the receiver's segment is touched.
+TEST(TcpStriping, RejectedUnacknowledgedStripedWriteBreaksThePair) {
+  ShrunkSegment s(64 << 10, 4 << 20, 1 << 20);
+  auto& e0 = s.e0;
+  const std::vector<char>& small = s.small;
+  std::vector<char> buf(2 << 20, 9);
+  TransferRequest payload{Opcode::kWrite, buf.data(), 1, 1, 0, buf.size()};
+  payload.no_ack = true;
+  auto b = e0->submit({payload});
+  ASSERT_TRUE(b->wait(seconds(10))) << "an unacknowledged striped write did not complete once sent";
+  std::string why = b->failed() ? b->error() : "";
+  for (int i = 0; i < 100 && why.empty(); ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+    auto next = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, 8}});
+    ASSERT_TRUE(next->wait(seconds(10))) << "a request after the rejected write hung";
+    if (next->failed()) why = next->error();
+  }
+  EXPECT_NE(why.find("rejected a write"), std::string::npos) << why;
+  EXPECT_NE(e0->lostReason(1), "");
   for (size_t i = 8; i < small.size(); ++i) ASSERT_EQ(small[i], 0) << "byte " << i;
 }
 

@@ -38,8 +38,8 @@ struct TransferRequest {
   // After applying, ring the peer engine's doorbell (wakes a thread sleeping on it).
   bool notify = false;
   // A write that needs no acknowledgement of its own: transports with acknowledgements (tcp)
-  // complete it once it is handed to the network, and report a rejection of it with the next
-  // acknowledged write to that peer. For a caller that never waits on this write (a credit
+  // complete it once it is handed to the network (each part of a striped one once that part is),
+  // and a rejection of it breaks the pair: the requests after it fail with the receiver's reason. For a caller that never waits on this write (a credit
   // word); the engine also sets it on a write followed in the same batch by an acknowledged
   // write to the same peer over the same transport (the batch completes with that one).
   bool no_ack = false;

@@ -31,9 +31,9 @@ namespace moelink::transfer::tcp {
 using std::chrono::milliseconds;
 
 
-// The send side of a striped write: its parts travel on several connections (lanes) and are
-// acknowledged one by one, on their lanes' threads; the request settles with the last of them,
-// failed if any part was.
+// The send side of a striped write: its parts travel on several connections (lanes) and settle
+// one by one on their lanes' threads (acknowledged, or once sent where the write needs no
+// acknowledgement); the request settles with the last of them, failed if any part was.
 struct StripeSend {
   explicit StripeSend(int parts) : left(parts) {}
   std::atomic<int> left;

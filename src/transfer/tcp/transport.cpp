@@ -215,9 +215,10 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
   // (a write of one part settles as a whole write does)
   auto shared = parts > 1 ? std::make_shared<StripeSend>(parts) : nullptr;
   h.type = wire::kWritePart;
-  // Each part is acknowledged, but those of an unordered write that needs no acknowledgement:
-  // they complete once sent (the request after it is applied after all of it).
-  if (!req.unordered) h.flags &= ~static_cast<uint32_t>(wire::kNoAck);
+  // The parts of a write that needs no acknowledgement (a mailbox message's payload) complete
+  // once sent, like the whole write would, so that the sender's completion does not wait a round
+  // trip through the receiver's lanes; the receiver answers such a part only to reject it, which
+  // breaks the pair (the requests after it assumed it landed).
   const int first = static_cast<int>(stripe_turn_++ % static_cast<uint64_t>(lanes));
   for (int k = 0; k < parts; ++k) {
     const uint64_t off = per * static_cast<uint64_t>(k);
