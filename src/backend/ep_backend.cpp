@@ -151,8 +151,16 @@ collective::CollectiveWorker& EpBackend::worker() const {
   return *worker_;
 }
 
+#if MOELINK_C10D_SET_TIMEOUT
+void EpBackend::setTimeout(milliseconds timeout) {
+  TORCH_CHECK_VALUE(timeout.count() > 0, "moelink set_timeout: the timeout must be positive, got ", timeout.count(),
+                    " ms");
+  timeout_.store(timeout, std::memory_order_relaxed);
+}
+#endif
+
 milliseconds EpBackend::timeoutOf(milliseconds requested) const {
-  return requested == c10d::kUnsetTimeout || requested.count() <= 0 ? timeout_ : requested;
+  return requested == c10d::kUnsetTimeout || requested.count() <= 0 ? timeout() : requested;
 }
 
 std::vector<int32_t> EpBackend::activeMask() const {
@@ -224,7 +232,7 @@ void EpBackend::recoverRanks(const std::vector<int64_t>& ranks) {
                      done = true;
                      cv.notify_all();
                    },
-                   timeout_);
+                   timeout());
   std::unique_lock<std::mutex> lk(mu);
   cv.wait(lk, [&] { return done; });
   TORCH_CHECK(error.empty(), "moelink recover_ranks: ", error);

@@ -284,7 +284,7 @@ void EpBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all
   constexpr int kTag = -0x6d6c6d62;
   // An explicit zero is a zero budget here, as in gloo (timeoutOf reads it as "unset").
   const std::chrono::milliseconds limit =
-      opts.timeout == c10d::kUnsetTimeout ? timeout_ : std::max(opts.timeout, std::chrono::milliseconds(0));
+      opts.timeout == c10d::kUnsetTimeout ? timeout() : std::max(opts.timeout, std::chrono::milliseconds(0));
   // The wording is gloo's, which PyTorch's tests and users' handlers match on.
   const std::string prefix = "moelink monitored_barrier: ";
   if (size_ > 1 && limit.count() == 0) {
@@ -361,19 +361,19 @@ c10::intrusive_ptr<c10d::Work> EpBackend::send(std::vector<at::Tensor>& tensors,
   checkSingle(tensors, "send");
   TORCH_CHECK_VALUE(dst >= 0 && dst < size_ && dst != rank_, "moelink send: invalid destination rank ", dst,
                     " (group of ", size_, ", this rank ", rank_, ")");
-  return on(DevicePlacement("send").add(tensors)).send(tensors[0], dst, tag, Call{timeout_});
+  return on(DevicePlacement("send").add(tensors)).send(tensors[0], dst, tag, Call{timeout()});
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   checkSingle(tensors, "recv");
   TORCH_CHECK_VALUE(src >= 0 && src < size_ && src != rank_, "moelink recv: invalid source rank ", src,
                     " (group of ", size_, ", this rank ", rank_, ")");
-  return on(DevicePlacement("recv").add(tensors)).recv(tensors[0], src, tag, Call{timeout_});
+  return on(DevicePlacement("recv").add(tensors)).recv(tensors[0], src, tag, Call{timeout()});
 }
 
 c10::intrusive_ptr<c10d::Work> EpBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   checkSingle(tensors, "recv");
-  return on(DevicePlacement("recv").add(tensors)).recv(tensors[0], -1, tag, Call{timeout_});
+  return on(DevicePlacement("recv").add(tensors)).recv(tensors[0], -1, tag, Call{timeout()});
 }
 
 }  // namespace moelink::backend

@@ -33,7 +33,7 @@ c10::intrusive_ptr<c10d::Backend> EpBackend::shrink(const std::vector<int64_t>& 
     ++new_size;
     stay += (stay.empty() ? "" : ",") + std::to_string(r);
   }
-  std::chrono::milliseconds timeout = timeout_;
+  std::chrono::milliseconds timeout = this->timeout();
   if (opts_override && opts_override->timeout.count() > 0) timeout = opts_override->timeout;
   // The same name on every rank that stays: how many times this group was shrunk, and to whom.
   auto store = c10::make_intrusive<c10d::PrefixStore>(

@@ -161,6 +161,36 @@ def missing_peer_times_out(rank, world):
     _group_still_works(world)
 
 
+def set_timeout_applies_to_later_ops(rank, world):
+    """torch.distributed.set_timeout, as gloo's and NCCL's groups take it: the ops issued after it
+    time out at the new value (the group was made with 10 minutes); a non-positive timeout is
+    refused by name and changes nothing."""
+    from datetime import timedelta
+    import time
+
+    if not hasattr(dist, "set_timeout"):
+        return  # this torch has no public set_timeout (nor c10d's Backend::setTimeout)
+    g = dist.new_group(list(range(world)), timeout=timedelta(minutes=10))
+    backend = moelink.get_backend(g)
+    assert backend.timeout == timedelta(minutes=10), backend.timeout
+    dist.set_timeout(timedelta(seconds=2), group=g)
+    assert backend.timeout == timedelta(seconds=2), backend.timeout
+    with pytest.raises(ValueError, match="moelink set_timeout: the timeout must be positive, got 0 ms"):
+        dist.set_timeout(timedelta(0), group=g)
+    assert backend.timeout == timedelta(seconds=2), backend.timeout
+    x = torch.full((4,), float(rank))
+    dist.all_reduce(x, group=g)  # still a working group
+    assert torch.all(x == sum(range(world))), x
+    if rank != world - 1:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=" Timed out after 2000 ms"):
+            dist.all_reduce(torch.ones(4), group=g)
+        assert time.monotonic() - t0 < 20
+    dist.barrier()  # (the last rank stays in the group meanwhile: a rank that left is masked out)
+    dist.destroy_process_group(g)
+    _group_still_works(world)
+
+
 def work_result_futures(rank, world):
     """Work.get_future_result() (as NCCL's works have it): SUCCESS, COMM_ERROR for a disagreement,
     TIMEOUT for a peer that never came; asked before or after the op completed."""

@@ -144,6 +144,12 @@ class EpBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
                                            const c10::intrusive_ptr<c10d::Backend::Options>& opts_override) override;
 #endif
+#if MOELINK_C10D_SET_TIMEOUT
+  // torch.distributed.set_timeout: the default timeout of the ops issued after it, as gloo's and
+  // NCCL's groups take it (ops already issued keep theirs; an op's own timeout still wins). It
+  // must be positive.
+  void setTimeout(std::chrono::milliseconds timeout) override;
+#endif
 
   // The "ip:port" this rank's tcp transport listens on.
   std::string tcpAddress() const;
@@ -167,7 +173,8 @@ class EpBackend : public c10d::Backend {
   uint64_t epoch() const;
   // The ranks that left while `work` ran; nullopt for a work of another backend.
   static std::optional<std::vector<int64_t>> lostRanksOf(const c10::intrusive_ptr<c10d::Work>& work);
-  std::chrono::milliseconds timeout() const { return timeout_; }
+  // The default timeout of ops issued from now on (the group's, or set_timeout's since).
+  std::chrono::milliseconds timeout() const { return timeout_.load(std::memory_order_relaxed); }
   // The group's store (the EP buffer exchanges its CUDA IPC handles through it).
   c10::intrusive_ptr<c10d::Store> store() const { return c10d_store_; }
   // The host id of `peer` (ranks with equal ids share a host; transfer::localHostId()).
@@ -190,7 +197,7 @@ class EpBackend : public c10d::Backend {
   template <typename CallOptions>
   Call callOf(const CallOptions& opts) const;
 
-  std::chrono::milliseconds timeout_;
+  std::atomic<std::chrono::milliseconds> timeout_;
   std::atomic<uint64_t> seq_collective_{0};
   std::atomic<uint64_t> shrinks_{0};  // groups shrunk from this one (names their stores)
   Options options_;
