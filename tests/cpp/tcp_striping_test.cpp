@@ -270,6 +270,27 @@ struct ShrunkSegment {
   std::vector<char> big, small;
 };
 
+// Rank 0's batch `b` holds a write that the receiver rejects without acknowledging it: the
+// reason that `b` or the small writes (from `src`) that rank 0 sends after it fail with once the
+// pair is broken ("" if none does within a second).
+std::string reasonOfBreak(TransferEngine& e0, const BatchPtr& b, void* src) {
+  if (!b->wait(seconds(10))) {
+    ADD_FAILURE() << "the rejected write's batch did not complete";
+    return "";
+  }
+  std::string why = b->failed() ? b->error() : "";
+  for (int i = 0; i < 100 && why.empty(); ++i) {
+    std::this_thread::sleep_for(milliseconds(10));
+    auto next = e0.submit({{Opcode::kWrite, src, 1, 1, 0, 8}});
+    if (!next->wait(seconds(10))) {
+      ADD_FAILURE() << "a request after the rejected write hung";
+      return "";
+    }
+    if (next->failed()) why = next->error();
+  }
+  return why;
+}
+
 // A striped write outside the receiver's segment fails with the receiver's reason, touches
 // nothing, and the pair keeps working.
 TEST(TcpStriping, OutOfBoundsStripedWriteFails) {
@@ -300,14 +321,7 @@ TEST(TcpStriping, RejectedUnacknowledgedUnorderedWriteBreaksThePair) {
   TransferRequest row{Opcode::kWrite, buf.data(), 1, 1, small.size() + 4096, buf.size()};
   row.unordered = row.no_ack = true;
   auto b = e0->submit({row, {Opcode::kWrite, buf.data(), 1, 1, 0, 8}});
-  ASSERT_TRUE(b->wait(seconds(10)));
-  std::string why = b->failed() ? b->error() : "";
-  for (int i = 0; i < 100 && why.empty(); ++i) {
-    std::this_thread::sleep_for(milliseconds(10));
-    auto next = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, 8}});
-    ASSERT_TRUE(next->wait(seconds(10))) << "a request after the rejected write hung";
-    if (next->failed()) why = next->error();
-  }
+  const std::string why = reasonOfBreak(*e0, b, buf.data());
   EXPECT_NE(why.find("rejected a write"), std::string::npos) << why;
   for (size_t i = 8; i < small.size(); ++i) ASSERT_EQ(small[i], 0) << "byte " << i;
 }
@@ -323,14 +337,7 @@ TEST(TcpStriping, RejectedUnacknowledgedStripedWriteBreaksThePair) {
   TransferRequest payload{Opcode::kWrite, buf.data(), 1, 1, 0, buf.size()};
   payload.no_ack = true;
   auto b = e0->submit({payload});
-  ASSERT_TRUE(b->wait(seconds(10))) << "an unacknowledged striped write did not complete once sent";
-  std::string why = b->failed() ? b->error() : "";
-  for (int i = 0; i < 100 && why.empty(); ++i) {
-    std::this_thread::sleep_for(milliseconds(10));
-    auto next = e0->submit({{Opcode::kWrite, buf.data(), 1, 1, 0, 8}});
-    ASSERT_TRUE(next->wait(seconds(10))) << "a request after the rejected write hung";
-    if (next->failed()) why = next->error();
-  }
+  const std::string why = reasonOfBreak(*e0, b, buf.data());
   EXPECT_NE(why.find("rejected a write"), std::string::npos) << why;
   EXPECT_NE(e0->lostReason(1), "");
   for (size_t i = 8; i < small.size(); ++i) ASSERT_EQ(small[i], 0) << "byte " << i;
