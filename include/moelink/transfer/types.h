@@ -39,9 +39,10 @@ struct TransferRequest {
   bool notify = false;
   // A write that needs no acknowledgement of its own: transports with acknowledgements (tcp)
   // complete it once it is handed to the network (each part of a striped one once that part is),
-  // and a rejection of it breaks the pair: the requests after it fail with the receiver's reason. For a caller that never waits on this write (a credit
-  // word); the engine also sets it on a write followed in the same batch by an acknowledged
-  // write to the same peer over the same transport (the batch completes with that one).
+  // and a rejection of it breaks the pair: the requests after it fail with the receiver's reason.
+  // For a caller that never waits on this write (a credit word, a mailbox message); the engine
+  // also sets it on a write followed in the same batch by an acknowledged write to the same peer
+  // over the same transport (the batch completes with that one).
   bool no_ack = false;
   // A write that may land before earlier requests to the peer and beside later ones, as a
   // striped write does (every request after it is still applied after all of it): over tcp with
