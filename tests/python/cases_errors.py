@@ -169,7 +169,7 @@ def set_timeout_applies_to_later_ops(rank, world):
     import time
 
     if not hasattr(dist, "set_timeout"):
-        return  # this torch has no public set_timeout (nor c10d's Backend::setTimeout)
+        return  # this torch has no public set_timeout
     g = dist.new_group(list(range(world)), timeout=timedelta(minutes=10))
     backend = moelink.get_backend(g)
     assert backend.timeout == timedelta(minutes=10), backend.timeout
