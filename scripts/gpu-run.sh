@@ -272,7 +272,9 @@ for s in "${REQUESTED[@]}"; do
   say "$s: ${WHAT[$s]}"
   log="$OUT/$s.log"
   set +e
-  ( set -e; timeout "${STAGE_TIMEOUT:-${TIMEOUT[$s]}}" bash -c "$(declare -f); $(declare -p PYTEST OUT); stage_$s" ) > "$log" 2>&1
+  # SIGINT at the time limit (the stage's process group), SIGKILL 30 s later: pytest, interrupted,
+  # still prints the failures it has seen, so a stage cut short says what failed before.
+  ( set -e; timeout -s INT -k 30 "${STAGE_TIMEOUT:-${TIMEOUT[$s]}}" bash -c "$(declare -f); $(declare -p PYTEST OUT); stage_$s" ) > "$log" 2>&1
   rc=$?
   set -e
   # What the stage said last, without per-rank glog lines and stack frames.
