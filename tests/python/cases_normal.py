@@ -29,6 +29,16 @@ def fp8_of(x):
     return q.to(x.device), s.to(x.device)
 
 
+def ranks_of(idx, num_experts, world):
+    """[tokens, world] bool: which ranks hold an expert a token selected (-1 selects none)."""
+    idx = idx.cpu()
+    valid = idx >= 0
+    in_rank = torch.zeros(idx.shape[0], world, dtype=torch.bool)
+    token = torch.arange(idx.shape[0]).unsqueeze(1).expand_as(idx)
+    in_rank[token[valid], idx[valid] // (num_experts // world)] = True
+    return in_rank
+
+
 def reference(rank, world, tokens, hidden, topk, num_experts, seed):
     """What `rank` receives: rows by source rank, then token; local top-k ids; pairs per expert."""
     nle = num_experts // world
@@ -36,18 +46,13 @@ def reference(rank, world, tokens, hidden, topk, num_experts, seed):
     for s in range(world):
         x, idx, w = make_inputs(s, tokens, hidden, topk, num_experts, "cpu", seed)
         local = (idx >= rank * nle) & (idx < (rank + 1) * nle)
-        for t in range(tokens):
-            if local[t].any():
-                rows.append(x[t])
-                idxs.append(torch.where(local[t], idx[t] - rank * nle, torch.full_like(idx[t], -1)))
-                ws.append(torch.where(local[t], w[t], torch.zeros_like(w[t])))
-                srcs.append(t)
-        for e in idx[local].tolist():
-            per_expert[e - rank * nle] += 1
-    if rows:
-        return torch.stack(rows), torch.stack(idxs), torch.stack(ws), torch.tensor(srcs), per_expert
-    return (torch.empty(0, hidden, dtype=torch.bfloat16), torch.empty(0, topk, dtype=torch.int64),
-            torch.empty(0, topk), torch.empty(0, dtype=torch.int64), per_expert)
+        keep = local.any(1)  # the tokens of source s that reach `rank`, in token order
+        rows.append(x[keep])
+        idxs.append(torch.where(local, idx - rank * nle, torch.full_like(idx, -1))[keep])
+        ws.append(torch.where(local, w, torch.zeros_like(w))[keep])
+        srcs.append(keep.nonzero().flatten())
+        per_expert += torch.bincount(idx[local] - rank * nle, minlength=nle)
+    return torch.cat(rows), torch.cat(idxs), torch.cat(ws), torch.cat(srcs), per_expert
 
 
 def reference_sources(rank, world, tokens, hidden, topk, num_experts, seed):
@@ -71,10 +76,7 @@ def check_round(buf, rank, world, tokens, hidden, topk, use_fp8, alignment, devi
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, ne)
     # The layout against a direct count.
     valid = idx >= 0
-    ref_in_rank = torch.zeros(tokens, world, dtype=torch.bool)
-    for t in range(tokens):
-        for e in idx[t][valid[t]].tolist():
-            ref_in_rank[t, e // (ne // world)] = True
+    ref_in_rank = ranks_of(idx, ne, world)
     hosts = buf._hosts_seen_here(torch.device(device))  # ranks per host on the two-hop route, else 0
     if hosts:  # tokens per host
         assert torch.equal(per_rdma.cpu(), ref_in_rank.view(tokens, world // hosts, hosts).any(2).sum(0).int())
@@ -245,10 +247,7 @@ def autograd(rank, world, device="cpu"):
     loss = (out.float() * go).sum() + (r_w * (rank + 1)).sum()
     loss.backward()
     nle = ne // world
-    in_rank = torch.zeros(tokens, world)
-    for t in range(tokens):
-        for e in idx[t][idx[t] >= 0].tolist():
-            in_rank[t, e // nle] = 1
+    in_rank = ranks_of(idx, ne, world).float()
     scale = (in_rank * torch.arange(1, world + 1).float()).sum(1, keepdim=True)
     ref_gx = (go.cpu() * scale)
     torch.testing.assert_close(x.grad.cpu().float(), ref_gx.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
@@ -356,10 +355,7 @@ def graph_capture(rank, world, device="cuda"):
         assert torch.equal(recv_x[:n], ref_x) and not recv_x[n:].any()
         assert torch.equal(r_idx[:n], ref_idx) and torch.all(r_idx[n:] == -1)
         assert torch.equal(src[:n].long(), ref_src) and torch.all(src[n:] == -1)
-        in_rank = torch.zeros(tokens, world, dtype=torch.bool)
-        for t in range(tokens):
-            for e in idx[t][idx[t] >= 0].tolist():
-                in_rank[t, e // (ne // world)] = True
+        in_rank = ranks_of(idx, ne, world)
         acc = torch.zeros(tokens, hidden)
         for r in range(world):
             acc[in_rank[:, r]] += expert(x.cpu()[in_rank[:, r]], r).float()
