@@ -273,7 +273,12 @@ void TcpTransport::Impl::flushConn(Conn& c) {
         iov[n++] = {const_cast<char*>(f.payloadData() + off), f.payload_len - off};
       }
     }
-    ssize_t r = ::writev(c.fd, iov, n);
+    // (MSG_NOSIGNAL: a peer that reset the connection is an EPIPE here, not a SIGPIPE that ends
+    // a process which has not ignored it)
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = static_cast<size_t>(n);
+    ssize_t r = ::sendmsg(c.fd, &m, MSG_NOSIGNAL);
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) break;
       if (errno == EINTR) continue;
