@@ -46,7 +46,9 @@ transfer::EngineOptions options(int rank, int streams) {
   o.world_size = 2;
   o.transport = "tcp";
   o.listen_ip = "127.0.0.1";
-  o.tcp_tuning = transfer::tcp::TcpTuning{streams, transfer::tcp::TcpTuning::fromEnv().stripe_bytes};
+  transfer::tcp::TcpTuning t = transfer::tcp::TcpTuning::fromEnv();
+  t.streams = streams;
+  o.tcp_tuning = t;
   return o;
 }
 

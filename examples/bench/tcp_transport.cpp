@@ -45,7 +45,9 @@ EngineOptions options(int rank, int streams) {
   o.world_size = 2;
   o.transport = "tcp";
   o.listen_ip = "127.0.0.1";
-  o.tcp_tuning = tcp::TcpTuning{streams, tcp::TcpTuning::fromEnv().stripe_bytes};
+  tcp::TcpTuning t = tcp::TcpTuning::fromEnv();
+  t.streams = streams;
+  o.tcp_tuning = t;
   return o;
 }
 

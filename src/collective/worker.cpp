@@ -1,7 +1,5 @@
 #include "moelink/collective/worker.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdlib>
 
@@ -10,6 +8,7 @@
 #include "moelink/collective/message_check.h"
 #include "moelink/common/settings.h"
 #include "moelink/common/error.h"
+#include "moelink/common/spin.h"
 #include "moelink/transfer/records.h"
 #include "worker_internal.h"
 
@@ -331,7 +330,7 @@ void CollectiveWorker::loop() {
       continue;
     }
     if (busy && ++idle < spin_) {
-      _mm_pause();
+      cpuRelax();
       continue;
     }
     // Data that rings no doorbell (a GPU's copy, a send completing) comes within tens of
@@ -340,7 +339,7 @@ void CollectiveWorker::loop() {
       const auto now = Clock::now();
       if (gated_since == Clock::time_point{}) gated_since = now;
       if (now - gated_since < gate_spin_) {
-        _mm_pause();
+        cpuRelax();
         continue;
       }
     } else {

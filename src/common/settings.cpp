@@ -51,6 +51,9 @@ const std::vector<Setting> kSettings = {
            "the connections within half of the process's file-descriptor limit"),
     number("MOELINK_TCP_STRIPE_BYTES", "collectives", 256 * kKiB, 1, UINT64_MAX,
            "tcp writes of at least this size are cut into parts (of at least 64 KiB), one per connection"),
+    number("MOELINK_TCP_SPIN_US", "collectives", 0, 0, 1000000,
+           "microseconds a tcp progress thread keeps polling its connections after its last work before it "
+           "sleeps (a polling thread takes the next frame without being woken, and keeps a core busy meanwhile)"),
     number("MOELINK_CHUNK_BYTES", "collectives", 512 * kKiB, 64, 1ull << 30,
            "mailbox slot size: large ops move in pieces of this size; the same on every rank (a group whose ranks "
            "differ fails to form, and a process that joins a group takes the group's)",

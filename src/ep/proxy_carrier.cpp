@@ -7,6 +7,7 @@
 #include <deque>
 #include <string>
 
+#include "moelink/common/spin.h"
 #include "moelink/transfer/transfer_engine.h"
 
 namespace moelink::ep {
@@ -17,21 +18,6 @@ constexpr size_t kMaxBatch = 512;
 // How long the threads spin after their last work before they sleep (the GPU waits on them
 // while traffic is recent).
 constexpr auto kSpinFor = std::chrono::milliseconds(2);
-
-inline void cpuRelax() {
-#if defined(__x86_64__)
-  __builtin_ia32_pause();
-#endif
-}
-
-// A spinning thread's turn: a pause, and every 64th time a yield, so that spinning threads
-// on a host with fewer free cores than threads let the others run.
-inline void spinTurn(unsigned& spins) {
-  if (++spins % 64 == 0)
-    std::this_thread::yield();
-  else
-    cpuRelax();
-}
 
 }  // namespace
 

@@ -37,13 +37,13 @@ namespace w = moelink::transfer::tcp::wire;
 
 namespace {
 
-EngineOptions striped(int rank, int world, int streams, uint64_t stripe_bytes = 128 << 10) {
+EngineOptions striped(int rank, int world, int streams, uint64_t stripe_bytes = 128 << 10, uint64_t spin_us = 0) {
   EngineOptions o;
   o.rank = rank;
   o.world_size = world;
   o.transport = "tcp";
   o.timeout = seconds(30);
-  o.tcp_tuning = tcp::TcpTuning{streams, stripe_bytes};
+  o.tcp_tuning = tcp::TcpTuning{streams, stripe_bytes, spin_us};
   return o;
 }
 
@@ -371,6 +371,76 @@ TEST(TcpStriping, PeerGoingAwayFailsStripedRequests) {
 
 // The default number of streams keeps a large group's connections (one out and one in per stream
 // and peer) within half of the process's file-descriptor limit.
+// Several threads submit to one peer at once, each its own data and then its signal: small
+// writes that a submitter sends itself (flush's own pass over a loop) race with the loops'
+// threads and with the other submitters' passes, large ones go striped, some unordered; a
+// signal never lands before its thread's data, on 1 and 4 streams, with progress threads that
+// sleep at once and with ones that poll after their work (MOELINK_TCP_SPIN_US).
+TEST(TcpStriping, ConcurrentSubmittersKeepEachThreadsOrder) {
+  constexpr int kThreads = 4, kRounds = 40;
+  const std::vector<uint64_t> sizes{8, 1000, 40 << 10, 100 << 10, 300 << 10};
+  uint64_t per_thread = 0;
+  for (int r = 0; r < kRounds; ++r) per_thread += (sizes[r % sizes.size()] + 63) / 64 * 64;
+  const uint64_t signals = kThreads * per_thread;
+  for (auto [streams, spin_us] : {std::pair<int, uint64_t>{1, 0}, {4, 0}, {4, 200}}) {
+    auto store = std::make_shared<InProcessStore>();
+    runRanks(2, [&](int rank) {
+      TransferEngine engine(store, striped(rank, 2, streams, 128 << 10, spin_us));
+      char* seg = static_cast<char*>(engine.allocateSegment(3, signals + 8 * kThreads));
+      storeBarrier(*store, "alloc" + std::to_string(streams), 2, seconds(10));
+      engine.openSegment(1 - rank, 3);
+      auto block = [&](int t, int r) {  // where thread t's round r lands, and its size
+        uint64_t at = t * per_thread;
+        for (int k = 0; k < r; ++k) at += (sizes[k % sizes.size()] + 63) / 64 * 64;
+        return std::make_pair(at, sizes[r % sizes.size()]);
+      };
+      auto byte = [](int t, int r, uint64_t i) { return static_cast<char>((i * 7 + t * 31 + r * 13) & 0xff); };
+      if (rank == 0) {
+        runRanks(kThreads, [&](int t) {
+          std::vector<uint64_t> words(kRounds);  // each signal's value lives until its batch is done
+          std::vector<BatchPtr> batches;
+          for (int r = 0; r < kRounds; ++r) {
+            const auto [at, len] = block(t, r);
+            std::vector<char> mine(len);
+            for (uint64_t i = 0; i < len; ++i) mine[i] = byte(t, r, i);
+            words[r] = r + 1;
+            TransferRequest w{Opcode::kWrite, mine.data(), 1, 3, at, len};
+            w.unordered = r % 3 == 1;
+            w.no_ack = r % 2 == 1;
+            const TransferRequest sig{Opcode::kWrite, &words[r], 1, 3, signals + 8 * t, 8};
+            auto b = engine.submit({w});
+            batches.push_back(engine.submit({sig}));
+            ASSERT_TRUE(b->wait(seconds(30)));  // (`mine` goes out of scope)
+            ASSERT_FALSE(b->failed()) << b->error();
+          }
+          for (auto& b : batches) {
+            ASSERT_TRUE(b->wait(seconds(30)));
+            ASSERT_FALSE(b->failed()) << b->error();
+          }
+        });
+      } else {
+        std::vector<int> seen(kThreads, 0);  // rounds of each thread checked
+        const auto deadline = steady_clock::now() + seconds(60);
+        while (*std::min_element(seen.begin(), seen.end()) < kRounds) {
+          ASSERT_LT(steady_clock::now(), deadline) << "signals missing";
+          for (int t = 0; t < kThreads; ++t) {
+            const auto now = static_cast<int>(
+                __atomic_load_n(reinterpret_cast<uint64_t*>(seg + signals + 8 * t), __ATOMIC_ACQUIRE));
+            for (; seen[t] < now; ++seen[t]) {
+              const auto [at, len] = block(t, seen[t]);
+              for (uint64_t i = 0; i < len; ++i)
+                ASSERT_EQ(seg[at + i], byte(t, seen[t], i))
+                    << streams << " streams, spin " << spin_us << " us: thread " << t << " round " << seen[t] << " byte " << i
+                    << " not there when signal " << now << " was";
+            }
+          }
+        }
+      }
+      storeBarrier(*store, "done" + std::to_string(streams), 2, seconds(60));
+    });
+  }
+}
+
 TEST(TcpStriping, DefaultStreamsFitTheDescriptorLimit) {
   if (std::getenv("MOELINK_TCP_STREAMS")) GTEST_SKIP() << "MOELINK_TCP_STREAMS is set";
   rlimit saved{};

@@ -99,6 +99,12 @@ constexpr size_t kBufferedRead = 64 << 10;
 // Parts of a striped write are at least this large (a smaller write goes in fewer parts).
 constexpr uint64_t kMinPart = 64 << 10;
 
+// A submitter whose requests queue at most this many payload bytes on a loop sends them itself
+// (flush: TcpTransport::Impl::driveOrWake) instead of waking the loop's thread: a small message
+// then leaves without a thread's wake-up on its way, while a large one is still copied into the
+// sockets by the loops' threads in parallel.
+constexpr uint64_t kDirectSendBytes = 64 << 10;
+
 // Unordered writes (TransferRequest::unordered) below this size travel in order on the first
 // connection: for them a part's bookkeeping costs more than the wire saves, and the bound keeps
 // the unordered writes a session can have in flight (what the sockets' buffers hold) far below
@@ -163,12 +169,17 @@ class TcpTransport::Impl {
     int index = 0;
     int epoll_fd = -1, event_fd = -1;
     std::thread thread;
+    // Held by whichever thread runs a pass over the loop's connections: its progress thread after
+    // each epoll_wait, or another thread driving it directly (driveOrWake). Only ever try-locked
+    // by a thread that holds another loop's, so no two threads wait on each other.
+    std::mutex drive;
     // Shared with other threads, under the Impl's mu_.
     std::vector<Submission> submissions;
+    uint64_t queued = 0;  // payload bytes of `submissions`
     std::vector<std::unique_ptr<Conn>> adopted;  // connections handed to this loop
     // Outbound connections to close: (peer, session, why); why "" when the peer was forgotten.
     std::vector<std::tuple<int, uint64_t, std::string>> drops;
-    // Progress thread only.
+    // Whoever holds `drive` only.
     std::map<int, std::unique_ptr<Conn>> conns;
     std::map<int, Conn*> outbound;  // by peer
     std::vector<Conn*> waiting;     // inbound primaries in kOrder
@@ -216,6 +227,14 @@ class TcpTransport::Impl {
   static void wake(Loop& l);
 
   void loop(Loop& l);
+  // The part of a loop's turn that needs no epoll event (under l.drive): the submissions go onto
+  // their connections, parked primaries whose turn came go on, queued frames are written, closed
+  // connections are reaped, and the doorbell rings if something completed.
+  void pass(Loop& l);
+  // Runs `l`'s pass in this thread if no other thread holds l.drive, else wakes its progress
+  // thread. Callers: flush() (the submitter sends its own small messages) and a lane whose part
+  // lets loop 0's parked primary go on. False: the transport is stopped (nothing was done).
+  bool driveOrWake(Loop& l);
 
   void takeSubmissions(Loop& l);
 

@@ -15,6 +15,7 @@
 
 #include "impl.h"
 #include "moelink/common/error.h"
+#include "moelink/common/spin.h"
 #include "moelink/transfer/shm/transport.h"
 #include "moelink/transfer/tcp/socket.h"
 
@@ -51,12 +52,25 @@ void TcpTransport::Impl::wake(Loop& l) {
 
 void TcpTransport::Impl::loop(Loop& l) {
   std::vector<epoll_event> events(64);
+  const auto spin_for = microseconds(tuning_.spin_us);
+  auto last_work = steady_clock::now() - spin_for;
+  unsigned polls = 0;
   while (!stopped_.load()) {
-    int n = epoll_wait(l.epoll_fd, events.data(), static_cast<int>(events.size()), 100);
+    // Within spin_for of its last work the thread polls (a pause between polls, a yield every
+    // 64th, for the ranks' own threads on a busy host); then it sleeps until something comes.
+    const bool poll = spin_for.count() > 0 && steady_clock::now() - last_work < spin_for;
+    int n = epoll_wait(l.epoll_fd, events.data(), static_cast<int>(events.size()), poll ? 0 : 100);
     if (n < 0 && errno != EINTR) {
       LOG(ERROR) << "moelink tcp: epoll_wait failed: " << std::strerror(errno);
       break;
     }
+    if (n > 0) {
+      last_work = steady_clock::now();
+    } else if (poll) {
+      spinTurn(polls);
+      continue;
+    }
+    std::lock_guard<std::mutex> d(l.drive);
     for (int i = 0; i < n; ++i) {
       int fd = events[i].data.fd;
       if (fd == l.event_fd) {
@@ -77,17 +91,39 @@ void TcpTransport::Impl::loop(Loop& l) {
       }
       if (events[i].events & EPOLLOUT) flushConn(c);
     }
-    takeSubmissions(l);
-    resumeWaiting(l);
-    for (auto& [fd, c] : l.conns)
-      if (!c->out.empty()) flushConn(*c);
     if (l.index == 0) expireHandshakes();
-    reapClosed(l);
-    if (l.ring) {  // something completed or a notify arrived during this pass
-      l.ring = false;
-      ring_local_();
+    pass(l);
+  }
+}
+
+void TcpTransport::Impl::pass(Loop& l) {
+  takeSubmissions(l);
+  resumeWaiting(l);
+  for (auto& [fd, c] : l.conns)
+    if (!c->out.empty()) flushConn(*c);
+  reapClosed(l);
+  if (l.ring) {  // something completed or a notify arrived during this pass
+    l.ring = false;
+    ring_local_();
+  }
+}
+
+bool TcpTransport::Impl::driveOrWake(Loop& l) {
+  {
+    std::unique_lock<std::mutex> d(l.drive, std::try_to_lock);
+    // (stopped: shutdown() settles what is queued; its progress thread has gone)
+    if (stopped_.load()) return false;
+    if (d.owns_lock()) {
+      pass(l);
+      return true;
     }
   }
+  // Its progress thread is in a pass (it takes what is queued in its next one, which this
+  // wake-up makes sure of), or another thread drives it.
+  std::lock_guard<std::mutex> g(mu_);
+  if (stopped_.load()) return false;
+  wake(l);
+  return true;
 }
 
 void TcpTransport::Impl::takeSubmissions(Loop& l) {
@@ -98,6 +134,7 @@ void TcpTransport::Impl::takeSubmissions(Loop& l) {
     std::lock_guard<std::mutex> g(mu_);
     fresh.swap(l.adopted);
     subs.swap(l.submissions);
+    l.queued = 0;
     drops.swap(l.drops);
   }
   // Before `fresh`: a new connection to the peer may be there.

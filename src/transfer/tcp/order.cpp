@@ -253,8 +253,9 @@ void TcpTransport::Impl::finishPart(Conn& c) {
     }
   }
   if (notify) c.loop->ring = true;
-  // The primary on this loop (streams of one lane per loop share loop 0) resumes in this pass.
-  if (wake_loop) wake(*wake_loop);
+  // The primary on this loop (streams of one lane per loop share loop 0) resumes in this pass;
+  // on another, this thread lets it go on unless that loop is busy.
+  if (wake_loop) driveOrWake(*wake_loop);
   answerWrite(c);
   c.reply_status = wire::kOk;
 }
@@ -272,7 +273,7 @@ bool TcpTransport::Impl::publishLanded(Conn& c) {
   }
   c.landed.clear();
   if (!error.empty()) return protocolError(c, error);
-  if (wake_loop) wake(*wake_loop);
+  if (wake_loop) driveOrWake(*wake_loop);
   return true;
 }
 

@@ -274,7 +274,7 @@ void TcpTransport::Impl::flushConn(Conn& c) {
       }
     }
     // (MSG_NOSIGNAL: a peer that reset the connection is an EPIPE here, not a SIGPIPE that ends
-    // a process which has not ignored it)
+    // a process which has not ignored it; the submitter's thread writes too, flush())
     msghdr m{};
     m.msg_iov = iov;
     m.msg_iovlen = static_cast<size_t>(n);
@@ -344,6 +344,7 @@ void TcpTransport::Impl::closeConn(Conn& c, const std::string& why, bool warn) {
       for (auto& other : loops_) {
         for (auto it = other->submissions.begin(); it != other->submissions.end();) {
           if (it->peer == c.peer) {
+            other->queued -= std::min(other->queued, it->frame.payload_len);
             settle(it->pending, reason);
             it = other->submissions.erase(it);
             l.ring = true;

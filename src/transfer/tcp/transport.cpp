@@ -40,6 +40,7 @@ TcpTuning TcpTuning::fromEnv(int world_size) {
   }
   t.streams = static_cast<int>(settings::numberIfSet("MOELINK_TCP_STREAMS").value_or(dflt));
   t.stripe_bytes = settings::number("MOELINK_TCP_STRIPE_BYTES");
+  t.spin_us = settings::number("MOELINK_TCP_SPIN_US");
   return t;
 }
 
@@ -122,6 +123,9 @@ void TcpTransport::Impl::shutdown() {
   for (auto& l : loops_) wake(*l);
   for (auto& l : loops_)
     if (l->thread.joinable()) l->thread.join();
+  // A submitter may still be in its pass over a loop (driveOrWake); later ones see `stopped_`.
+  std::vector<std::unique_lock<std::mutex>> driving;
+  for (auto& l : loops_) driving.emplace_back(l->drive);
   std::vector<int> fds;
   for (auto& l : loops_)
     for (auto& [fd, c] : l->conns)
@@ -204,6 +208,7 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
                            req.op == Opcode::kWrite ? req.length : 0)};
     Loop& l = *loops_[0];
     l.submissions.push_back(std::move(s));
+    l.queued += req.op == Opcode::kWrite ? req.length : 0;
     wake_due_ |= 1u;
     return;
   }
@@ -232,6 +237,7 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
     s.frame.head_len += sizeof ext;
     Loop& l = *loops_[(first + k) % lanes];
     l.submissions.push_back(std::move(s));
+    l.queued += len;
     wake_due_ |= 1u << l.index;
   }
 }
@@ -240,12 +246,23 @@ void TcpTransport::Impl::flush() {
   // Under the lock: shutdown() marks the transport stopped, then holds the lock (settling what
   // was submitted), then closes the loops' eventfds; a flush either wakes before that or finds
   // it stopped. One that finds the bits cleared by another thread's comes after that one took
-  // them, and so after its wakes.
-  std::lock_guard<std::mutex> g(mu_);
-  uint32_t due = stopped_ ? 0 : wake_due_;
-  wake_due_ = 0;
-  for (size_t i = 0; due; ++i, due >>= 1)
-    if (due & 1) wake(*loops_[i]);
+  // them, and so after its wakes (or its own pass over the loop, which takes them all).
+  Loop* own = nullptr;  // the loop whose queue this thread writes itself
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    uint32_t due = stopped_ ? 0 : wake_due_;
+    wake_due_ = 0;
+    // Loop 0 first (ordered requests: a message's header, a signal), else the first due lane, if
+    // what waits there is small; the other loops wake first and carry their parts meanwhile.
+    for (size_t i = 0; due; ++i, due >>= 1) {
+      if (!(due & 1)) continue;
+      if (!own && loops_[i]->queued <= kDirectSendBytes)
+        own = loops_[i].get();
+      else
+        wake(*loops_[i]);
+    }
+  }
+  if (own) driveOrWake(*own);
 }
 
 TcpTransport::TcpTransport(int rank, int world_size, uint64_t secret, LocalSegments& segments,

@@ -54,8 +54,13 @@ namespace moelink::transfer::tcp {
 struct TcpTuning {
   int streams = 1;                   // connections per peer and progress threads (1..kMaxStreams)
   uint64_t stripe_bytes = 256 << 10;  // writes of at least this size are striped (streams > 1)
-  // MOELINK_TCP_STREAMS, MOELINK_TCP_STRIPE_BYTES (common/settings.cpp); the default number of
-  // streams by the host's cores, capped for a group of `world_size` ranks by the file descriptors.
+  // How long a progress thread keeps polling its sockets after its last work before it sleeps in
+  // epoll_wait (0: it sleeps at once); a thread that polls answers the next frame without being
+  // woken, and keeps a core busy meanwhile.
+  uint64_t spin_us = 0;
+  // MOELINK_TCP_STREAMS, MOELINK_TCP_STRIPE_BYTES, MOELINK_TCP_SPIN_US (common/settings.cpp); the
+  // default number of streams by the host's cores, capped for a group of `world_size` ranks by
+  // the file descriptors.
   static TcpTuning fromEnv(int world_size = 1);
 };
 constexpr int kMaxStreams = 16;
