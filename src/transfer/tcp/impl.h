@@ -175,7 +175,13 @@ class TcpTransport::Impl {
     std::mutex drive;
     // Shared with other threads, under the Impl's mu_.
     std::vector<Submission> submissions;
-    uint64_t queued = 0;  // payload bytes of `submissions`
+    // Whether `submissions` carry at most `limit` payload bytes (under mu_).
+    bool queuedAtMost(uint64_t limit) const {
+      uint64_t bytes = 0;
+      for (const Submission& s : submissions)
+        if ((bytes += s.frame.payload_len) > limit) return false;
+      return true;
+    }
     std::vector<std::unique_ptr<Conn>> adopted;  // connections handed to this loop
     // Outbound connections to close: (peer, session, why); why "" when the peer was forgotten.
     std::vector<std::tuple<int, uint64_t, std::string>> drops;

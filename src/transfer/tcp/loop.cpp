@@ -134,7 +134,6 @@ void TcpTransport::Impl::takeSubmissions(Loop& l) {
     std::lock_guard<std::mutex> g(mu_);
     fresh.swap(l.adopted);
     subs.swap(l.submissions);
-    l.queued = 0;
     drops.swap(l.drops);
   }
   // Before `fresh`: a new connection to the peer may be there.

@@ -344,7 +344,6 @@ void TcpTransport::Impl::closeConn(Conn& c, const std::string& why, bool warn) {
       for (auto& other : loops_) {
         for (auto it = other->submissions.begin(); it != other->submissions.end();) {
           if (it->peer == c.peer) {
-            other->queued -= std::min(other->queued, it->frame.payload_len);
             settle(it->pending, reason);
             it = other->submissions.erase(it);
             l.ring = true;

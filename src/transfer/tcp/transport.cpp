@@ -208,7 +208,6 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
                            req.op == Opcode::kWrite ? req.length : 0)};
     Loop& l = *loops_[0];
     l.submissions.push_back(std::move(s));
-    l.queued += req.op == Opcode::kWrite ? req.length : 0;
     wake_due_ |= 1u;
     return;
   }
@@ -237,7 +236,6 @@ void TcpTransport::Impl::post(const TransferRequest& req, const BatchPtr& batch,
     s.frame.head_len += sizeof ext;
     Loop& l = *loops_[(first + k) % lanes];
     l.submissions.push_back(std::move(s));
-    l.queued += len;
     wake_due_ |= 1u << l.index;
   }
 }
@@ -256,7 +254,7 @@ void TcpTransport::Impl::flush() {
     // what waits there is small; the other loops wake first and carry their parts meanwhile.
     for (size_t i = 0; due; ++i, due >>= 1) {
       if (!(due & 1)) continue;
-      if (!own && loops_[i]->queued <= kDirectSendBytes)
+      if (!own && loops_[i]->queuedAtMost(kDirectSendBytes))
         own = loops_[i].get();
       else
         wake(*loops_[i]);
