@@ -9,7 +9,8 @@
 //
 // Prints one line per (streams, rows): "streams rows row_bytes gap_us carrier_us batch_us"
 // (medians). The rows go into every other row slot of the peer (no two merge), the signal after
-// them; the receiving thread watches the signal word.
+// them; the receiving thread watches the signal word. Both engines are tuned as the EP proxy's
+// (proxyTcpTuning: MOELINK_EP_PROXY_TCP_SPIN_US applies) but for the number of streams.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "moelink/common/settings.h"
 #include "moelink/ep/proxy_carrier.h"
 #include "moelink/transfer/transfer_engine.h"
 
@@ -46,7 +48,8 @@ transfer::EngineOptions options(int rank, int streams) {
   o.world_size = 2;
   o.transport = "tcp";
   o.listen_ip = "127.0.0.1";
-  transfer::tcp::TcpTuning t = transfer::tcp::TcpTuning::fromEnv();
+  // The EP proxy's (its progress threads poll while traffic is recent on a host of many cores)
+  transfer::tcp::TcpTuning t = ep::proxyTcpTuning(2, settings::usableCores());
   t.streams = streams;
   o.tcp_tuning = t;
   return o;

@@ -9,7 +9,8 @@ Runs build/moelink_proxy_bench (two transfer engines in one process, tcp forced,
 for each number of tcp streams and burst of rows (into every other row slot of the peer, then a
 signal), the median time through ProxyCarrier (a thread posts a row every --gap-us, as the GPU's
 warps post them) and as one unordered batch. 7392 bytes is an FP8 dispatch row with its scales,
-14336 a BF16 combine row. Prints the table and writes a PNG.
+14336 a BF16 combine row. The engines' tcp threads poll as the EP proxy's do
+(MOELINK_EP_PROXY_TCP_SPIN_US; =0 for threads that sleep at once). Prints the table and writes a PNG.
 """
 
 import argparse

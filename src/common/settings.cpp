@@ -162,6 +162,12 @@ const std::vector<Setting> kSettings = {
            "threads of each rank's CPU proxy that carry a batch's data to proxy peers over shared memory (the proxy "
            "thread included; each spins while traffic is recent)",
            "one per 16 cores the process may run on, 1 to 4"),
+    number("MOELINK_EP_PROXY_TCP_SPIN_US", "ep", 0, 0, 1000000,
+           "microseconds the tcp progress threads of each rank's CPU proxy keep polling their connections after "
+           "their last work before they sleep (`MOELINK_TCP_SPIN_US` for the proxy's own engine): rows and signals "
+           "are then taken on each hop without a thread being woken, while the proxy's traffic is recent",
+           "`3000` when the cores the process may run on come to 16 or more for each of the group's ranks on its "
+           "host, else `0`"),
     flag("MOELINK_EP_PROXY_SPREAD", "ep", true,
          "`0`: the CPU proxy sends its rows to a peer over tcp in order on one connection, instead of spreading them "
          "over the tcp streams (`MOELINK_TCP_STREAMS`) once 256 KiB or more of them are with the engine"),

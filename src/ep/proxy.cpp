@@ -37,6 +37,9 @@ EpProxy::EpProxy(std::shared_ptr<transfer::MetadataStore> store, int rank, int s
   eo.world_size = size;
   eo.timeout = timeout;
   eo.extension = joining;  // the group's secret exists: a joining rank 0 must not make another
+  // The group's ranks on this host: all but the proxy peers (ranks on other hosts).
+  const int here = std::max(1, size - static_cast<int>(peers_.size()));
+  eo.tcp_tuning = proxyTcpTuning(size, settings::usableCores() / here);
   engine_ = std::make_unique<transfer::TransferEngine>(std::move(store), eo);
   if (peers_.empty()) return;
   inbox_bytes_ = inbox_bytes;

@@ -7,6 +7,7 @@
 #include <deque>
 #include <string>
 
+#include "moelink/common/settings.h"
 #include "moelink/common/spin.h"
 #include "moelink/transfer/transfer_engine.h"
 
@@ -20,6 +21,13 @@ constexpr size_t kMaxBatch = 512;
 constexpr auto kSpinFor = std::chrono::milliseconds(2);
 
 }  // namespace
+
+transfer::tcp::TcpTuning proxyTcpTuning(int world_size, int cores) {
+  transfer::tcp::TcpTuning t = transfer::tcp::TcpTuning::fromEnv(world_size);
+  t.spin_us = settings::numberIfSet("MOELINK_EP_PROXY_TCP_SPIN_US")
+                  .value_or(cores >= kProxyTcpSpinCores ? kProxyTcpSpinUs : 0);
+  return t;
+}
 
 ProxyCarrier::ProxyCarrier(transfer::TransferEngine& engine, Config config) : engine_(engine), c_(std::move(config)) {
   const size_t threads = static_cast<size_t>(std::max(1, c_.threads));

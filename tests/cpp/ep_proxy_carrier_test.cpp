@@ -76,7 +76,9 @@ struct Poster {
 // (transport, carrying threads): with several threads, waves of a few rows split over them.
 // "tcp4": four tcp streams, none striping a write for its size: the rows spread over them only
 // because the carrier sends them unordered (every batch large enough to spread: spread_bytes 0);
-// "tcp4small": the same with no batch large enough (rows in order, on the first stream only).
+// "tcp4small": the same with no batch large enough (rows in order, on the first stream only);
+// "tcp4poll": "tcp4" with the progress threads polling as the proxy's engine has them on a host
+// of many cores (proxyTcpTuning).
 class ProxyCarrierTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
@@ -94,8 +96,9 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
     o.transport = transport == "shm" ? "shm" : "tcp";
     o.timeout = seconds(60);
     constexpr int kStreams = 4;
-    const bool four = transport == "tcp4" || transport == "tcp4small";
+    const bool four = transport == "tcp4" || transport == "tcp4small" || transport == "tcp4poll";
     if (four) o.tcp_tuning = transfer::tcp::TcpTuning{kStreams, 1ull << 40};
+    if (transport == "tcp4poll") o.tcp_tuning->spin_us = kProxyTcpSpinUs;
     transfer::TransferEngine engine(store, o);
     if (rank == 1) {  // the receiver: checks each signal against the rows posted before it
       auto* inbox = static_cast<volatile uint8_t*>(engine.allocateSegment(kInbox, kSignalsAt + 8 * kMaxSignals));
@@ -172,7 +175,7 @@ TEST_P(ProxyCarrierTest, SignalsFollowTheirRowsRoundAfterRound) {
       const std::vector<uint64_t> sent = engine.tcpSentPerStream();
       ASSERT_EQ(sent.size(), static_cast<size_t>(kStreams));
       for (int s = 0; s < kStreams; ++s) {
-        if (transport == "tcp4") {
+        if (transport != "tcp4small") {
           EXPECT_GT(sent[s], kRounds * kTokens * kRow / (4 * kStreams)) << "stream " << s << " carried too little";
         } else if (s > 0) {
           EXPECT_EQ(sent[s], 0u) << "stream " << s << " carried rows of batches below spread_bytes";
@@ -238,8 +241,29 @@ TEST(ProxyCarrier, QuiesceGetsItsTurnUnderSteadyTraffic) {
   });
 }
 
+// The proxy's engine polls where the process may run on many cores, never on a small host, and
+// MOELINK_EP_PROXY_TCP_SPIN_US decides on any host; the rest is the transport's own tuning.
+TEST(ProxyCarrier, EngineTuningPollsOnManyCoresOnly) {
+  unsetenv("MOELINK_EP_PROXY_TCP_SPIN_US");
+  EXPECT_EQ(proxyTcpTuning(4, kProxyTcpSpinCores).spin_us, kProxyTcpSpinUs);
+  EXPECT_EQ(proxyTcpTuning(4, 64).spin_us, kProxyTcpSpinUs);
+  EXPECT_EQ(proxyTcpTuning(4, kProxyTcpSpinCores - 1).spin_us, 0u);
+  EXPECT_EQ(proxyTcpTuning(4, 2).spin_us, 0u);
+  setenv("MOELINK_TCP_STREAMS", "3", 1);
+  setenv("MOELINK_EP_PROXY_TCP_SPIN_US", "0", 1);
+  EXPECT_EQ(proxyTcpTuning(4, 64).spin_us, 0u);
+  EXPECT_EQ(proxyTcpTuning(4, 64).streams, 3);
+  setenv("MOELINK_EP_PROXY_TCP_SPIN_US", "250", 1);
+  EXPECT_EQ(proxyTcpTuning(4, 2).spin_us, 250u);
+  setenv("MOELINK_EP_PROXY_TCP_SPIN_US", "-1", 1);
+  EXPECT_THROW(proxyTcpTuning(4, 2), std::exception);
+  unsetenv("MOELINK_EP_PROXY_TCP_SPIN_US");
+  unsetenv("MOELINK_TCP_STREAMS");
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, ProxyCarrierTest,
-                         ::testing::Combine(::testing::Values("shm", "tcp", "tcp4", "tcp4small"), ::testing::Values(1, 4)),
+                         ::testing::Combine(::testing::Values("shm", "tcp", "tcp4", "tcp4small", "tcp4poll"),
+                                            ::testing::Values(1, 4)),
                          [](const ::testing::TestParamInfo<std::tuple<std::string, int>>& i) {
                            return std::get<0>(i.param) + "_" + std::to_string(std::get<1>(i.param)) + "threads";
                          });

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "moelink/ep/proxy_ring.h"
+#include "moelink/transfer/tcp/transport.h"
 #include "moelink/transfer/types.h"
 
 namespace moelink::transfer {
@@ -33,6 +34,19 @@ class TransferEngine;
 }  // namespace moelink::transfer
 
 namespace moelink::ep {
+
+// The tcp tuning of the engine a carrier drives (EpProxy's, the carrier's benchmark's): the
+// transport's own (TcpTuning::fromEnv) but for its progress threads, which poll for
+// MOELINK_EP_PROXY_TCP_SPIN_US after their last work, by default kProxyTcpSpinUs where the
+// process has at least kProxyTcpSpinCores cores to itself (`cores`: those it may run on over the
+// group's ranks on its host), else not at all. The carrier's own threads spin while its traffic
+// is recent, and so do these: a proxy peer's rows are taken on each hop without a thread being
+// woken (docs/PERF.md, the EP proxy's carrier: 0.55-0.81x the time of sleeping threads for
+// bursts of 1-256 rows on 16 cores). On a host with few cores the polling threads would take
+// the cores the other threads need.
+constexpr uint64_t kProxyTcpSpinUs = 3000;
+constexpr int kProxyTcpSpinCores = 16;
+transfer::tcp::TcpTuning proxyTcpTuning(int world_size, int cores);
 
 class ProxyCarrier {
  public:
