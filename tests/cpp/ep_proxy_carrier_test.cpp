@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -244,6 +246,19 @@ TEST(ProxyCarrier, QuiesceGetsItsTurnUnderSteadyTraffic) {
 // The proxy's engine polls where the process may run on many cores, never on a small host, and
 // MOELINK_EP_PROXY_TCP_SPIN_US decides on any host; the rest is the transport's own tuning.
 TEST(ProxyCarrier, EngineTuningPollsOnManyCoresOnly) {
+  // The caller's values of the two variables come back at the end (later tests read them).
+  struct Restore {
+    std::vector<std::pair<std::string, std::optional<std::string>>> was;
+    Restore() {
+      for (const char* name : {"MOELINK_EP_PROXY_TCP_SPIN_US", "MOELINK_TCP_STREAMS"}) {
+        const char* v = std::getenv(name);
+        was.emplace_back(name, v ? std::optional<std::string>(v) : std::nullopt);
+      }
+    }
+    ~Restore() {
+      for (const auto& [name, v] : was) v ? setenv(name.c_str(), v->c_str(), 1) : unsetenv(name.c_str());
+    }
+  } restore;
   unsetenv("MOELINK_EP_PROXY_TCP_SPIN_US");
   EXPECT_EQ(proxyTcpTuning(4, kProxyTcpSpinCores).spin_us, kProxyTcpSpinUs);
   EXPECT_EQ(proxyTcpTuning(4, 64).spin_us, kProxyTcpSpinUs);
@@ -257,8 +272,6 @@ TEST(ProxyCarrier, EngineTuningPollsOnManyCoresOnly) {
   EXPECT_EQ(proxyTcpTuning(4, 2).spin_us, 250u);
   setenv("MOELINK_EP_PROXY_TCP_SPIN_US", "-1", 1);
   EXPECT_THROW(proxyTcpTuning(4, 2), std::exception);
-  unsetenv("MOELINK_EP_PROXY_TCP_SPIN_US");
-  unsetenv("MOELINK_TCP_STREAMS");
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ProxyCarrierTest,
