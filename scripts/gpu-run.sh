@@ -12,7 +12,7 @@
 # Env: GPUS (ranks of cudabench/cudasmall/benchnormal, default 2), ITERS (benchmark iterations),
 # STREAMS (the MOELINK_TCP_STREAMS values cpubench and cudabenchhost sweep, default "1 default"),
 # MINB / MAXB (their smallest and largest sizes, default 4 MiB and 256 MiB),
-# TRACE=1 (phase breakdown in bench4), NK / CK (pytest -k filters for the normal / cudatest stages), EPT (EP
+# TRACE=1 (phase breakdown in bench2 and bench4), NK / CK (pytest -k filters for the normal / cudatest stages), EPT (EP
 # timeout in us for the EP tests), STAGE_TIMEOUT (seconds, overrides every stage's own).
 # MOELINK_TEST_SHARE_GPU=1 runs the multi-GPU tests as processes sharing one GPU (=4: the 4-rank
 # CUDA collective cases too, as 4 processes); MOELINK_TEST_CASES=a,b limits the CUDA collective
@@ -37,6 +37,7 @@ elasticgpu    | 400 | elastic membership, the GPU cases
 exitgpu       | 300 | early exit with CUDA ops in flight keeps the script's status (test_exit_status.py)
 all           | 900 | every Python test
 quick         | 150 | the quickstart under torchrun, 4 ranks
+bench1        | 200 | EP low-latency benchmark on one GPU (EP1: every expert local, no peer), with the phase trace and the launch floor
 bench2        | 300 | EP low-latency benchmark, 2 GPUs, beside DeepEP v1 (when .devdeps/deepep is there)
 bench4        | 300 | EP low-latency benchmark, 4 GPUs, beside DeepEP v1 (when .devdeps/deepep is there)
 benchnotma    | 200 | EP low-latency benchmark, 4 GPUs, warp stores instead of TMA
@@ -131,8 +132,9 @@ with_deepep() {
     DEEPEP=--deepep
   fi
 }
-bench_ep() { python3 examples/bench/ep.py --iters "${ITERS:-200}" "$@"; }
-stage_bench2() { with_deepep; bench_ep --gpus 2 $DEEPEP --out "$OUT/ep2.png"; }
+bench_ep() { python3 examples/bench/ep.py --iters "${ITERS:-200}" --build build-dev "$@"; }
+stage_bench1() { bench_ep --gpus 1 --trace --out "$OUT/ep1.png"; }
+stage_bench2() { with_deepep; bench_ep --gpus 2 $DEEPEP ${TRACE:+--trace} --out "$OUT/ep2.png"; }
 stage_bench4() { with_deepep; bench_ep --gpus 4 $DEEPEP ${TRACE:+--trace} --out "$OUT/ep4.png"; }
 stage_benchnotma() { MOELINK_EP_TMA=0 bench_ep --gpus 4 --out "$OUT/ep4-warpstores.png"; }
 stage_benchp() { MOELINK_EP_RANKS_PER_HOST=2 bench_ep --gpus 4 --out "$OUT/ep4proxy.png"; }

@@ -1,7 +1,7 @@
 """EP buffer latency vs an all_to_all_single (NCCL) dispatch + combine of the same routing.
 
     python examples/bench/ep.py [--gpus 4] [--tokens 128,256] [--experts 256] [--iters 200] [--out ep.png]
-                                [--mooncake]
+                                [--mooncake] [--deepep] [--trace [--build build]]
 
 One process per GPU. Per round: random top-8 of 256 experts per token (hidden 7168), FP8
 dispatch and BF16 combine for moelink; the NCCL pipeline moves bf16 tokens with
@@ -16,7 +16,10 @@ per (token, rank) back in combine. --mooncake adds Mooncake's EP buffer (its PyP
 the same inputs, timed the same way; with --deepep every round first checks that both libraries
 received as many tokens per expert and combine alike (each combining what it received, an
 identity expert). "back to back" is 50 dispatch + combine pairs issued eagerly with one sync at
-the end, per pair: the host's launch path against the GPU time of the pair.
+the end, per pair: the host's launch path against the GPU time of the pair. --trace adds the
+kernels' phase times, each rank's event time beside its kernel's span, and the launch floor
+(examples/bench/launch_floor.cu, built as moelink_launch_bench). --gpus 1 runs EP1: every expert
+on the one GPU, the whole protocol into its own memory, no NVLink.
 """
 
 import argparse
@@ -31,7 +34,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "integration"))
 sys.path.insert(0, HERE)
-from common import run_ranks, save_plot  # noqa: E402
+from common import run_built, run_ranks, save_plot  # noqa: E402
 
 HIDDEN, TOPK = 7168, 8
 # --experts reaches the rank processes through the environment (they import this module anew).
@@ -344,7 +347,10 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default="ep.png")
     ap.add_argument("--trace", action="store_true", help="also print per-phase times from inside the kernels, and "
-                    "each rank's event time beside its kernel's span")
+                    "each rank's event time beside its kernel's span and the launch floor (what events see "
+                    "outside an empty kernel of the same launch shape: build/moelink_launch_bench)")
+    ap.add_argument("--build", default=os.path.join(HERE, "..", "..", "build"),
+                    help="the build directory with moelink_launch_bench (--trace)")
     ap.add_argument("--mooncake", action="store_true",
                     help="also Mooncake's EP buffer on the same inputs (its wheel: pip install "
                          "mooncake-transfer-engine-cuda13; its kernels compile at the first call)")
@@ -408,6 +414,20 @@ def main():
         return fig
 
     save_plot(draw, args.out)
+    if args.trace:
+        print_launch_floor(args.build)
+
+
+def print_launch_floor(build):
+    """What CUDA events see outside a kernel that does nothing, launched as the EP kernels are (a
+    block of 1024 threads per SM), timed as the trace times a call: the part of each rank's
+    event time beyond its kernel's span that any kernel of that shape pays on this GPU."""
+    if not os.path.exists(os.path.join(build, "moelink_launch_bench")):
+        print(f"# launch floor: {build}/moelink_launch_bench not built (a CUDA build of the project has it)")
+        return
+    blocks, threads, _, event, span, outside = run_built(build, "moelink_launch_bench", ["--threads", 1024])[0].split()
+    print(f"# launch floor, GPU 0: an empty kernel of {blocks} blocks x {threads} threads, timed as the trace times a "
+          f"call: event {event} us, span {span} us, {outside} us outside the kernel")
 
 if __name__ == "__main__":
     main()
