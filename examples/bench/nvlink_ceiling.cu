@@ -23,18 +23,10 @@
 #include <string>
 #include <vector>
 
+#include "bench_check.h"
 #include "sync.cuh"
 
 namespace {
-
-#define CHECK(x)                                                                         \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 constexpr int kMaxGpus = 8;
 constexpr int kThreads = 512;
