@@ -429,5 +429,6 @@ def print_launch_floor(build):
     print(f"# launch floor, GPU 0: an empty kernel of {blocks} blocks x {threads} threads, timed as the trace times a "
           f"call: event {event} us, span {span} us, {outside} us outside the kernel")
 
+
 if __name__ == "__main__":
     main()
