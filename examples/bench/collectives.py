@@ -207,8 +207,9 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
     rph = int(os.environ.get("MOELINK_RANKS_PER_HOST", "0") or 0)
     if nccl_socket:
         os.environ.update(NCCL_SOCKET)
-        if rph > 1:  # NCCL's nodes are ep's virtual hosts: NVLink inside one, sockets between them
+        if rph:  # NCCL's nodes are ep's virtual hosts (so ranks on different ones may share a GPU)
             os.environ["NCCL_HOSTID"] = f"vhost{rank // rph}"
+        if rph > 1:  # NVLink inside a virtual host, sockets between them
             for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
                 os.environ.pop(name)
     if rph:
