@@ -54,29 +54,7 @@ std::function<void()> publish(RowsPlan* dst, const RowsPlan& p) {
   };
 }
 
-// Block i of piece pc among m ranks (all_reduce's reduce-scatter half): byte offset and
-// length; returns the stride between blocks.
-uint64_t allreduceBlock(const HostPiece& pc, size_t elem, int m, int i, uint64_t* off, uint64_t* len) {
-  const uint64_t e = elem, vec = vecOf(elem);
-  const uint64_t blk = roundUp(ceilDiv(pc.len, static_cast<uint64_t>(m)), vec);
-  const uint64_t b = std::min(pc.len, i * blk), end = std::min(pc.len, (i + 1) * blk);
-  *off = b * e;
-  *len = (end - b) * e;
-  return blk * e;
-}
-
 }  // namespace
-
-RowsPlan allreducePlan(const HostPiece& pc, size_t elem, int m, int me, bool one_exchange) {
-  if (one_exchange) return RowsPlan{pc.first.ticket, 0, pc.len * elem, 0, m, me};
-  RowsPlan p{pc.first.ticket, 0, 0, 0, m, me};
-  p.stride = allreduceBlock(pc, elem, m, me, &p.off, &p.len);
-  return p;
-}
-
-RowsPlan reduceScatterPlan(const HostPiece& pc, size_t elem, uint64_t row_bytes, int m, int me) {
-  return RowsPlan{pc.first.ticket, 0, pc.len * elem, row_bytes, m, me};
-}
 
 uint64_t allreducePieceElems(size_t elem, uint64_t slot_bytes) {
   const uint64_t vec = vecOf(elem);
@@ -135,7 +113,7 @@ AlgoContext amongRanks(const AlgoContext& c, const std::vector<int>& among, std:
 
 OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std::vector<HostPiece>& ps,
                        uint64_t count, DType t, ReduceOp rop, int world, int rank, bool one_exchange) {
-  const uint64_t e = collective::elementSize(t);
+  const uint64_t e = collective::elementSize(t), vec = vecOf(e);
   OpSpec op = pipelineOp(OpKind::kAllreduce, t, rop, -1, count * e);
   const int m = static_cast<int>(ctx.ranks.size()), me = static_cast<int>(collective::indexOf(ctx, rank));
   if (one_exchange) {
@@ -145,7 +123,7 @@ OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std:
     for (const HostPiece& pc : ps) {
       for (int r : ctx.ranks) bytes[r] = r == rank ? 0 : pc.len * e;
       append(op, ring, collective::alltoallOp(ctx, ring.in(pc.slot), zero, bytes, ring.out(pc.slot), zero, bytes),
-             pc.first, publish(ring.plans + pc.slot, allreducePlan(pc, e, m, me, true)));
+             pc.first, publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, 0, pc.len * e, 0, m, me}));
     }
     return op;
   }
@@ -155,7 +133,11 @@ OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std:
   c1.pull_chunk = 0;
   // Block i of a piece (of m, by active rank): byte offset and length; returns the stride.
   auto block = [&](const HostPiece& pc, int i, uint64_t* off, uint64_t* len) {
-    return allreduceBlock(pc, e, m, i, off, len);
+    const uint64_t blk = roundUp(ceilDiv(pc.len, static_cast<uint64_t>(m)), vec);
+    const uint64_t b = std::min(pc.len, i * blk), end = std::min(pc.len, (i + 1) * blk);
+    *off = b * e;
+    *len = (end - b) * e;
+    return blk * e;
   };
   std::vector<uint64_t> so(world), sb(world), ro(world), rb(world);
   auto scatterOf = [&](const HostPiece& pc) {
@@ -171,7 +153,7 @@ OpSpec allreducePieces(const AlgoContext& ctx, const PieceRing& ring, const std:
       rb[r] = mlen;
     }
     append(op, ring, collective::alltoallOp(c1, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
-           publish(ring.plans + pc.slot, allreducePlan(pc, e, m, me, false)));
+           publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, moff, mlen, stride, m, me}));
   };
   auto gatherOf = [&](const HostPiece& pc) {
     uint64_t moff, mlen;
@@ -308,7 +290,7 @@ void appendReduceScatterPieces(OpSpec& op, const AlgoContext& c, const PieceRing
       sb[r] = rb[r] = pc.len * e;
     }
     append(op, ring, collective::alltoallOp(c, ring.in(pc.slot), so, sb, ring.out(pc.slot), ro, rb), pc.first,
-           publish(ring.plans + pc.slot, reduceScatterPlan(pc, e, row, m, me)));
+           publish(ring.plans + pc.slot, RowsPlan{pc.first.ticket, 0, pc.len * e, row, m, me}));
   }
 }
 

@@ -71,12 +71,7 @@ HostPipeline::HostPipeline(collective::CollectiveWorker* worker, int rank, int s
   done_ = std::make_unique<MappedArray<uint32_t>>(2 * static_cast<size_t>(words()));
   last_.assign(static_cast<size_t>(words()), 0);
   plans_ = std::make_unique<MappedArray<RowsPlan>>(static_cast<size_t>(tuning_.depth));
-  char* copy = nullptr;
-  cudaCheck(cudaMalloc(reinterpret_cast<void**>(&copy), out_bytes_), "cudaMalloc (the host route's rows)");
-  copy_.reset(copy);
 }
-
-void HostPipeline::DeviceFree::operator()(char* p) const { cudaFree(p); }
 
 HostPipeline::~HostPipeline() = default;
 
@@ -176,25 +171,14 @@ void CUDART_CB HostPipeline::replay(void* p) {
   }
 }
 
-void HostPipeline::launchReduce(cudaStream_t s, char* out, int slot, const char* mine, const RowsPlan& full,
+void HostPipeline::launchReduce(cudaStream_t s, char* out, int slot, const char* mine, uint32_t ticket,
                                 uint64_t max_len, DType t, ReduceOp op) {
-  // The rows of the whole group's plan, as they lie in the slot (the ranks' own row left out).
-  const char* rows = outHost(slot);
-  if (full.stride == 0) {
-    copyAsync(copy_.get(), rows, full.len, cudaMemcpyHostToDevice, s);
-  } else {
-    const auto me = static_cast<uint64_t>(full.me), after = static_cast<uint64_t>(full.rows) - me - 1;
-    copy2DAsync(copy_.get(), full.stride, rows, full.stride, full.len, me, cudaMemcpyHostToDevice, s);
-    copy2DAsync(copy_.get() + (me + 1) * full.stride, full.stride, rows + (me + 1) * full.stride, full.stride, full.len,
-                after, cudaMemcpyHostToDevice, s);
-  }
   RowsReduce r;
   r.out = out;
   r.rows = outDev(slot);
   r.mine = mine;
   r.plan = plans_->dev(slot);
-  r.copy = RowsCopy{copy_.get(), full.stride, full.len, full.rows, full.me};
-  r.ticket = full.ticket;
+  r.ticket = ticket;
   r.max_len = max_len;
   r.rows_bytes = out_bytes_;
   r.max_rows = size_;
@@ -229,17 +213,11 @@ void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, 
     copyAsync(inHost(pc.slot), buf + pc.off * e, pc.len * e, cudaMemcpyDeviceToHost, s);
     raiseReady(s, pc.first);
   };
-  // The rows as the whole group's plan has them: this rank's position among the group's ranks
-  // (or the rail's).
-  const int n = rail ? static_cast<int>(rail->rail.size()) : size_;
-  const int me = rail ? static_cast<int>(std::find(rail->rail.begin(), rail->rail.end(), rank_) - rail->rail.begin())
-                      : rank_;
   if (one) {
     // The other rank's piece arrives whole: reduced with this rank's, in place on the GPU.
     streamPieces(ps, depth, pack, [&](const HostPiece& pc) {
       waitDone(s, pc.first);
-      launchReduce(s, buf + pc.off * e, pc.slot, buf + pc.off * e, allreducePlan(pc, e, n, me, true), pc.len * e, t,
-                   rop);
+      launchReduce(s, buf + pc.off * e, pc.slot, buf + pc.off * e, pc.first.ticket, pc.len * e, t, rop);
     });
     return;
   }
@@ -247,8 +225,7 @@ void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, 
   // in, ahead of the wait for piece p-1's all-gather: the wire need not wait for the stream.
   auto reduce = [&](const HostPiece& pc) {
     waitDone(s, pc.first);
-    launchReduce(s, inDev(pc.slot), pc.slot, buf + pc.off * e, allreducePlan(pc, e, n, me, false), pc.len * e, t,
-                 rop);
+    launchReduce(s, inDev(pc.slot), pc.slot, buf + pc.off * e, pc.first.ticket, pc.len * e, t, rop);
     raiseReady(s, pc.second);
   };
   for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(depth); ++p) pack(ps[p]);
@@ -295,7 +272,7 @@ void HostPipeline::reduceScatter(const Call& c, const char* in, char* out, uint6
   streamPieces(ps, depth, pack, [&](const HostPiece& pc) {
     waitDone(s, pc.first);
     launchReduce(s, out + pc.off * e, pc.slot, in + static_cast<uint64_t>(mine) * block + pc.off * e,
-                 reduceScatterPlan(pc, e, row, rows, mine), pc.len * e, t, rop);
+                 pc.first.ticket, pc.len * e, t, rop);
   });
 }
 

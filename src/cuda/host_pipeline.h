@@ -114,9 +114,7 @@ class HostPipeline {
   // Hands the op to the worker: now, or (captured) at each replay through a host node.
   void submit(const Call& c, collective::OpKind kind, Builder build, std::vector<Mark> marks);
   static void CUDART_CB replay(void* batch);
-  // Copies the rows that `full` (the plan of the whole group: allreducePlan / reduceScatterPlan)
-  // names from the slot to copy_ (copy engine), then launches the reduction by the worker's plan.
-  void launchReduce(cudaStream_t s, char* out, int slot, const char* mine, const RowsPlan& full, uint64_t max_len,
+  void launchReduce(cudaStream_t s, char* out, int slot, const char* mine, uint32_t ticket, uint64_t max_len,
                     collective::DType t, collective::ReduceOp op);
 
   collective::CollectiveWorker* worker_;
@@ -128,13 +126,6 @@ class HostPipeline {
   std::unique_ptr<MappedArray<uint32_t>> ready_, done_;
   std::vector<uint32_t> last_;  // per eager word: the latest ticket it was given
   std::unique_ptr<MappedArray<RowsPlan>> plans_;         // one per slot
-  // Device memory for one slot's `out` area: the rows a reduction reads, copied there first. The
-  // copy engine moves them over PCIe several times faster than the kernel's own loads of host
-  // memory; one area serves every slot, as the stream orders each copy after the last reduction.
-  struct DeviceFree {
-    void operator()(char* p) const;
-  };
-  std::unique_ptr<char, DeviceFree> copy_;
   uint32_t ticket_ = 0;
   std::vector<std::unique_ptr<Batch>> batches_;  // captured ops (their graphs may be replayed any time)
 };

@@ -30,27 +30,6 @@ struct RowsPlan {
   int32_t me = 0;       // this rank's index among them (its row is `mine`, not in `rows`)
 };
 
-// Where the stream put a copy of a piece's rows in device memory before the reduction: the
-// rows a plan of the whole group (every rank active: allreducePlan / reduceScatterPlan) names,
-// copied from the slot's `out` area to `base` at the same offsets. A plan written for fewer
-// ranks places its rows elsewhere; the reduction reads those over PCIe (rowInCopy says which).
-struct RowsCopy {
-  const char* base = nullptr;  // device memory; nullptr: no copy
-  uint64_t stride = 0, len = 0;
-  int32_t rows = 0, me = -1;  // rows [0, rows) but `me` were copied (stride 0: the one row at 0)
-};
-
-// Whether row q (q != plan.me) of a plan with `stride` and `len` lies in the copy: the same
-// bytes of the slot, copied after they had all arrived.
-#if defined(__CUDACC__)
-__host__ __device__
-#endif
-inline bool rowInCopy(const RowsCopy& c, uint64_t stride, uint64_t len, int q) {
-  if (c.base == nullptr || stride != c.stride || len > c.len) return false;
-  if (stride == 0) return c.rows >= 1;  // the one received row, at 0
-  return q >= 0 && q < c.rows && q != c.me;
-}
-
 struct PieceMark {
   int word = 0;
   uint32_t ticket = 0;
@@ -93,14 +72,6 @@ uint64_t alltoallPairPieces(uint64_t send_bytes, uint64_t recv_bytes, uint64_t p
 // slots; `mark(word)` gives each piece's marks (words 2 * slot and, with `two`, 2 * slot + 1).
 std::vector<HostPiece> cutPieces(uint64_t total, uint64_t per, int depth, bool two,
                                  const std::function<PieceMark(int word)>& mark);
-
-// The plan of a piece's reduction among `m` ranks of which this rank is the me-th (the worker
-// writes it with the ranks active when the op starts; the stream copies the rows of the whole
-// group's plan ahead of the reduction, RowsCopy). all_reduce: this rank's block of the piece,
-// rows one block apart (one exchange: the whole piece, the one received row at 0);
-// reduce_scatter: the whole piece, rows `row_bytes` apart.
-RowsPlan allreducePlan(const HostPiece& pc, size_t elem, int m, int me, bool one_exchange);
-RowsPlan reduceScatterPlan(const HostPiece& pc, size_t elem, uint64_t row_bytes, int m, int me);
 
 // Whether the ready word of `m` has reached its ticket (wrap-safe).
 std::function<bool()> readyGate(const PieceRing& ring, PieceMark m);

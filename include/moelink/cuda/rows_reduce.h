@@ -1,10 +1,9 @@
 // The host route's reduction on the GPU (src/cuda/kernels/rows_reduce.cu): no torch types.
 //
 // A rank's piece of a reduce-scatter arrives in pinned host memory as one row per peer; the
-// GPU reduces those rows with this rank's own row (device memory) in rank order, so that every
-// rank's result is the same bit for bit, and writes the result to `out` (device or host-mapped
-// memory). The rows the stream has copied to device memory first (`copy`, by the copy engine)
-// are read from there; any other row over PCIe through its device mapping.
+// GPU reduces those rows (read over PCIe through their device mapping) with this rank's own
+// row (device memory) in rank order, so that every rank's result is the same bit for bit, and
+// writes the result to `out` (device or host-mapped memory).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,7 +20,6 @@ struct RowsReduce {
   const char* rows = nullptr;  // row i (i != plan.me) at rows + i * plan.stride: device view of host memory
   const char* mine = nullptr;  // this rank's row at mine + plan.off
   const RowsPlan* plan = nullptr;  // device view of host memory
-  RowsCopy copy;                   // the rows already in device memory (rowInCopy)
   uint64_t ticket = 0;
   // Bounds a plan must keep (else the launch does nothing): off + len <= max_len, the rows
   // within rows_bytes, at most max_rows of them.

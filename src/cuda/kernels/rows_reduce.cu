@@ -8,7 +8,7 @@ namespace moelink::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kUnroll = 4;  // vectors per thread in flight per source (rows may be read over PCIe)
+constexpr int kUnroll = 4;  // vectors per thread in flight per source (the rows are read over PCIe)
 
 // The launch's view of its plan, checked against the bounds; valid == false: do nothing.
 struct View {
@@ -18,7 +18,6 @@ struct View {
   const char* mine;
   uint64_t stride, bytes;
   int n, me;
-  RowsCopy copy;
 };
 
 __device__ View readPlan(const RowsReduce& r) {
@@ -36,7 +35,6 @@ __device__ View readPlan(const RowsReduce& r) {
   v.bytes = len;
   v.n = n;
   v.me = me;
-  v.copy = r.copy;
   return v;
 }
 
@@ -48,8 +46,7 @@ __device__ View viewOf(const RowsReduce& r) {
   return shared;
 }
 __device__ __forceinline__ const char* source(const View& v, int q) {
-  if (q == v.me) return v.mine;
-  return (rowInCopy(v.copy, v.stride, v.bytes, q) ? v.copy.base : v.rows) + static_cast<uint64_t>(q) * v.stride;
+  return q == v.me ? v.mine : v.rows + static_cast<uint64_t>(q) * v.stride;
 }
 
 template <typename T>
@@ -61,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) rowsReduceKernel(RowsReduce a) {
   const uint64_t tid = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   uintptr_t align = reinterpret_cast<uintptr_t>(r.out) | reinterpret_cast<uintptr_t>(r.rows) |
-                    reinterpret_cast<uintptr_t>(r.mine) | reinterpret_cast<uintptr_t>(r.copy.base) | r.stride | r.bytes;
+                    reinterpret_cast<uintptr_t>(r.mine) | r.stride | r.bytes;
   uint64_t first = 0;  // elements done by the vector path
   if ((align & 15) == 0) {
     const uint64_t vectors = r.bytes / 16;

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <functional>
 #include <future>
 #include <string>
 #include <thread>
@@ -63,32 +62,17 @@ struct Ring {
     while (static_cast<int32_t>(__atomic_load_n(&done[m.word], __ATOMIC_ACQUIRE) - m.ticket) < 0)
       std::this_thread::sleep_for(microseconds(20));
   }
-  // The stream's copy of the rows of `full` (the whole group's plan) and the GPU's reduction
-  // (kernels/rows_reduce.cu) by the plan the worker wrote for `slot`, reading each row from the
-  // copy where rowInCopy says so. With `poison`, the slot's copied rows are overwritten after
-  // the copy, so that a row read from the slot instead of the copy (or the other way round)
-  // gives a wrong sum.
+  // The GPU's reduction (kernels/rows_reduce.cu) by the plan the worker wrote for `slot`.
   template <typename T>
-  void reduce(int slot, const RowsPlan& full, char* out, const char* mine, ReduceOp op, bool poison) {
-    char* rows = view().out(slot);
-    std::vector<char> copied(out_bytes, 0x7f);
-    auto each = [&](const std::function<void(uint64_t off)>& f) {
-      if (full.stride == 0) return f(0);
-      for (int q = 0; q < full.rows; ++q)
-        if (q != full.me) f(q * full.stride);
-    };
-    if (full.len != 0) {
-      each([&](uint64_t off) { std::memcpy(copied.data() + off, rows + off, full.len); });
-      if (poison) each([&](uint64_t off) { std::memset(rows + off, 0x55, full.len); });
-    }
-    const RowsCopy c{copied.data(), full.stride, full.len, full.rows, full.me};
+  void reduce(int slot, uint32_t ticket, char* out, const char* mine, ReduceOp op) {
     RowsPlan p;
     std::memcpy(&p, &plans[slot], sizeof p);
-    if (p.ticket != full.ticket) return;  // no plan (the op failed): the kernel does nothing either
+    if (p.ticket != ticket) return;  // no plan (the op failed): the kernel does nothing either
+    const char* rows = view().out(slot);
     for (uint64_t i = 0; i < p.len / sizeof(T); ++i) {
       T acc{};
       for (int q = 0; q < p.rows; ++q) {
-        const char* src = q == p.me ? mine + p.off : (rowInCopy(c, p.stride, p.len, q) ? c.base : rows) + q * p.stride;
+        const char* src = q == p.me ? mine + p.off : rows + q * p.stride;
         const T v = reinterpret_cast<const T*>(src)[i];
         acc = q == 0 ? v : op == ReduceOp::kMax ? std::max(acc, v) : static_cast<T>(acc + v);
       }
@@ -148,7 +132,7 @@ void copy(void* dst, const void* src, uint64_t n) {
 }
 
 // The stream's side of an all_reduce of 4-byte elements in `buf`, as HostPipeline::allreduce
-// orders it: the first pieces packed, piece p+1 reduced (`reduce(piece, piece's bytes)`)
+// orders it: the first pieces packed, piece p+1 reduced (`reduce(slot, ticket, piece's bytes)`)
 // before piece p's all-gather is waited for, each slot packed again once copied back (after
 // `copy_back_delay`: a slow copy keeps the slot in use).
 template <typename Reduce>
@@ -161,7 +145,7 @@ void streamAllreduce(Ring& ring, const std::vector<HostPiece>& ps, char* buf, Re
   };
   auto reduceOne = [&](const HostPiece& pc) {
     ring.wait(pc.first);
-    reduce(pc, buf + pc.off * 4);
+    reduce(pc.slot, pc.first.ticket, buf + pc.off * 4);
     ring.raise(pc.second);
   };
   for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
@@ -177,7 +161,7 @@ void streamAllreduce(Ring& ring, const std::vector<HostPiece>& ps, char* buf, Re
 
 // The stream's side of an all_reduce of 4-byte elements in one exchange per piece
 // (allreduceInOneExchange), as HostPipeline::allreduce orders it: each piece packed, then,
-// once the other rank's piece has come, reduced in place (`reduce(piece, its bytes)`) and
+// once the other rank's piece has come, reduced in place (`reduce(slot, ticket, piece)`) and
 // its slot packed again.
 template <typename Reduce>
 void streamAllreduceOne(Ring& ring, const std::vector<HostPiece>& ps, char* buf, Reduce reduce) {
@@ -189,7 +173,7 @@ void streamAllreduceOne(Ring& ring, const std::vector<HostPiece>& ps, char* buf,
   for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
   for (size_t p = 0; p < ps.size(); ++p) {
     ring.wait(ps[p].first);
-    reduce(ps[p], buf + ps[p].off * 4);
+    reduce(ps[p].slot, ps[p].first.ticket, buf + ps[p].off * 4);
     if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
   }
 }
@@ -247,18 +231,15 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
           auto done = submit(r, ring, [=](const AlgoContext& c) {
             return allreducePieces(c, view, ps, count, t, op, world, rank, one);
           }, marksOf(ps, !one), active);
-          // The stream copies the rows where the whole group's plan has them (HostPipeline).
           if (one) {
-            streamAllreduceOne(ring, ps, buf.data(), [&](const HostPiece& pc, char* piece) {
-              const RowsPlan full = allreducePlan(pc, 4, world, rank, true);
-              if (ints) ring.reduce<int32_t>(pc.slot, full, piece, piece, op, !masked);
-              else ring.reduce<float>(pc.slot, full, piece, piece, op, !masked);
+            streamAllreduceOne(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* piece) {
+              if (ints) ring.reduce<int32_t>(slot, ticket, piece, piece, op);
+              else ring.reduce<float>(slot, ticket, piece, piece, op);
             });
           } else {
-            streamAllreduce(ring, ps, buf.data(), [&](const HostPiece& pc, char* mine) {
-              const RowsPlan full = allreducePlan(pc, 4, world, rank, false);
-              if (ints) ring.reduce<int32_t>(pc.slot, full, view.in(pc.slot), mine, op, !masked);
-              else ring.reduce<float>(pc.slot, full, view.in(pc.slot), mine, op, !masked);
+            streamAllreduce(ring, ps, buf.data(), [&](int slot, uint32_t ticket, char* mine) {
+              if (ints) ring.reduce<int32_t>(slot, ticket, view.in(slot), mine, op);
+              else ring.reduce<float>(slot, ticket, view.in(slot), mine, op);
             }, microseconds(200));
           }
           ASSERT_EQ("", done.get());
@@ -297,9 +278,8 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
       for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
       for (size_t p = 0; p < ps.size(); ++p) {
         ring.wait(ps[p].first);
-        ring.reduce<float>(ps[p].slot, reduceScatterPlan(ps[p], 4, per_rs * 4, world, rank),
-                           reinterpret_cast<char*>(out.data() + ps[p].off),
-                           reinterpret_cast<const char*>(in.data() + rank * count + ps[p].off), ReduceOp::kSum, !masked);
+        ring.reduce<float>(ps[p].slot, ps[p].first.ticket, reinterpret_cast<char*>(out.data() + ps[p].off),
+                           reinterpret_cast<const char*>(in.data() + rank * count + ps[p].off), ReduceOp::kSum);
         if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
       }
       ASSERT_EQ("", done.get());
@@ -468,7 +448,7 @@ TEST(HostPieces, RanksThatCutDifferentlyFailTheOp) {
       copy(view.in(ps[p].slot), piece, ps[p].len * 4);
       ring.raise(ps[p].first);
       ring.wait(ps[p].first);
-      ring.reduce<float>(ps[p].slot, allreducePlan(ps[p], 4, 2, rank, true), piece, piece, ReduceOp::kSum, false);
+      ring.reduce<float>(ps[p].slot, ps[p].first.ticket, piece, piece, ReduceOp::kSum);
     }
     const std::string err = done.get();
     EXPECT_NE(err.find("allreduce #1: rank " + std::to_string(1 - rank) + " sent a "), std::string::npos) << err;
@@ -534,7 +514,7 @@ void onRails(const RailRank& make) {
 // Rails of two hosts, as here, take one exchange per piece in the pipeline
 // (allreduceInOneExchange); the reduce-scatter and all-gather of longer rails run here too.
 void allreduceAmongARail(bool one) {
-  onRails([one](int rank, Rank& r, Ring& ring, RailStep& step, int me) {
+  onRails([one](int rank, Rank& r, Ring& ring, RailStep& step, int) {
     const std::vector<int>& rail = step.rail;
     const uint64_t per = allreducePieceElems(4, kSlotBytes);
     auto run = [=, &r, &ring, &step](uint64_t count, const std::vector<int>& active, const std::string& failed) {
@@ -549,15 +529,13 @@ void allreduceAmongARail(bool one) {
         return railAllreducePieces(c, view, ps, count, DType::kFloat32, ReduceOp::kSum, kRailWorld, rank, step, one);
       }, marks, active);
       char* b = reinterpret_cast<char*>(buf.data());
-      const int n = static_cast<int>(rail.size());
-      const bool full = failed.empty() && static_cast<int>(active.size()) == kRailWorld;
       if (one)
-        streamAllreduceOne(ring, ps, b, [&](const HostPiece& pc, char* piece) {
-          ring.reduce<float>(pc.slot, allreducePlan(pc, 4, n, me, true), piece, piece, ReduceOp::kSum, full);
+        streamAllreduceOne(ring, ps, b, [&](int slot, uint32_t ticket, char* piece) {
+          ring.reduce<float>(slot, ticket, piece, piece, ReduceOp::kSum);
         });
       else
-        streamAllreduce(ring, ps, b, [&](const HostPiece& pc, char* mine) {
-          ring.reduce<float>(pc.slot, allreducePlan(pc, 4, n, me, false), view.in(pc.slot), mine, ReduceOp::kSum, full);
+        streamAllreduce(ring, ps, b, [&](int slot, uint32_t ticket, char* mine) {
+          ring.reduce<float>(slot, ticket, view.in(slot), mine, ReduceOp::kSum);
         });
       const std::string err = done.get();
       if (err.empty()) {
@@ -601,9 +579,8 @@ TEST(HostPieces, ReduceScatterAmongARail) {
       for (size_t p = 0; p < ps.size() && p < static_cast<size_t>(kDepth); ++p) pack(ps[p]);
       for (size_t p = 0; p < ps.size(); ++p) {
         ring.wait(ps[p].first);
-        ring.reduce<float>(ps[p].slot, reduceScatterPlan(ps[p], 4, row, rows, me),
-                           reinterpret_cast<char*>(out.data()) + ps[p].off * 4, src + me * block + ps[p].off * 4,
-                           ReduceOp::kSum, failed.empty() && static_cast<int>(active.size()) == kRailWorld);
+        ring.reduce<float>(ps[p].slot, ps[p].first.ticket, reinterpret_cast<char*>(out.data()) + ps[p].off * 4,
+                           src + me * block + ps[p].off * 4, ReduceOp::kSum);
         if (p + kDepth < ps.size()) pack(ps[p + kDepth]);
       }
       const std::string err = done.get();
