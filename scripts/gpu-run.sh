@@ -14,6 +14,9 @@
 # MINB / MAXB (their smallest and largest sizes, default 4 MiB and 256 MiB),
 # TRACE=1 (phase breakdown in bench2 and bench4), NK / CK (pytest -k filters for the normal / cudatest stages), EPT (EP
 # timeout in us for the EP tests), STAGE_TIMEOUT (seconds, overrides every stage's own).
+# MPS=1 runs the stages under an MPS daemon of the run's own (stopped at the end), so that ranks
+# sharing a GPU run their kernels side by side: with GPUS above the GPUs, cudabenchhost times ep
+# and NCCL-socket as processes on one GPU (each rank a virtual host of its own).
 # MOELINK_TEST_SHARE_GPU=1 runs the multi-GPU tests as processes sharing one GPU (=4: the 4-rank
 # CUDA collective cases too, as 4 processes); MOELINK_TEST_CASES=a,b limits the CUDA collective
 # cases to those named.
@@ -267,6 +270,14 @@ if ! { cmake -S . -B build-dev -G Ninja -DPython3_EXECUTABLE="$(command -v pytho
   tail -30 "$OUT/cmake.log"; grep -E "error" -A5 "$OUT/build.log" | head -60 || tail -30 "$OUT/build.log"
   echo "gpu-run: the build failed; 0 stages passed, ${#REQUESTED[@]} not run"
   exit 1
+fi
+
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=$OUT/mps-pipe CUDA_MPS_LOG_DIRECTORY=$OUT/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d
+  trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"' EXIT
+  say "MPS daemon started"
 fi
 
 PASSED=() FAILED=()

@@ -4,7 +4,9 @@
     python examples/bench/collectives.py --device cuda --gpus 2 [--max-bytes 1073741824]
 
 Spawns `nproc` processes on this machine (with --device cuda: one per GPU, or several per GPU when
---gpus exceeds the GPUs, which only ep accepts: use --no-anchor); each joins an "ep"
+--gpus exceeds the GPUs, which NCCL accepts only from different hosts: use --no-anchor, or
+--nccl-socket with MOELINK_RANKS_PER_HOST=1, and run the GPU under MPS so that the ranks' kernels
+run side by side rather than in turns); each joins an "ep"
 group and an anchor group over the same store (gloo for CPU tensors, NCCL for CUDA tensors) and
 times every op on both after warm-up, the two taking turns run by run. Prints a table (median of
 `iters` runs, `iters`/2 from 8 MiB up; max over ranks per run) with the ep/anchor ratio, and writes a PNG. A CUDA op is timed from a
