@@ -273,8 +273,10 @@ if ! { cmake -S . -B build-dev -G Ninja -DPython3_EXECUTABLE="$(command -v pytho
 fi
 
 if [ "${MPS:-0}" = 1 ]; then
-  export CUDA_MPS_PIPE_DIRECTORY=$OUT/mps-pipe CUDA_MPS_LOG_DIRECTORY=$OUT/mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  # (the pipe directory short: it holds unix sockets, whose paths have a length limit)
+  CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/mps.XXXXXX)
+  export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY=$OUT/mps-log
+  mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d
   trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"' EXIT
   say "MPS daemon started"
