@@ -122,6 +122,10 @@ const std::vector<Setting> kSettings = {
     number("MOELINK_HOST_PIECE_BYTES", "collectives", 16 * kMiB, 64 * kKiB, 1ull << 30,
            "CUDA collectives between hosts: a piece's bytes on this rank's side (the ring holds "
            "`MOELINK_HOST_PIECES` of them twice); the same on every rank"),
+    number("MOELINK_HOST_MIN_PIECE_BYTES", "collectives", 1 * kMiB, 16 * kKiB, 1ull << 30,
+           "CUDA collectives between hosts: an op is cut into `MOELINK_HOST_PIECES` pieces or more (so that its "
+           "copies, the wire and the reductions overlap), none smaller than this (nor larger than "
+           "`MOELINK_HOST_PIECE_BYTES`); the same on every rank"),
     number("MOELINK_HOST_PIECES", "collectives", 4, 2, 64,
            "CUDA collectives between hosts: pieces in flight (slots of the pinned ring)"),
     flag("MOELINK_HOST_TWO_LEVEL", "collectives", true,

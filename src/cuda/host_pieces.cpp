@@ -56,6 +56,11 @@ std::function<void()> publish(RowsPlan* dst, const RowsPlan& p) {
 
 }  // namespace
 
+uint64_t pieceBudget(uint64_t total, int depth, uint64_t min_piece, uint64_t slot_bytes) {
+  const uint64_t even = roundUp(ceilDiv(total, static_cast<uint64_t>(std::max(depth, 1))), 16);
+  return std::min(slot_bytes, std::max(even, min_piece));
+}
+
 uint64_t allreducePieceElems(size_t elem, uint64_t slot_bytes) {
   const uint64_t vec = vecOf(elem);
   return std::max<uint64_t>(vec, slot_bytes / elem / vec * vec);

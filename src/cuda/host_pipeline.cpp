@@ -50,6 +50,7 @@ HostPipelineTuning HostPipelineTuning::fromEnv() {
   t.min_bytes = settings::number("MOELINK_HOST_PIPELINE_BYTES");
   t.slot_bytes = settings::number("MOELINK_HOST_PIECE_BYTES") / 16 * 16;
   t.depth = static_cast<int>(settings::number("MOELINK_HOST_PIECES"));
+  t.min_piece = settings::number("MOELINK_HOST_MIN_PIECE_BYTES");
   return t;
 }
 
@@ -194,7 +195,7 @@ void HostPipeline::allreduce(const Call& c, char* buf, uint64_t count, DType t, 
   const uint64_t e = collective::elementSize(t);
   const int depth = tuning_.depth;
   const bool one = allreduceInOneExchange(rail ? static_cast<int>(rail->rail.size()) : size_);
-  const std::vector<HostPiece> ps = cutPieces(count, allreducePieceElems(e, tuning_.slot_bytes), depth, !one,
+  const std::vector<HostPiece> ps = cutPieces(count, allreducePieceElems(e, budget(count * e)), depth, !one,
                                               [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
   for (const HostPiece& pc : ps) {
@@ -246,7 +247,7 @@ void HostPipeline::reduceScatter(const Call& c, const char* in, char* out, uint6
   const int rows = rail ? static_cast<int>(rail->rail.size()) : size_;
   const int mine = rail ? static_cast<int>(std::find(rail->rail.begin(), rail->rail.end(), rank_) - rail->rail.begin())
                         : rank_;
-  const uint64_t per = reduceScatterPieceElems(e, tuning_.slot_bytes, rows);
+  const uint64_t per = reduceScatterPieceElems(e, budget(count * e * static_cast<uint64_t>(rows)), rows);
   const uint64_t row = per * e;  // a rank's row in a slot
   const int depth = tuning_.depth;
   const std::vector<HostPiece> ps = cutPieces(count, per, depth, false, [&](int word) { return mark(c, word); });
@@ -281,7 +282,7 @@ void HostPipeline::allgather(const Call& c, const char* in, char* out, uint64_t 
   const int rows = rail ? static_cast<int>(rail->rail.size()) : size_;
   const int me = rail ? static_cast<int>(std::find(rail->rail.begin(), rail->rail.end(), rank_) - rail->rail.begin())
                       : rank_;
-  const uint64_t per = allgatherPieceBytes(tuning_.slot_bytes, rows);
+  const uint64_t per = allgatherPieceBytes(budget(bytes * static_cast<uint64_t>(rows)), rows);
   const int depth = tuning_.depth;
   const std::vector<HostPiece> ps = cutPieces(bytes, per, depth, false, [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
@@ -314,7 +315,7 @@ void HostPipeline::broadcast(const Call& c, char* buf, uint64_t bytes, int root,
   const int depth = tuning_.depth;
   const bool carries = !rail || std::binary_search(rail->rail.begin(), rail->rail.end(), root);
   const std::vector<HostPiece> ps =
-      cutPieces(carries ? bytes : 0, tuning_.slot_bytes, depth, false, [&](int word) { return mark(c, word); });
+      cutPieces(carries ? bytes : 0, budget(bytes), depth, false, [&](int word) { return mark(c, word); });
   std::vector<Mark> marks;
   for (const HostPiece& pc : ps) marks.push_back(pc.first);
   submit(c, OpKind::kBroadcast,

@@ -53,6 +53,7 @@ namespace moelink::cuda {
 struct HostPipelineTuning {
   uint64_t slot_bytes = 16 << 20;  // MOELINK_HOST_PIECE_BYTES: a piece's bytes on this rank's side
   int depth = 4;                   // MOELINK_HOST_PIECES: pieces in flight (slots)
+  uint64_t min_piece = 1 << 20;    // MOELINK_HOST_MIN_PIECE_BYTES: no piece smaller (pieceBudget)
   uint64_t min_bytes = 1 << 20;    // MOELINK_HOST_PIPELINE_BYTES: smaller eager ops take the one-shot route
   static HostPipelineTuning fromEnv();
 };
@@ -103,6 +104,10 @@ class HostPipeline {
   // captured ops use (their words are reset at each replay), with a fresh ticket.
   Mark mark(const Call& c, int word);
   int words() const { return 2 * tuning_.depth; }
+  // The bytes of a slot's side that the pieces of an op of `total` bytes use (pieceBudget).
+  uint64_t budget(uint64_t total) const {
+    return pieceBudget(total, tuning_.depth, tuning_.min_piece, tuning_.slot_bytes);
+  }
   // The ring as the worker sees it (host pointers).
   PieceRing ring() const;
   char* inHost(int slot) const { return ring().in(slot); }

@@ -24,9 +24,11 @@ if SHARED:
 # "tcp": the host-staged path with its transfer engine on tcp, large writes striped over 4 streams
 # (as between real hosts); from 1 MiB its ops run through the host pipeline.
 # "pieces": the same, with every all_reduce / reduce_scatter / all_gather / broadcast in small
-# pieces through the host pipeline (the default takes it from 1 MiB, in 4 MiB pieces).
+# pieces through the host pipeline (the default takes it from 1 MiB, in 4 pieces of 1-16 MiB):
+# slots of 64 KiB, an op below two slots in two pieces of at least 16 KiB.
 TCP = {"MOELINK_RANKS_PER_HOST": "1", "MOELINK_TRANSPORT": "tcp", "MOELINK_TCP_STREAMS": "4"}
-PIECES = dict(TCP, MOELINK_HOST_PIPELINE_BYTES="0", MOELINK_HOST_PIECE_BYTES="65536", MOELINK_HOST_PIECES="2")
+PIECES = dict(TCP, MOELINK_HOST_PIPELINE_BYTES="0", MOELINK_HOST_PIECE_BYTES="65536", MOELINK_HOST_PIECES="2",
+              MOELINK_HOST_MIN_PIECE_BYTES="16384")
 # "two_level": 4 ranks as 2 virtual hosts of 2, every op in pieces as in "pieces": all_reduce in
 # two levels (the in-host kernels within each host, the host pipeline between the hosts).
 PATHS = {"nvlink": {}, "host": {"MOELINK_RANKS_PER_HOST": "1"}, "tcp": TCP, "pieces": PIECES,

@@ -58,7 +58,13 @@ struct HostPiece {
   PieceMark first, second;
 };
 
-// The piece sizes (every rank cuts alike: they depend on the sizes and settings only).
+// The bytes of a slot's side that an op's pieces use: an op that puts `total` bytes through
+// the ring is cut into `depth` pieces or more, so that the GPU's copies, the wire and the
+// reductions overlap at any size, but into none smaller than `min_piece` (each piece costs
+// the stream a wait and the worker a gate) nor larger than the slot (`slot_bytes`).
+uint64_t pieceBudget(uint64_t total, int depth, uint64_t min_piece, uint64_t slot_bytes);
+// The piece sizes (every rank cuts alike: they depend on the sizes and settings only), from
+// the bytes of a slot's side they may use (pieceBudget).
 uint64_t allreducePieceElems(size_t elem, uint64_t slot_bytes);
 uint64_t reduceScatterPieceElems(size_t elem, uint64_t slot_bytes, int world);  // also its rows' stride / elem
 uint64_t allgatherPieceBytes(uint64_t slot_bytes, int world);                   // also its rows' stride

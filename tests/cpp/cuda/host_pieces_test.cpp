@@ -37,6 +37,10 @@ using namespace std::chrono;
 
 constexpr uint64_t kSlotBytes = 4096;  // pieces of 1024 floats (all_reduce)
 constexpr int kDepth = 2;
+// An op is cut into kDepth pieces or more, none below this (pieceBudget): the small ops below
+// have pieces smaller than a slot, the large ones pieces of a whole slot.
+constexpr uint64_t kMinPiece = 1024;
+uint64_t budget(uint64_t total) { return pieceBudget(total, kDepth, kMinPiece, kSlotBytes); }
 
 // One rank's ring and the stream's side of it.
 struct Ring {
@@ -194,6 +198,22 @@ void streamBroadcast(Ring& ring, const std::vector<HostPiece>& ps, uint8_t* buf,
   }
 }
 
+TEST(HostPieces, AnOpIsCutIntoDepthPiecesWithinItsBounds) {
+  constexpr uint64_t kMiB = 1 << 20;
+  // 4 slots of 16 MiB, pieces of at least 1 MiB: an op in 4 pieces from 4 MiB to 64 MiB.
+  EXPECT_EQ(pieceBudget(4 * kMiB, 4, kMiB, 16 * kMiB), kMiB);
+  EXPECT_EQ(pieceBudget(16 * kMiB, 4, kMiB, 16 * kMiB), 4 * kMiB);
+  EXPECT_EQ(pieceBudget(64 * kMiB, 4, kMiB, 16 * kMiB), 16 * kMiB);
+  EXPECT_EQ(pieceBudget(kMiB << 10, 4, kMiB, 16 * kMiB), 16 * kMiB);  // never above the slot
+  EXPECT_EQ(pieceBudget(1, 4, kMiB, 16 * kMiB), kMiB);                // never below the floor
+  EXPECT_EQ(pieceBudget(0, 4, kMiB, 16 * kMiB), kMiB);
+  EXPECT_EQ(pieceBudget(10 * kMiB + 1, 4, kMiB, 16 * kMiB), 2621456u);  // a quarter, rounded up to 16 bytes
+  // A floor above the slot: the slot (the whole op in slots, as with MOELINK_HOST_MIN_PIECE_BYTES
+  // at MOELINK_HOST_PIECE_BYTES).
+  EXPECT_EQ(pieceBudget(4 * kMiB, 4, 32 * kMiB, 16 * kMiB), 16 * kMiB);
+  EXPECT_EQ(pieceBudget(4 * kMiB, 4, kMiB, 64 << 10), 64u << 10);
+}
+
 class HostPieces : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
 
 TEST_P(HostPieces, EveryOpThroughTheRing) {
@@ -212,7 +232,7 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
     }
     Ring ring(world);
     auto mark = [&](int word) { return ring.mark(word); };
-    const uint64_t per_ar = allreducePieceElems(4, kSlotBytes);
+    const uint64_t per_ar = allreducePieceElems(4, kSlotBytes);  // the sizes around a slot's
     // Two ranks also in one exchange per piece (allreduceInOneExchange).
     for (bool one : {false, true}) {
       if (one && !allreduceInOneExchange(world)) continue;
@@ -226,7 +246,7 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
             if (ints) reinterpret_cast<int32_t*>(buf.data())[i] = input<int32_t>(rank, i);
             else reinterpret_cast<float*>(buf.data())[i] = input<float>(rank, i);
           }
-          auto ps = cutPieces(count, per_ar, kDepth, !one, mark);
+          auto ps = cutPieces(count, allreducePieceElems(4, budget(count * 4)), kDepth, !one, mark);
           PieceRing view = ring.view();
           auto done = submit(r, ring, [=](const AlgoContext& c) {
             return allreducePieces(c, view, ps, count, t, op, world, rank, one);
@@ -261,8 +281,9 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
       }
     }
     // reduce_scatter (float SUM): rank q's block q of every active rank's input.
-    const uint64_t per_rs = reduceScatterPieceElems(4, kSlotBytes, world);
-    for (uint64_t count : std::vector<uint64_t>{1, per_rs, per_rs + 1, 3 * per_rs + 2}) {
+    const uint64_t slot_rs = reduceScatterPieceElems(4, kSlotBytes, world);  // the sizes around a slot's
+    for (uint64_t count : std::vector<uint64_t>{1, slot_rs, slot_rs + 1, 3 * slot_rs + 2}) {
+      const uint64_t per_rs = reduceScatterPieceElems(4, budget(count * 4 * world), world);
       std::vector<float> in(count * world), out(count, -1.f);
       for (uint64_t i = 0; i < in.size(); ++i) in[i] = input<float>(rank, i);
       auto ps = cutPieces(count, per_rs, kDepth, false, mark);
@@ -290,8 +311,9 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
       }
     }
     // all_gather (bytes) and broadcast (from the last active rank).
-    const uint64_t per_ag = allgatherPieceBytes(kSlotBytes, world);
-    for (uint64_t bytes : std::vector<uint64_t>{1, per_ag - 1, per_ag + 1, 4 * per_ag + 5}) {
+    const uint64_t slot_ag = allgatherPieceBytes(kSlotBytes, world);  // the sizes around a slot's
+    for (uint64_t bytes : std::vector<uint64_t>{1, slot_ag - 1, slot_ag + 1, 4 * slot_ag + 5}) {
+      const uint64_t per_ag = allgatherPieceBytes(budget(bytes * world), world);
       std::vector<uint8_t> in(bytes), out(bytes * world, 0xee);
       for (uint64_t i = 0; i < bytes; ++i) in[i] = moelink::testing::pattern(rank, i);
       auto ps = cutPieces(bytes, per_ag, kDepth, false, mark);
@@ -323,7 +345,7 @@ TEST_P(HostPieces, EveryOpThroughTheRing) {
     for (uint64_t bytes : std::vector<uint64_t>{1, kSlotBytes - 1, kSlotBytes + 1, 5 * kSlotBytes + 7}) {
       std::vector<uint8_t> buf(bytes);
       for (uint64_t i = 0; i < bytes; ++i) buf[i] = rank == root ? moelink::testing::pattern(root, i) : 0;
-      auto ps = cutPieces(bytes, kSlotBytes, kDepth, false, mark);
+      auto ps = cutPieces(bytes, budget(bytes), kDepth, false, mark);
       PieceRing view = ring.view();
       auto done = submit(r, ring, [=](const AlgoContext& c) { return broadcastPieces(c, view, ps, bytes, root); },
                          marksOf(ps, false), active);
