@@ -120,8 +120,8 @@ const std::vector<Setting> kSettings = {
            "smaller ones stage the whole tensor at once (in a CUDA graph every such op takes the pieces; all_to_all "
            "takes them at every size); the same on every rank"),
     number("MOELINK_HOST_PIECE_BYTES", "collectives", 16 * kMiB, 64 * kKiB, 1ull << 30,
-           "CUDA collectives between hosts: a piece's bytes on this rank's side (the ring holds "
-           "`MOELINK_HOST_PIECES` of them twice); the same on every rank"),
+           "CUDA collectives between hosts: a slot's bytes on this rank's side, the largest piece (the ring holds "
+           "`MOELINK_HOST_PIECES` slots twice); the same on every rank"),
     number("MOELINK_HOST_MIN_PIECE_BYTES", "collectives", 1 * kMiB, 16 * kKiB, 1ull << 30,
            "CUDA collectives between hosts: an op is cut into `MOELINK_HOST_PIECES` pieces or more (so that its "
            "copies, the wire and the reductions overlap), none smaller than this (nor larger than "

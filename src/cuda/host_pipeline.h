@@ -51,7 +51,7 @@
 namespace moelink::cuda {
 
 struct HostPipelineTuning {
-  uint64_t slot_bytes = 16 << 20;  // MOELINK_HOST_PIECE_BYTES: a piece's bytes on this rank's side
+  uint64_t slot_bytes = 16 << 20;  // MOELINK_HOST_PIECE_BYTES: a slot's bytes on this rank's side (the largest piece)
   int depth = 4;                   // MOELINK_HOST_PIECES: pieces in flight (slots)
   uint64_t min_piece = 1 << 20;    // MOELINK_HOST_MIN_PIECE_BYTES: no piece smaller (pieceBudget)
   uint64_t min_bytes = 1 << 20;    // MOELINK_HOST_PIPELINE_BYTES: smaller eager ops take the one-shot route
