@@ -35,7 +35,7 @@ using moelink::transfer::InProcessStore;
 using moelink::transfer::storeBarrier;
 using namespace std::chrono;
 
-constexpr uint64_t kSlotBytes = 4096;  // pieces of 1024 floats (all_reduce)
+constexpr uint64_t kSlotBytes = 4096;  // slots of 1024 floats (all_reduce's largest pieces)
 constexpr int kDepth = 2;
 // An op is cut into kDepth pieces or more, none below this (pieceBudget): the small ops below
 // have pieces smaller than a slot, the large ones pieces of a whole slot.
