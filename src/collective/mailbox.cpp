@@ -292,6 +292,12 @@ const char* Mailbox::slotPayload(int peer) {
 void Mailbox::landAhead(int peer, uint64_t ahead, void* dest, uint64_t length) {
   if (!tcp_[peer] || ahead >= depth_ || !dest || !length) return;
   uint64_t msg = consumed_[peer] + 1 + ahead;
+  // A message that is here already stays in its slot: its payload may have been taken from there
+  // (payload()), and a request nobody claims would catch the next message into that slot. (One
+  // that arrives from here on has not been taken: its request is claimed when it is.)
+  if (__atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + signalOffset(peer, msg % ring_)), __ATOMIC_ACQUIRE) ==
+      msg)
+    return;
   engine_.expectWrite(id_, slotOffset(peer, msg % ring_) + sizeof(MsgHeader), dest, length);
 }
 

@@ -1,8 +1,10 @@
 // The mailbox's receive redirection over tcp when an op fails or is rerun (clearLandings): a
-// message whose payload already went to a landing keeps it, whatever consumes it next.
+// message whose payload already went to a landing keeps it, whatever consumes it next; and a
+// landing asked too late (the message is here) is not installed.
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -107,6 +109,42 @@ TEST(MailboxLandings, LandedMessageIsPutBackInItsSlot) {
     ASSERT_NE(got, nullptr) << error;
     EXPECT_EQ(std::vector<char>(got, got + n), payloadOf(2, n));
     r.box->release(0);
+    storeBarrier(*store, "done", 2, seconds(10));
+  });
+}
+
+// A landing asked for a message that is here already (its payload taken from its slot) is not
+// installed: nobody would claim it, and the next message into that slot, depth + 1 messages on,
+// would land there instead of in its slot. (Found as the worker asking, once a gate opened, for
+// a head message whose step was half consumed.)
+TEST(MailboxLandings, NoLandingForAMessageThatIsHere) {
+  auto store = std::make_shared<InProcessStore>();
+  const uint64_t n = 1000;
+  const int messages = kDepth + 2;  // message kDepth + 2 reuses message 1's slot
+  runRanks(2, [&](int rank) {
+    Rank r = openRank(store, rank);
+    if (rank == 0) {
+      for (int m = 1; m <= messages; ++m) {
+        while (!r.box->canSend(1)) std::this_thread::sleep_for(microseconds(50));
+        auto data = payloadOf(m, n);
+        auto b = r.box->send(1, headerOf(n, m), data.data());
+        ASSERT_TRUE(b->wait(seconds(10)));
+        ASSERT_FALSE(b->failed()) << b->error();
+      }
+      storeBarrier(*store, "done", 2, seconds(10));
+      return;
+    }
+    std::vector<char> landing(n, 0);
+    for (int m = 1; m <= messages; ++m) {
+      ASSERT_NE(waitForHead(*r.box, 0), nullptr) << "message " << m;
+      std::string error;
+      const char* got = r.box->payload(0, &error);
+      ASSERT_NE(got, nullptr) << error;
+      if (m == 1) r.box->landAhead(0, 0, landing.data(), landing.size());  // the head: here, taken
+      EXPECT_EQ(std::vector<char>(got, got + n), payloadOf(m, n)) << "message " << m;
+      r.box->release(0);
+    }
+    EXPECT_EQ(landing, std::vector<char>(n, 0)) << "a message landed where an earlier one had been asked to";
     storeBarrier(*store, "done", 2, seconds(10));
   });
 }

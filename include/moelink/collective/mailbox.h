@@ -137,7 +137,7 @@ class Mailbox {
   void release(int peer, void* next_dest = nullptr, uint64_t next_length = 0);
   // Like release()'s request, for the message `ahead` places after the current head
   // (0: the head itself), which may already be arriving: if the transport has started on
-  // it, it simply lands in its slot. ahead < depth.
+  // it, it simply lands in its slot; one that has arrived is left there. ahead < depth.
   void landAhead(int peer, uint64_t ahead, void* dest, uint64_t length);
   // Drops every landing request (after a failed op: later messages go to the slots). A
   // message whose payload a request has already received elsewhere, not yet consumed, is
