@@ -364,6 +364,8 @@ void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) 
   op.recv_msgs.assign(world, 0);
   op.recvq.assign(world, {});
   op.recvq_step.assign(world, {});
+  op.land_asked.assign(world, {});
+  op.gated_landings = false;
   op.gate_open.assign(op.spec.steps.size(), 0);
   op.sent_through = 0;
   op.recv_done.assign(world, 0);
@@ -384,6 +386,8 @@ void prepare(CollectiveWorker::Collective& op, int world, milliseconds timeout) 
       op.recv_msgs[r.peer]++;
       op.recvq[r.peer].push_back(&r);
       op.recvq_step[r.peer].push_back(s);
+      op.land_asked[r.peer].push_back(0);
+      op.gated_landings |= st.gate && r.landing;
     }
   }
 }
@@ -447,8 +451,11 @@ const MsgHeader* CollectiveWorker::nextFresh(int peer, uint64_t seq) {
 // are here, settles finished transfers, finishes the op, or looks at why it stalls. Each step
 // that fails the op (failCollective) ends the pass; true when something happened.
 bool CollectiveWorker::progressCollective(Collective& op) {
-  if (!op.started) startOp(op);
   op.must_poll = false;
+  if (!op.started)
+    startOp(op);
+  else if (op.gated_landings)
+    askLandings(op);
   bool progressed = sendPieces(op);
   if (!op.draining) progressed |= consumeSteps(op);
   if (!op.draining) settleTransfers(op);
@@ -463,16 +470,30 @@ bool CollectiveWorker::progressCollective(Collective& op) {
 
 void CollectiveWorker::startOp(Collective& op) {
   prepare(op, world_, op.timeout);
-  // Receive this op's first messages in place too. Only while no op has failed: a failed
-  // op can leave messages behind that would shift which message lands where.
-  if (!had_failure_) {
-    for (int p = 0; p < world_; ++p)
-      for (uint64_t k = 0; k < coll_->depth() && k < op.recvq[p].size(); ++k)
-        if (op.recvq[p][k]->landing && gateOpen(op, op.recvq_step[p][k]))
-          coll_->landAhead(p, k, op.recvq[p][k]->landing, op.recvq[p][k]->bytes);
-  }
+  askLandings(op);  // this op's first messages
   VLOG(1) << "moelink: rank " << rank_ << " starts " << opKindName(op.spec.kind) << " #" << op.seq << " ("
           << op.spec.steps.size() << " steps)";
+}
+
+// Has the mailbox receive, straight at their landings, the messages of the op that are due
+// next from each peer (the `depth` after the last one consumed: their slots' credits have gone
+// out, or go out with the message consumed before them), once their steps' gates are open (the
+// landing's memory is free then). Those whose gates open after the op started (the host
+// route's pieces coming off the GPU one after another) are asked for as their gates open, on
+// each pass, lest they land in their slots and be copied out. A message that has begun arriving
+// when asked for lands in its slot as before. Only while no op has failed: a failed op can leave
+// messages behind that would shift which message lands where.
+void CollectiveWorker::askLandings(Collective& op) {
+  if (had_failure_) return;
+  for (int p = 0; p < world_; ++p) {
+    const auto& q = op.recvq[p];
+    const uint64_t head = op.recv_done[p], end = std::min<uint64_t>(q.size(), head + coll_->depth());
+    for (uint64_t k = head; k < end; ++k) {
+      if (!q[k]->landing || op.land_asked[p][k] || !gateOpen(op, op.recvq_step[p][k])) continue;
+      coll_->landAhead(p, k - head, q[k]->landing, q[k]->bytes);
+      op.land_asked[p][k] = 1;
+    }
+  }
 }
 
 // Whether step `s` may go on (Step::gate); a closed gate has the thread poll for it.
@@ -584,10 +605,12 @@ bool CollectiveWorker::consumeSteps(Collective& op) {
       // received where it will end up, if the consumer only copies it.
       size_t later = op.recv_done[r.peer]++ + coll_->depth();
       const StepRecv* next = later < op.recvq[r.peer].size() ? op.recvq[r.peer][later] : nullptr;
-      if (next && next->landing && gateOpen(op, op.recvq_step[r.peer][later]))
+      if (next && next->landing && gateOpen(op, op.recvq_step[r.peer][later])) {
         coll_->release(r.peer, next->landing, next->bytes);
-      else
-        coll_->release(r.peer);
+        op.land_asked[r.peer][later] = 1;
+      } else {
+        coll_->release(r.peer);  // (a gated one is asked for once its gate opens: askLandings)
+      }
     }
     // Its finished send batches go; the others stay for an after_all_sends step to wait on.
     auto& batches = op.step_batches[op.next_step];

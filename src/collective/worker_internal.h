@@ -30,6 +30,10 @@ struct CollectiveWorker::Collective {
   std::vector<uint32_t> recv_msgs;             // messages expected per peer
   std::vector<std::vector<const StepRecv*>> recvq;  // per peer, in order
   std::vector<std::vector<uint32_t>> recvq_step;   // per peer: the step of each recvq entry
+  // Per peer, per recvq entry: the mailbox has been asked to receive it at its landing
+  // (askLandings, or release() for the message `depth` places on); asked once at most.
+  std::vector<std::vector<char>> land_asked;
+  bool gated_landings = false;  // some recv with a landing is in a gated step (askLandings each pass)
   std::vector<char> gate_open;                     // per step: its gate (Step::gate) has opened
   bool must_poll = false;  // this pass stopped at what rings no doorbell: a closed gate, unfinished sends
   size_t sent_through = 0;                         // steps before it have all their sends done (after_all_sends)

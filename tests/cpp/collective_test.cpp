@@ -227,6 +227,57 @@ TEST_P(CollectiveTest, GatedPiecesThroughReusedSlots) {
   });
 }
 
+// Over tcp a message is received straight at its step's landing when the mailbox was asked for
+// that before it came; a gated step's landing is its memory, free only once the gate opens. Here
+// every gate opens after the op started (as the host route's pieces come off the GPU one after
+// another), rank 0's well before rank 1's: each of rank 1's pieces reaches rank 0 after rank
+// 0's gate for it opened, so it lands in place, not in a mailbox slot to be copied out; rank 0's
+// pieces reach rank 1 before its gates open and wait in the slots. Both get every byte.
+TEST(Collective, GatedPiecesLandInPlaceOnceTheirGatesOpen) {
+  auto store = std::make_shared<InProcessStore>();
+  runRanks(2, [&](int rank) {
+    Rank r = makeRank(store, rank, 2, "tcp");
+    constexpr int kPieces = 4;  // within the mailbox's depth: the op's messages are all due at its start
+    const uint64_t len = 4000;  // one message per piece and pair
+    const int peer = 1 - rank;
+    std::vector<std::vector<uint8_t>> in(kPieces, std::vector<uint8_t>(len)), out(kPieces, std::vector<uint8_t>(len, 0));
+    std::atomic<bool> ready[kPieces] = {};
+    std::atomic<int> in_place{0}, copied{0};
+    auto value = [](int src, int piece, uint64_t i) { return static_cast<uint8_t>(src * 64 + piece * 8 + i % 7); };
+    OpSpec op;
+    op.kind = OpKind::kAlltoall;
+    AlgoContext ctx = r.worker->context();
+    for (int p = 0; p < kPieces; ++p) {
+      for (uint64_t i = 0; i < len; ++i) in[p][i] = value(rank, p, i);
+      std::vector<uint64_t> zero(2, 0), bytes(2, 0);
+      bytes[peer] = len;
+      appendGatedPiece(op, alltoallOp(ctx, in[p].data(), zero, bytes, out[p].data(), zero, bytes),
+                       [&ready, p] { return ready[p].load(); }, nullptr);
+    }
+    for (Step& st : op.steps) {
+      if (st.recvs.empty()) continue;
+      ASSERT_NE(st.recvs[0].landing, nullptr);
+      st.consume = [inner = std::move(st.consume), landing = st.recvs[0].landing, &in_place,
+                    &copied](const std::vector<const char*>& got) {
+        (got[0] == landing ? in_place : copied)++;
+        inner(got);
+      };
+    }
+    std::promise<std::string> result;
+    r.worker->submit(std::move(op), [&](const std::string& e) { result.set_value(e); }, seconds(30));
+    for (int p = 0; p < kPieces; ++p) {
+      storeBarrier(*store, "piece" + std::to_string(p), 2, seconds(10));
+      if (rank == 1) std::this_thread::sleep_for(milliseconds(50));  // rank 0's worker sees its gate first
+      ready[p].store(true);
+    }
+    ASSERT_EQ("", result.get_future().get());
+    for (int p = 0; p < kPieces; ++p)
+      for (uint64_t i = 0; i < len; ++i) ASSERT_EQ(out[p][i], value(peer, p, i)) << "piece " << p << " byte " << i;
+    EXPECT_EQ(in_place + copied, kPieces);
+    if (rank == 0) EXPECT_EQ(in_place, kPieces) << "pieces whose gates opened after the op started were copied out of the mailbox";
+  });
+}
+
 // After a membership change ops are built over the active ranks only: per-rank blocks stay laid
 // out by rank over the whole group, and the blocks of an inactive rank are zero-filled outputs
 // and ignored inputs. Rank 1 of 3 is inactive here (it only keeps its mailboxes alive).

@@ -148,6 +148,7 @@ class CollectiveWorker {
   // progressCollective's steps (worker.cpp).
   void startOp(Collective& op);
   bool gateOpen(Collective& op, size_t step);
+  void askLandings(Collective& op);
   bool sendPieces(Collective& op);
   bool consumeSteps(Collective& op);
   void settleTransfers(Collective& op);
