@@ -61,6 +61,18 @@ MsgHeader headerOf(uint64_t bytes, uint64_t op_seq) {
   return h;
 }
 
+// Rank 0's side: messages first..last to rank 1, each once the mailbox has credit for it and
+// complete before the next.
+void sendMessages(Rank& r, int first, int last, uint64_t n) {
+  for (int m = first; m <= last; ++m) {
+    while (!r.box->canSend(1)) std::this_thread::sleep_for(microseconds(50));
+    auto data = payloadOf(m, n);
+    auto b = r.box->send(1, headerOf(n, m), data.data());
+    ASSERT_TRUE(b->wait(seconds(10)));
+    ASSERT_FALSE(b->failed()) << b->error();
+  }
+}
+
 const MsgHeader* waitForHead(Mailbox& box, int peer) {
   const auto until = steady_clock::now() + seconds(10);
   while (steady_clock::now() < until) {
@@ -81,12 +93,7 @@ TEST(MailboxLandings, LandedMessageIsPutBackInItsSlot) {
     Rank r = openRank(store, rank);
     if (rank == 0) {
       storeBarrier(*store, "expected", 2, seconds(10));
-      for (int m = 1; m <= 2; ++m) {
-        auto data = payloadOf(m, n);
-        auto b = r.box->send(1, headerOf(n, m), data.data());
-        ASSERT_TRUE(b->wait(seconds(10)));
-        ASSERT_FALSE(b->failed()) << b->error();
-      }
+      sendMessages(r, 1, 2, n);
       storeBarrier(*store, "done", 2, seconds(10));
       return;
     }
@@ -124,13 +131,7 @@ TEST(MailboxLandings, NoLandingForAMessageThatIsHere) {
   runRanks(2, [&](int rank) {
     Rank r = openRank(store, rank);
     if (rank == 0) {
-      for (int m = 1; m <= messages; ++m) {
-        while (!r.box->canSend(1)) std::this_thread::sleep_for(microseconds(50));
-        auto data = payloadOf(m, n);
-        auto b = r.box->send(1, headerOf(n, m), data.data());
-        ASSERT_TRUE(b->wait(seconds(10)));
-        ASSERT_FALSE(b->failed()) << b->error();
-      }
+      sendMessages(r, 1, messages, n);
       storeBarrier(*store, "done", 2, seconds(10));
       return;
     }
