@@ -218,13 +218,16 @@ void Mailbox::revokePulls(int peer) {
   }
 }
 
+bool Mailbox::arrived(int src, uint64_t msg) const {
+  return __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + signalOffset(src, msg % ring_)), __ATOMIC_ACQUIRE) ==
+         msg;
+}
+
 const MsgHeader* Mailbox::peek(int peer) {
   if (head_valid_[peer]) return &head_[peer];
   uint64_t want = consumed_[peer] + 1;
   uint64_t slot = want % ring_;
-  uint64_t sig = __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + signalOffset(peer, slot)),
-                                 __ATOMIC_ACQUIRE);
-  if (sig != want) return nullptr;
+  if (!arrived(peer, want)) return nullptr;
   // NOTES: the one read of this header: over shm the sender can rewrite the slot at any time,
   // so every decision about the message is taken on this copy (ordered after the signal).
   std::memcpy(&head_[peer], base_ + slotOffset(peer, slot), sizeof(MsgHeader));
@@ -295,9 +298,7 @@ void Mailbox::landAhead(int peer, uint64_t ahead, void* dest, uint64_t length) {
   // A message that is here already stays in its slot: its payload may have been taken from there
   // (payload()), and a request nobody claims would catch the next message into that slot. (One
   // that arrives from here on has not been taken: its request is claimed when it is.)
-  if (__atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + signalOffset(peer, msg % ring_)), __ATOMIC_ACQUIRE) ==
-      msg)
-    return;
+  if (arrived(peer, msg)) return;
   engine_.expectWrite(id_, slotOffset(peer, msg % ring_) + sizeof(MsgHeader), dest, length);
 }
 
@@ -310,12 +311,10 @@ void Mailbox::clearLandings(std::chrono::milliseconds wait) {
     const int src = static_cast<int>(slot_index / ring_);
     const uint64_t slot = slot_index % ring_, next = consumed_[src] + 1;
     const uint64_t msg = next + (slot + ring_ - next % ring_) % ring_;
-    const auto* signal = reinterpret_cast<const uint64_t*>(base_ + signalOffset(src, slot));
     // The signal follows the payload: once it is here, the whole payload is at used.dest.
-    while (__atomic_load_n(signal, __ATOMIC_ACQUIRE) != msg && engine_.lostReason(src).empty() &&
-           std::chrono::steady_clock::now() < until)
+    while (!arrived(src, msg) && engine_.lostReason(src).empty() && std::chrono::steady_clock::now() < until)
       std::this_thread::sleep_for(std::chrono::microseconds(20));
-    if (__atomic_load_n(signal, __ATOMIC_ACQUIRE) != msg) {
+    if (!arrived(src, msg)) {
       lost_payload_[src].push_back(msg);
       continue;
     }
@@ -349,9 +348,7 @@ void Mailbox::release(int peer, void* next_dest, uint64_t next_length) {
   // NOTES: the ack store above (shm: synchronous) is ordered before this load.
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   uint64_t last = n - 1 + depth_;
-  uint64_t sig = __atomic_load_n(reinterpret_cast<const uint64_t*>(base_ + signalOffset(peer, last % ring_)),
-                                 __ATOMIC_ACQUIRE);
-  if (sig == last) engine_.notify(peer);
+  if (arrived(peer, last)) engine_.notify(peer);
 }
 
 }  // namespace moelink::collective

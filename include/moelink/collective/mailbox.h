@@ -153,6 +153,8 @@ class Mailbox {
 
  private:
   uint64_t signalOffset(int src, uint64_t slot) const { return (src * ring_ + slot) * 8; }
+  // Whether message `msg` from `src` is in its slot: its signal (written last, a release store) says so.
+  bool arrived(int src, uint64_t msg) const;
   uint64_t ackOffset(int dst) const { return acks_off_ + dst * 8ull; }
   uint64_t claimOffset(int src, uint64_t slot) const { return claims_off_ + (src * ring_ + slot) * 8; }
   uint64_t pullOkOffset(int dst) const { return pull_ok_off_ + dst * 8ull; }
