@@ -8,7 +8,10 @@ Spawns `nproc` processes on this machine (with --device cuda: one per GPU, or se
 --nccl-socket with MOELINK_RANKS_PER_HOST=1, and run the GPU under MPS so that the ranks' kernels
 run side by side rather than in turns); each joins an "ep"
 group and an anchor group over the same store (gloo for CPU tensors, NCCL for CUDA tensors) and
-times every op on both after warm-up, the two taking turns run by run. Prints a table (median of
+times every op on both after warm-up, the two taking turns run by run. Before an op and size is
+timed, one run of it on each backend is checked against the result computed locally (a mismatch
+fails the run, naming the backend, op, size and element); with --graph, one replay of it in a
+CUDA graph as well. Prints a table (median of
 `iters` runs, `iters`/2 from 8 MiB up; max over ranks per run) with the ep/anchor ratio, and writes a PNG. A CUDA op is timed from a
 synchronized start to torch.cuda.synchronize() after it, as a caller that needs the result sees it.
 Bus bandwidth follows nccl-tests: allreduce 2(n-1)/n, allgather / reduce_scatter /
@@ -86,6 +89,57 @@ def buffers(nbytes, groups, world, device):
     return [(torch.ones(n, device=device), torch.empty(n, device=device)) for _ in groups]
 
 
+def op_case(op, nbytes, group, world, device):
+    """(run, got, want) for checking `op` on `group`: `run` copies inputs that every rank can
+    compute into place and runs the op once (no allocation: it can be captured in a CUDA graph),
+    `got` is the tensor it leaves its result in, `want` the result computed here. Float32
+    values below 2^24: exact for every op."""
+    rank = dist.get_rank(group)
+    n = max(world, nbytes // 4 // world * world)
+    blk = n // world
+    idx = torch.arange(n, dtype=torch.float32, device=device) % 251
+
+    def inp(r, lo=0, hi=n):
+        return idx[lo:hi] + 1000 * r
+
+    src = inp(rank)
+    x, out = src.clone(), torch.empty(n, device=device)
+    total = world * idx + 1000 * world * (world - 1) // 2
+    cases = {
+        "all_reduce": (lambda: dist.all_reduce(x, group=group), x, total),
+        "all_gather": (lambda: dist.all_gather_into_tensor(out, x[:blk], group=group), out,
+                       torch.cat([inp(r, 0, blk) for r in range(world)])),
+        "reduce_scatter": (lambda: dist.reduce_scatter_tensor(out[:blk], x, group=group), out[:blk],
+                           total[rank * blk:(rank + 1) * blk]),
+        "all_to_all": (lambda: dist.all_to_all_single(out, x, group=group), out,
+                       torch.cat([inp(r, rank * blk, (rank + 1) * blk) for r in range(world)])),
+        "broadcast": (lambda: dist.broadcast(x, src=0, group=group), x, inp(0)),
+    }
+    call, got, want = cases[op]
+
+    def run():
+        x.copy_(src)
+        call()
+
+    return run, got, want
+
+
+def verify(got, want, what):
+    """Raises naming `what` and the first element that differs."""
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()[0].item()
+        raise RuntimeError(f"{what}: element {bad} is {got[bad].item()}, expected {want[bad].item()}")
+
+
+def check_op(op, nbytes, group, world, device, name):
+    """One run of `op` against the result computed here (op_case): a benchmark of wrong
+    results measures nothing, so a mismatch raises (the run fails), naming the backend, the
+    op, the size and the rank."""
+    run, got, want = op_case(op, nbytes, group, world, device)
+    run()
+    verify(got, want, f"{name} {op} of {fmt_bytes(nbytes)} on rank {dist.get_rank(group)}")
+
+
 def cpu_seconds():
     """User + system CPU time of this process, all of its threads (the backends' included)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -109,10 +163,13 @@ def time_once(op, nbytes, group, world, bufs, cuda, sync_group):
     return dt.item(), cpu.item()
 
 
-def time_pair(op, nbytes, groups, world, iters, warmup, device, sync_group):
+def time_pair(op, nbytes, groups, names, world, iters, warmup, device, sync_group):
     """Median time and median CPU time of `op` on each group in `groups`, the groups taking
-    turns run by run (so that a slow spell of the machine falls on both alike)."""
+    turns run by run (so that a slow spell of the machine falls on both alike); each group's
+    results are checked first (check_op)."""
     cuda = device != "cpu"
+    for g, name in zip(groups, names):
+        check_op(op, nbytes, g, world, device, name)
     bufs = buffers(nbytes, groups, world, device)
     for g, b in zip(groups, bufs):
         for _ in range(warmup):
@@ -172,21 +229,40 @@ def layer_times(nbytes, groups, iters, device, sync_group):
     return [(name, batch_issue_time([make(g) for g in groups], iters, sync_group)) for name, make in layers]
 
 
-def graph_time(op, nbytes, groups, world, iters, device, sync_group, batch=20):
+def capture(fn):
+    """A CUDA graph of fn(), captured on a side stream (as PyTorch's docs do it)."""
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph
+
+
+def check_graph(op, nbytes, group, world, device, name):
+    """check_op for a replay of `op` captured in a CUDA graph: the result tensor is overwritten
+    before the replay, so the values compared are the replay's."""
+    run, got, want = op_case(op, nbytes, group, world, device)
+    run()  # outside the capture: sets up what the op needs
+    graph = capture(run)
+    got.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    verify(got, want, f"{name} {op} of {fmt_bytes(nbytes)} replayed in a CUDA graph, rank {dist.get_rank(group)}")
+
+
+def graph_time(op, nbytes, groups, names, world, iters, device, sync_group, batch=20):
     """Median time per op over replays of a CUDA graph of `batch` back-to-back ops, per group
-    in `groups` (taking turns), slowest rank."""
+    in `groups` (taking turns), slowest rank; each group's replay is checked first (check_graph)."""
+    for g, name in zip(groups, names):
+        check_graph(op, nbytes, g, world, device, name)
     bufs = buffers(nbytes, groups, world, device)
     graphs = []
     for g, b in zip(groups, bufs):
         run_op(op, nbytes, g, world, b)  # outside the capture: sets up what the op needs
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-            for _ in range(batch):
-                run_op(op, nbytes, g, world, b)
-        torch.cuda.current_stream().wait_stream(s)
+        graph = capture(lambda g=g, b=b: [run_op(op, nbytes, g, world, b) for _ in range(batch)])
         graph.replay()  # warm-up
         graphs.append(graph)
     times = [[] for _ in groups]
@@ -222,6 +298,7 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
         torch.cuda.set_device(rank % torch.cuda.device_count())  # more ranks than GPUs: they share
     dist.init_process_group("ep", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     anchor = dist.new_group(backend="nccl" if device == "cuda" else "gloo") if with_gloo else None
+    anchor_name = ("nccl-socket" if nccl_socket else "nccl") if device == "cuda" else "gloo"
     ep = dist.group.WORLD
     rows = []
     for op in ops:
@@ -230,10 +307,10 @@ def worker(rank, world, port, sizes, iters, transport, ops, with_gloo, device, i
             iters_here = iters if not big else max(5, iters // 2)
             warm = 3 if not big else 1
             groups = [ep, anchor] if with_gloo else [ep]
-            t, c = time_pair(op, nbytes, groups, world, iters_here, warm, device, ep)
+            t, c = time_pair(op, nbytes, groups, ["ep", anchor_name], world, iters_here, warm, device, ep)
             nan2 = [float("nan")] * 2
             i = issue_time(op, nbytes, groups, world, iters_here, device, ep) if issue else nan2
-            gr = graph_time(op, nbytes, groups, world, iters_here, device, ep) if graph else nan2
+            gr = graph_time(op, nbytes, groups, ["ep", anchor_name], world, iters_here, device, ep) if graph else nan2
             rows.append((op, nbytes, t[0], t[1] if with_gloo else float("nan"), i[0], i[1] if with_gloo else float("nan"),
                          gr[0], gr[1] if with_gloo else float("nan"), c[0], c[1] if with_gloo else float("nan")))
     layers = []
