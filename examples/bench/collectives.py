@@ -104,22 +104,18 @@ def op_case(op, nbytes, group, world, device):
 
     src = inp(rank)
     x, out = src.clone(), torch.empty(n, device=device)
-    total = world * idx + 1000 * world * (world - 1) // 2
-    cases = {
-        "all_reduce": (lambda: dist.all_reduce(x, group=group), x, total),
-        "all_gather": (lambda: dist.all_gather_into_tensor(out, x[:blk], group=group), out,
-                       torch.cat([inp(r, 0, blk) for r in range(world)])),
-        "reduce_scatter": (lambda: dist.reduce_scatter_tensor(out[:blk], x, group=group), out[:blk],
-                           total[rank * blk:(rank + 1) * blk]),
-        "all_to_all": (lambda: dist.all_to_all_single(out, x, group=group), out,
-                       torch.cat([inp(r, rank * blk, (rank + 1) * blk) for r in range(world)])),
-        "broadcast": (lambda: dist.broadcast(x, src=0, group=group), x, inp(0)),
-    }
-    call, got, want = cases[op]
+    total = 1000 * world * (world - 1) // 2  # the sum over ranks, less world * idx
+    got, want = {  # (only the op's expected result is computed)
+        "all_reduce": lambda: (x, world * idx + total),
+        "all_gather": lambda: (out, torch.cat([inp(r, 0, blk) for r in range(world)])),
+        "reduce_scatter": lambda: (out[:blk], world * idx[rank * blk:(rank + 1) * blk] + total),
+        "all_to_all": lambda: (out, torch.cat([inp(r, rank * blk, (rank + 1) * blk) for r in range(world)])),
+        "broadcast": lambda: (x, inp(0)),
+    }[op]()
 
     def run():
         x.copy_(src)
-        call()
+        run_op(op, nbytes, group, world, (x, out))
 
     return run, got, want
 
