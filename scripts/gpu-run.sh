@@ -35,6 +35,7 @@ ibgda         | 300 | EP buffer over the emulated IBGDA NIC
 proxy         | 300 | EP buffer over the CPU proxy (virtual hosts)
 normal        | 500 | EP normal mode on the GPU (tests/python/test_ep_normal_gpu.py)
 cudatest      | 400 | CUDA collectives (tests/python/test_cuda_collectives.py), both routes
+benchcheck    | 300 | the collectives benchmark's value checks, eager and replayed in a CUDA graph, in-host and host route (test_bench_collectives.py)
 elastic       | 500 | elastic membership (tests/python/test_elastic.py)
 elasticgpu    | 400 | elastic membership, the GPU cases
 exitgpu       | 300 | early exit with CUDA ops in flight keeps the script's status (test_exit_status.py)
@@ -69,7 +70,7 @@ mooncakeown   | 400 | Mooncake's own EP test (its wheel's tests, .devdeps/anchor
 benchmooncake | 400 | EP low-latency benchmark beside Mooncake's EP buffer (its wheel in .devdeps/anchors), GPUS ranks
 "
 # all4: every 4-GPU test and benchmark in one call.
-ALL4="gtestall test ibgda proxy normal cudatest elastic exitgpu quick mooncake bench4 benchp benchi benchnormal cudabench cudasmall"
+ALL4="gtestall test ibgda proxy normal cudatest benchcheck elastic exitgpu quick mooncake bench4 benchp benchi benchnormal cudabench cudasmall"
 
 declare -A TIMEOUT WHAT
 ORDER=()
@@ -120,6 +121,7 @@ stage_ibgda() { ep_env; cd tests/python && $PYTEST test_ep_buffer.py -k ibgda; }
 stage_proxy() { ep_env; cd tests/python && $PYTEST test_ep_buffer.py -k proxy; }
 stage_normal() { ep_env; cd tests/python && $PYTEST test_ep_normal_gpu.py ${NK:+-k "$NK"} --durations=5; }
 stage_cudatest() { cd tests/python && $PYTEST test_cuda_collectives.py ${CK:+-k "$CK"}; }
+stage_benchcheck() { cd tests/python && $PYTEST test_bench_collectives.py -k graph; }
 stage_elastic() { cd tests/python && $PYTEST test_elastic.py; }
 stage_elasticgpu() { cd tests/python && $PYTEST test_elastic.py -k gpu; }
 stage_exitgpu() { cd tests/python && $PYTEST test_exit_status.py -k cuda; }
